@@ -1,0 +1,196 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/stream"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// Allocator hands out numeric identities for label sets. Reserved label sets
+// resolve to their fixed identity, local scopes are served from memory, and
+// global label sets go to the global backend (etcd). Every method is safe for
+// concurrent use.
+type Allocator interface {
+	// Allocate returns the identity of lbls and takes a reference on it.
+	// allocated is true when the identity did not exist before. Options
+	// may ask for an old numeric ID (honoured for local scopes when it is
+	// free, even if withheld).
+	Allocate(ctx context.Context, lbls labels.Labels, opts ...AllocateOption) (id *identity.Identity, allocated bool, err error)
+
+	// AllocateBatch allocates every request and notifies the identity
+	// handlers of all new identities in one batch. A failed request does
+	// not stop the others; its error is in its Result.
+	AllocateBatch(ctx context.Context, reqs []Request) []Result
+
+	// Release drops one reference on the identity. released is true when
+	// it was the last one and the identity is gone. Releasing a reserved
+	// identity is a no-op.
+	Release(ctx context.Context, id *identity.Identity) (released bool, err error)
+
+	// LookupByLabels returns the identity of lbls without taking a
+	// reference, or nil.
+	LookupByLabels(lbls labels.Labels) *identity.Identity
+
+	// LookupByID returns the identity with this number without taking a
+	// reference, or nil. It also finds reserved and remote identities.
+	LookupByID(id identity.NumericIdentity) *identity.Identity
+
+	// List returns every identity the allocator knows (reserved, local,
+	// global and restored), with its reference count on this node.
+	List() []Entry
+
+	// LocalIdentities returns the identities of both local scopes, for
+	// the checkpoint.
+	LocalIdentities() []*identity.Identity
+
+	// Withhold keeps local numeric IDs from being handed out unless they
+	// are explicitly requested. Unwithhold lifts that.
+	Withhold(ids []identity.NumericIdentity)
+	Unwithhold(ids []identity.NumericIdentity)
+
+	// WaitForInitialGlobalIdentities returns once the global identities
+	// were listed from the kvstore (at once without a kvstore), or with
+	// the context's error.
+	WaitForInitialGlobalIdentities(ctx context.Context) error
+
+	// Observable emits every identity add and delete: first the current
+	// identities as upserts, then one ChangeSync, then live changes.
+	stream.Observable[Change]
+}
+
+// AllocateOption modifies one allocation.
+type AllocateOption func(*allocateOptions)
+
+type allocateOptions struct {
+	oldID    identity.NumericIdentity
+	restored bool
+	noNotify bool
+}
+
+// WithOldID asks for a specific numeric ID, as restoration does to keep a
+// local identity's number across restarts. The request is honoured when the
+// ID is in the scope of the labels and free; otherwise another ID is given.
+func WithOldID(id identity.NumericIdentity) AllocateOption {
+	return func(o *allocateOptions) { o.oldID = id }
+}
+
+// AsRestored marks the reference as taken by restoration, which shows in
+// the identities table's Source column until a non-restored reference is
+// taken.
+func AsRestored() AllocateOption {
+	return func(o *allocateOptions) { o.restored = true }
+}
+
+// Request is one allocation of a batch.
+type Request struct {
+	Labels labels.Labels
+	OldID  identity.NumericIdentity
+	// Restored marks the reference as taken by restoration.
+	Restored bool
+}
+
+// Result is the outcome of one Request.
+type Result struct {
+	Identity  *identity.Identity
+	Allocated bool
+	Err       error
+}
+
+// Entry is an identity with what this node knows of it.
+type Entry struct {
+	Identity *identity.Identity
+	Source   Source
+	// RefCount is the number of references held on this node (0 for
+	// reserved identities and for global identities other nodes hold).
+	RefCount int
+}
+
+// Source tells where an identity came from.
+type Source string
+
+// Sources of identities.
+const (
+	SourceReserved Source = "reserved"
+	SourceLocal    Source = "local"
+	SourceGlobal   Source = "global"
+	SourceRestored Source = "restored"
+	SourceRemote   Source = "remote"
+)
+
+// ChangeKind is the kind of an identity change.
+type ChangeKind int
+
+const (
+	// ChangeUpsert says the identity exists.
+	ChangeUpsert ChangeKind = iota
+	// ChangeDelete says the identity is gone.
+	ChangeDelete
+	// ChangeSync marks the end of the initial replay.
+	ChangeSync
+)
+
+func (k ChangeKind) String() string {
+	switch k {
+	case ChangeUpsert:
+		return "upsert"
+	case ChangeDelete:
+		return "delete"
+	case ChangeSync:
+		return "sync"
+	}
+	return fmt.Sprintf("kind(%d)", int(k))
+}
+
+// Change is one event of the Observable. ID and Labels are empty for
+// ChangeSync.
+type Change struct {
+	Kind   ChangeKind
+	ID     identity.NumericIdentity
+	Labels labels.Labels
+}
+
+// IdentityMap maps numeric identities to their labels.
+type IdentityMap map[identity.NumericIdentity]labels.Labels
+
+// Handler receives identity changes in batches: one call per batch, and an
+// add and a delete of the same ID within one batch cancel out. Calls are
+// serialized.
+type Handler interface {
+	UpdateIdentities(added, deleted IdentityMap)
+}
+
+// HandlerFunc adapts a function to Handler.
+type HandlerFunc func(added, deleted IdentityMap)
+
+// UpdateIdentities calls f.
+func (f HandlerFunc) UpdateIdentities(added, deleted IdentityMap) { f(added, deleted) }
+
+// HandlerOut registers a Handler from a constructor of another cell.
+type HandlerOut struct {
+	cell.Out
+	Handler Handler `group:"identity-handlers"`
+}
+
+// NewHandler returns a HandlerOut, for cell.Provide.
+func NewHandler(h Handler) HandlerOut { return HandlerOut{Handler: h} }
+
+// Errors of the allocator. Errors returned by the allocator wrap these.
+var (
+	// ErrLocalSpaceExhausted: every ID of a local scope is in use.
+	ErrLocalSpaceExhausted = errors.New("out of local identity space")
+	// ErrGlobalSpaceExhausted: every ID of this cluster's range is in use.
+	ErrGlobalSpaceExhausted = errors.New("out of global identity space")
+	// ErrNoGlobalBackend: a global label set needs the kvstore, and the
+	// hive has none.
+	ErrNoGlobalBackend = errors.New("global identities need a kvstore: no global backend is configured (add the kvstore cell)")
+	// ErrUnknownIdentity: release of an identity this node does not hold.
+	ErrUnknownIdentity = errors.New("identity not held by this node")
+	// ErrInvalidLabels: the label set is refused (wraps the labels error).
+	ErrInvalidLabels = errors.New("invalid label set")
+)

@@ -1,0 +1,183 @@
+package labels
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"unicode/utf8"
+)
+
+// Reasons a label is refused. InvalidLabelError wraps one of them, so callers
+// can test with errors.Is.
+var (
+	ErrEmptyKey        = errors.New("empty key")
+	ErrEmptySource     = errors.New("empty source")
+	ErrEqualsInKey     = errors.New("'=' in key")
+	ErrSemicolon       = errors.New("';' is not allowed")
+	ErrBadSource       = errors.New("source contains '/' or ':'")
+	ErrControlChar     = errors.New("control character")
+	ErrInvalidUTF8     = errors.New("invalid UTF-8")
+	ErrDuplicateKey    = errors.New("duplicate key")
+	ErrUnsorted        = errors.New("labels not sorted by key")
+	ErrMissingTerminal = errors.New("canonical string does not end with ';'")
+	ErrMissingEquals   = errors.New("canonical label has no '='")
+	ErrMissingColon    = errors.New("canonical label has no ':'")
+)
+
+// InvalidLabelError says which label was refused and why.
+type InvalidLabelError struct {
+	// Label is the offending label in text form (or the raw input).
+	Label string
+	// Reason is one of the Err* values of this package.
+	Reason error
+}
+
+func (e *InvalidLabelError) Error() string {
+	return fmt.Sprintf("invalid label %q: %s", e.Label, e.Reason)
+}
+
+func (e *InvalidLabelError) Unwrap() error { return e.Reason }
+
+// ErrLimit is wrapped by every LimitError.
+var ErrLimit = errors.New("label set exceeds a limit")
+
+// LimitError says which limit of a label set was exceeded.
+type LimitError struct {
+	What  string
+	Limit int
+	Got   int
+}
+
+func (e *LimitError) Error() string {
+	return fmt.Sprintf("label set has %d %s, at most %d allowed", e.Got, e.What, e.Limit)
+}
+
+func (e *LimitError) Unwrap() error { return ErrLimit }
+
+// Validate checks that the label can round-trip through both the text and
+// the canonical form.
+func (l Label) Validate() error {
+	bad := func(reason error) error { return &InvalidLabelError{Label: l.String(), Reason: reason} }
+	switch {
+	case l.Key == "":
+		return bad(ErrEmptyKey)
+	case l.Source == "":
+		return bad(ErrEmptySource)
+	case strings.ContainsRune(l.Key, '='):
+		return bad(ErrEqualsInKey)
+	case strings.ContainsAny(l.Source, "/:"):
+		return bad(ErrBadSource)
+	case strings.ContainsRune(l.Source, ';') || strings.ContainsRune(l.Key, ';') || strings.ContainsRune(l.Value, ';'):
+		return bad(ErrSemicolon)
+	}
+	// A leading '$' in the text form means "reserved", so a source that
+	// starts with it would read back differently.
+	if strings.HasPrefix(l.Source, "$") {
+		return bad(ErrBadSource)
+	}
+	for _, s := range [...]string{l.Source, l.Key, l.Value} {
+		if !utf8.ValidString(s) {
+			return bad(ErrInvalidUTF8)
+		}
+		for _, r := range s {
+			if r < 0x20 || r == 0x7f {
+				return bad(ErrControlChar)
+			}
+		}
+	}
+	return nil
+}
+
+// ParseLabel reads one label in text form: `source:key=value`. The source is
+// the text before the first ':' (none means SourceUnspec, a leading '$' means
+// SourceReserved); key and value split at the first '='.
+func ParseLabel(s string) (Label, error) {
+	var l Label
+	rest := s
+	switch {
+	case strings.HasPrefix(s, "$"):
+		l.Source, rest = SourceReserved, s[1:]
+	default:
+		if src, after, ok := strings.Cut(s, ":"); ok {
+			l.Source, rest = src, after
+		} else {
+			l.Source = SourceUnspec
+		}
+	}
+	if l.Source == "" {
+		l.Source = SourceUnspec
+	}
+	l.Key, l.Value, _ = strings.Cut(rest, "=")
+	if err := l.Validate(); err != nil {
+		var ile *InvalidLabelError
+		if errors.As(err, &ile) {
+			ile.Label = s
+		}
+		return Label{}, err
+	}
+	return l, nil
+}
+
+// Parse builds a label set from labels in text form.
+func Parse(strs ...string) (Labels, error) {
+	ls := make([]Label, 0, len(strs))
+	for _, s := range strs {
+		l, err := ParseLabel(s)
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+	}
+	return New(ls...)
+}
+
+// MustParse is Parse for label sets written in code; it panics on error.
+func MustParse(strs ...string) Labels {
+	ls, err := Parse(strs...)
+	if err != nil {
+		panic(err)
+	}
+	return ls
+}
+
+// ParseList reads the printable form written by Labels.String: text-form
+// labels separated by ','. Labels whose values contain ',' cannot be given
+// this way; use Parse with separate arguments.
+func ParseList(s string) (Labels, error) {
+	if s == "" {
+		return Labels{}, nil
+	}
+	return Parse(strings.Split(s, ",")...)
+}
+
+// ParseCanonical reads a canonical string (`source:key=value;` per label, in
+// key order) as stored in etcd. Out-of-order or duplicate keys are errors, so
+// that a set has exactly one canonical string.
+func ParseCanonical(s string) (Labels, error) {
+	if s == "" {
+		return Labels{}, nil
+	}
+	if !strings.HasSuffix(s, ";") {
+		return nil, &InvalidLabelError{Label: s, Reason: ErrMissingTerminal}
+	}
+	n := strings.Count(s, ";")
+	if n > MaxLabels {
+		return nil, &LimitError{What: "labels", Limit: MaxLabels, Got: n}
+	}
+	out := make(Labels, 0, n)
+	for part := range strings.SplitSeq(s[:len(s)-1], ";") {
+		src, rest, ok := strings.Cut(part, ":")
+		if !ok {
+			return nil, &InvalidLabelError{Label: part, Reason: ErrMissingColon}
+		}
+		key, value, ok := strings.Cut(rest, "=")
+		if !ok {
+			return nil, &InvalidLabelError{Label: part, Reason: ErrMissingEquals}
+		}
+		out = append(out, Label{Source: src, Key: key, Value: value})
+	}
+	if err := out.Validate(); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
