@@ -1,0 +1,126 @@
+package etcdtest_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/goleak"
+
+	"github.com/identityd/identityd/internal/etcdtest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func put(t *testing.T, cli *clientv3.Client, key, val string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if _, err := cli.Put(ctx, key, val); err != nil {
+		t.Fatalf("put %s: %v", key, err)
+	}
+}
+
+func get(t *testing.T, cli *clientv3.Client, key string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	resp, err := cli.Get(ctx, key)
+	if err != nil {
+		t.Fatalf("get %s: %v", key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return ""
+	}
+	return string(resp.Kvs[0].Value)
+}
+
+func TestSingleRestartKeepsData(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	put(t, cli, "k", "v")
+
+	m := c.Member(0)
+	pid := m.PID()
+	m.Restart()
+	if m.PID() == pid || m.PID() == 0 {
+		t.Fatalf("restart kept pid %d / not running", pid)
+	}
+	c.WaitLeader(t)
+	if got := get(t, cli, "k"); got != "v" {
+		t.Fatalf("after restart got %q, want v", got)
+	}
+
+	m.Kill()
+	if m.Running() {
+		t.Fatal("killed member still running")
+	}
+	m.Restart()
+	c.WaitLeader(t)
+	if got := get(t, cli, "k"); got != "v" {
+		t.Fatalf("after kill and restart got %q, want v", got)
+	}
+}
+
+func TestClusterSurvivesMemberLoss(t *testing.T) {
+	c := etcdtest.StartCluster(t, 3, etcdtest.WithUnsafeNoFsync())
+	if n := len(c.Endpoints()); n != 3 {
+		t.Fatalf("%d endpoints, want 3", n)
+	}
+	cli := c.Client(t)
+	put(t, cli, "a", "1")
+
+	c.Member(0).Kill()
+	put(t, cli, "b", "2")
+
+	c.Member(1).Pause()
+	// Two of three down: no quorum, writes must time out.
+	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+	_, err := cli.Put(ctx, "c", "3")
+	cancel()
+	if err == nil {
+		t.Fatal("write succeeded without quorum")
+	}
+	c.Member(1).Resume()
+	c.Member(0).Restart()
+	c.WaitLeader(t)
+	put(t, cli, "c", "3")
+	if got := get(t, cli, "b"); got != "2" {
+		t.Fatalf("got %q, want 2", got)
+	}
+}
+
+func TestTLSAndAuth(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithTLS(nil), etcdtest.WithUnsafeNoFsync())
+	if c.Certs() == nil {
+		t.Fatal("no certs generated")
+	}
+	cli := c.Client(t)
+	put(t, cli, "k", "v")
+
+	// Without a client certificate the server refuses.
+	cfg, err := c.ClientConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.TLS = cfg.TLS.Clone()
+	cfg.TLS.Certificates = nil
+	bare, err := clientv3.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bare.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+	_, err = bare.Get(ctx, "k")
+	cancel()
+	if err == nil {
+		t.Fatal("get without client certificate succeeded")
+	}
+
+	c.EnableAuth(t, "s3cret")
+	authed := c.Client(t)
+	if got := get(t, authed, "k"); got != "v" {
+		t.Fatalf("got %q, want v", got)
+	}
+}

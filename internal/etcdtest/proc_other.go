@@ -1,0 +1,7 @@
+//go:build !linux
+
+package etcdtest
+
+import "os/exec"
+
+func setDeathSignal(*exec.Cmd) {}
