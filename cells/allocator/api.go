@@ -53,6 +53,8 @@ type Allocator interface {
 	// are explicitly requested. Unwithhold lifts that.
 	Withhold(ids []identity.NumericIdentity)
 	Unwithhold(ids []identity.NumericIdentity)
+	// Withheld returns the withheld local IDs in ascending order.
+	Withheld() []identity.NumericIdentity
 
 	// WaitForInitialGlobalIdentities returns once the global identities
 	// were listed from the kvstore (at once without a kvstore), or with
@@ -109,6 +111,8 @@ type Entry struct {
 	// RefCount is the number of references held on this node (0 for
 	// reserved identities and for global identities other nodes hold).
 	RefCount int
+
+	ref *refEntry
 }
 
 // Source tells where an identity came from.

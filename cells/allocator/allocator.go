@@ -1,0 +1,302 @@
+package allocator
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+type params struct {
+	cell.In
+
+	Config    Config
+	Log       *slog.Logger
+	Lifecycle cell.Lifecycle
+	DB        *statedb.DB
+	Table     statedb.RWTable[Entry]
+	Backend   GlobalBackend `optional:"true"`
+	Handlers  []Handler     `group:"identity-handlers"`
+}
+
+// identityAllocator implements Allocator.
+type identityAllocator struct {
+	cfg    Config
+	log    *slog.Logger
+	queue  *eventQueue
+	disp   *dispatcher
+	local  *localScope
+	remote *localScope
+	global *globalRefs
+
+	backend GlobalBackend
+	synced  chan struct{}
+	once    sync.Once
+
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+var _ Allocator = (*identityAllocator)(nil)
+
+func newAllocator(p params) (Allocator, error) {
+	if err := p.Config.Validate(); err != nil {
+		return nil, err
+	}
+	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, p.Handlers, identity.MaxLocalIdentity)
+	p.Lifecycle.Append(a)
+	return a, nil
+}
+
+func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend GlobalBackend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {
+	q := newEventQueue()
+	a := &identityAllocator{
+		cfg:     cfg,
+		log:     log,
+		queue:   q,
+		disp:    newDispatcher(q, handlers, db, table),
+		local:   newLocalScope(identity.ScopeLocal, log, q, maxLocal),
+		remote:  newLocalScope(identity.ScopeRemoteNode, log, q, maxLocal),
+		global:  newGlobalRefs(backend, q),
+		backend: backend,
+		synced:  make(chan struct{}),
+	}
+	for _, r := range identity.ReservedIdentities() {
+		q.pushEvent(event{Change: Change{Kind: ChangeUpsert, ID: r.ID, Labels: r.Labels}, source: SourceReserved})
+	}
+	if backend == nil {
+		// Without a kvstore there is nothing global to wait for.
+		a.Synced()
+	}
+	return a
+}
+
+// Start runs the dispatcher and the global backend's cache.
+func (a *identityAllocator) Start(ctx cell.HookContext) error {
+	runCtx, cancel := context.WithCancel(context.Background())
+	a.cancel = cancel
+	a.done = make(chan struct{})
+	go func() {
+		defer close(a.done)
+		a.disp.run(runCtx)
+	}()
+	// Deliver what was queued before start (reserved identities) before
+	// anything else starts, so that handlers see them first.
+	a.queue.signal()
+	if a.backend != nil {
+		if err := a.backend.Start(ctx, a); err != nil {
+			cancel()
+			<-a.done
+			return fmt.Errorf("starting global identity backend: %w", err)
+		}
+	}
+	return nil
+}
+
+// Stop stops the backend and the dispatcher, after delivering what is queued.
+func (a *identityAllocator) Stop(ctx cell.HookContext) error {
+	var err error
+	if a.backend != nil {
+		err = a.backend.Stop(ctx)
+	}
+	if a.cancel != nil {
+		a.cancel()
+		<-a.done
+	}
+	return err
+}
+
+// Upsert implements GlobalEvents.
+func (a *identityAllocator) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
+	a.queue.pushEvent(event{Change: Change{Kind: ChangeUpsert, ID: id, Labels: lbls}, ref: a.global.lookupByID(id), source: SourceGlobal})
+}
+
+// Delete implements GlobalEvents.
+func (a *identityAllocator) Delete(id identity.NumericIdentity, lbls labels.Labels) {
+	a.queue.pushEvent(event{Change: Change{Kind: ChangeDelete, ID: id, Labels: lbls}, source: SourceGlobal})
+}
+
+// Synced implements GlobalEvents.
+func (a *identityAllocator) Synced() {
+	a.once.Do(func() {
+		a.queue.pushEvent(syncEvent)
+		close(a.synced)
+	})
+}
+
+func (a *identityAllocator) scopeOf(s identity.Scope) *localScope {
+	switch s {
+	case identity.ScopeLocal:
+		return a.local
+	case identity.ScopeRemoteNode:
+		return a.remote
+	}
+	return nil
+}
+
+func (a *identityAllocator) Allocate(ctx context.Context, lbls labels.Labels, opts ...AllocateOption) (*identity.Identity, bool, error) {
+	var o allocateOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return a.allocate(ctx, lbls, &o)
+}
+
+func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o *allocateOptions) (*identity.Identity, bool, error) {
+	if r := identity.LookupReserved(lbls); r != nil {
+		return r, false, nil
+	}
+	if err := lbls.Validate(); err != nil {
+		return nil, false, fmt.Errorf("%w: %w", ErrInvalidLabels, err)
+	}
+	scope := identity.ScopeForLabels(lbls)
+	if s := a.scopeOf(scope); s != nil {
+		return s.acquire(lbls, o)
+	}
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.IdentityAllocationTimeout)
+	defer cancel()
+	return a.global.acquire(ctx, lbls, o)
+}
+
+func (a *identityAllocator) AllocateBatch(ctx context.Context, reqs []Request) []Result {
+	a.queue.hold()
+	defer a.queue.release()
+	out := make([]Result, len(reqs))
+	for i, r := range reqs {
+		o := allocateOptions{oldID: r.OldID, restored: r.Restored}
+		id, allocated, err := a.allocate(ctx, r.Labels, &o)
+		out[i] = Result{Identity: id, Allocated: allocated, Err: err}
+	}
+	return out
+}
+
+func (a *identityAllocator) Release(ctx context.Context, id *identity.Identity) (bool, error) {
+	if id == nil {
+		return false, fmt.Errorf("%w: nil identity", ErrUnknownIdentity)
+	}
+	if id.ID.IsReserved() {
+		return false, nil
+	}
+	if s := a.scopeOf(id.ID.Scope()); s != nil {
+		return s.release(id.ID)
+	}
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.IdentityAllocationTimeout)
+	defer cancel()
+	return a.global.release(ctx, id.ID)
+}
+
+func (a *identityAllocator) LookupByLabels(lbls labels.Labels) *identity.Identity {
+	if r := identity.LookupReserved(lbls); r != nil {
+		return r
+	}
+	var buf [keyBufSize]byte
+	key := lbls.AppendCanonical(buf[:0])
+	scope := identity.ScopeForLabels(lbls)
+	if s := a.scopeOf(scope); s != nil {
+		if e := s.lookupByKey(key); e != nil {
+			return &e.ident
+		}
+		return nil
+	}
+	if e := a.global.lookupByKey(key); e != nil {
+		return &e.ident
+	}
+	if a.backend != nil {
+		if id, ok := a.backend.LookupByLabels(lbls); ok {
+			return &identity.Identity{ID: id, Labels: lbls}
+		}
+	}
+	return nil
+}
+
+func (a *identityAllocator) LookupByID(id identity.NumericIdentity) *identity.Identity {
+	if r := identity.LookupReservedByID(id); r != nil {
+		return r
+	}
+	if s := a.scopeOf(id.Scope()); s != nil {
+		if e := s.lookupByID(id); e != nil {
+			return &e.ident
+		}
+		return nil
+	}
+	if e := a.global.lookupByID(id); e != nil {
+		return &e.ident
+	}
+	if a.backend != nil {
+		if lbls, ok := a.backend.LookupByID(id); ok {
+			return &identity.Identity{ID: id, Labels: lbls}
+		}
+	}
+	return nil
+}
+
+func (a *identityAllocator) List() []Entry {
+	var out []Entry
+	for _, r := range identity.ReservedIdentities() {
+		out = append(out, Entry{Identity: r, Source: SourceReserved})
+	}
+	held := map[identity.NumericIdentity]bool{}
+	collect := func(source Source) func(*refEntry) {
+		return func(e *refEntry) {
+			held[e.ident.ID] = true
+			out = append(out, entryOf(&e.ident, e, source))
+		}
+	}
+	a.local.entries(collect(SourceLocal))
+	a.remote.entries(collect(SourceLocal))
+	a.global.entries(collect(SourceGlobal))
+	// Global identities other nodes hold, as far as the dispatcher knows.
+	for _, id := range a.disp.snapshot() {
+		if id.ID.IsReserved() || id.ID.HasLocalScope() || held[id.ID] {
+			continue
+		}
+		out = append(out, Entry{Identity: id, Source: SourceGlobal})
+	}
+	slices.SortFunc(out, func(x, y Entry) int { return cmp.Compare(x.Identity.ID, y.Identity.ID) })
+	return out
+}
+
+func (a *identityAllocator) LocalIdentities() []*identity.Identity {
+	out := make([]*identity.Identity, 0, a.local.len()+a.remote.len())
+	add := func(e *refEntry) { out = append(out, &e.ident) }
+	a.local.entries(add)
+	a.remote.entries(add)
+	return out
+}
+
+func (a *identityAllocator) Withhold(ids []identity.NumericIdentity) {
+	a.local.withhold(ids)
+	a.remote.withhold(ids)
+}
+
+func (a *identityAllocator) Unwithhold(ids []identity.NumericIdentity) {
+	a.local.unwithhold(ids)
+	a.remote.unwithhold(ids)
+}
+
+func (a *identityAllocator) Withheld() []identity.NumericIdentity {
+	out := append(a.local.withheldIDs(), a.remote.withheldIDs()...)
+	slices.Sort(out)
+	return out
+}
+
+func (a *identityAllocator) WaitForInitialGlobalIdentities(ctx context.Context) error {
+	select {
+	case <-a.synced:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for the initial global identities: %w", ctx.Err())
+	}
+}
+
+func (a *identityAllocator) Observe(ctx context.Context, next func(Change), complete func(error)) {
+	a.disp.Observe(ctx, next, complete)
+}

@@ -1,0 +1,23 @@
+package allocator
+
+import (
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+)
+
+// Cell provides the Allocator, the read-only identities table
+// (statedb.Table[Entry]) and the identity/* shell commands. A GlobalBackend
+// in the hive (the kvstore cell's etcd backend) enables global identities;
+// without one, allocating a global label set fails with ErrNoGlobalBackend.
+var Cell = cell.Module(
+	"allocator",
+	"Security identity allocator",
+
+	cell.Config(DefaultConfig),
+	cell.ProvidePrivate(NewTable),
+	cell.Provide(
+		statedb.RWTable[Entry].ToTable,
+		newAllocator,
+		newCommands,
+	),
+)

@@ -1,0 +1,169 @@
+package allocator
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/script"
+	"github.com/spf13/pflag"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/shellfmt"
+	"github.com/identityd/identityd/labels"
+)
+
+func newCommands(a Allocator) hive.ScriptCmdsOut {
+	return hive.NewScriptCmds(map[string]script.Cmd{
+		"identity/allocate": allocateCmd(a),
+		"identity/release":  releaseCmd(a),
+		"identity/get":      getCmd(a),
+		"identity/list":     listCmd(a),
+	})
+}
+
+func output(fs *pflag.FlagSet, objs []Entry) (script.WaitFunc, error) {
+	format, err := shellfmt.Format(fs)
+	if err != nil {
+		return nil, err
+	}
+	out, err := shellfmt.Render(format, objs)
+	if err != nil {
+		return nil, err
+	}
+	return func(*script.State) (string, string, error) { return out, "", nil }, nil
+}
+
+func allocateCmd(a Allocator) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Allocate an identity for a label set (one label per argument)",
+			Args:    "label...",
+			Detail: []string{
+				"Labels are given in text form, source:key=value, e.g.",
+				"  identity/allocate k8s:app=web k8s:io.kubernetes.pod.namespace=default",
+				"  identity/allocate cidr:10.0.0.0/8 reserved:world",
+				"Takes one reference; identity/release drops it.",
+			},
+			Flags: func(fs *pflag.FlagSet) {
+				shellfmt.AddFlag(fs)
+				fs.Uint32("old-id", 0, "Ask for this numeric ID (local scopes)")
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) == 0 {
+				return nil, script.ErrUsage
+			}
+			lbls, err := labels.Parse(args...)
+			if err != nil {
+				return nil, err
+			}
+			old, _ := s.Flags.GetUint32("old-id")
+			id, allocated, err := a.Allocate(s.Context(), lbls, WithOldID(identity.NumericIdentity(old)))
+			if err != nil {
+				return nil, err
+			}
+			if allocated {
+				s.Logf("allocated new identity %d\n", id.ID)
+			}
+			return output(s.Flags, []Entry{entryFor(a, id)})
+		},
+	)
+}
+
+// entryFor finds the table entry of an identity, with its reference count.
+func entryFor(a Allocator, id *identity.Identity) Entry {
+	for _, e := range a.List() {
+		if e.Identity.ID == id.ID {
+			return e
+		}
+	}
+	return Entry{Identity: id}
+}
+
+func releaseCmd(a Allocator) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Release one reference on an identity",
+			Args:    "id",
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) != 1 {
+				return nil, script.ErrUsage
+			}
+			nid, err := identity.ParseNumericIdentity(args[0])
+			if err != nil {
+				return nil, err
+			}
+			id := a.LookupByID(nid)
+			if id == nil {
+				return nil, fmt.Errorf("%w: %d", ErrUnknownIdentity, nid)
+			}
+			released, err := a.Release(s.Context(), id)
+			if err != nil {
+				return nil, err
+			}
+			msg := fmt.Sprintf("identity %d: reference dropped\n", nid)
+			if released {
+				msg = fmt.Sprintf("identity %d: released\n", nid)
+			}
+			return func(*script.State) (string, string, error) { return msg, "", nil }, nil
+		},
+	)
+}
+
+func getCmd(a Allocator) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Look up an identity by numeric ID or by labels, without taking a reference",
+			Args:    "id | label...",
+			Flags:   shellfmt.AddFlag,
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) == 0 {
+				return nil, script.ErrUsage
+			}
+			var id *identity.Identity
+			if nid, err := identity.ParseNumericIdentity(args[0]); err == nil && len(args) == 1 {
+				id = a.LookupByID(nid)
+			} else {
+				lbls, err := labels.Parse(args...)
+				if err != nil {
+					return nil, err
+				}
+				id = a.LookupByLabels(lbls)
+			}
+			if id == nil {
+				return nil, fmt.Errorf("identity %s not found", strings.Join(args, " "))
+			}
+			return output(s.Flags, []Entry{entryFor(a, id)})
+		},
+	)
+}
+
+func listCmd(a Allocator) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "List identities: reserved, local, global and restored",
+			Flags: func(fs *pflag.FlagSet) {
+				shellfmt.AddFlag(fs)
+				fs.String("source", "", "Only identities of this source (reserved, local, global, restored)")
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			source, _ := s.Flags.GetString("source")
+			entries := a.List()
+			if source != "" {
+				kept := entries[:0]
+				for _, e := range entries {
+					if string(e.Source) == source {
+						kept = append(kept, e)
+					}
+				}
+				entries = kept
+			}
+			return output(s.Flags, entries)
+		},
+	)
+}
+

@@ -1,0 +1,199 @@
+package allocator
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// GlobalBackend stores cluster-wide identities in a store shared by the
+// nodes (etcd). The allocator counts references on this node itself and
+// calls the backend only for the first reference and the last release of a
+// label set, so a label set this node holds costs no backend request.
+type GlobalBackend interface {
+	// Allocate returns the numeric identity of the label set, creating it
+	// or adopting the one another node created, and records this node's
+	// reference. allocated is true when the identity was created.
+	Allocate(ctx context.Context, lbls labels.Labels) (id identity.NumericIdentity, allocated bool, err error)
+
+	// Release removes this node's reference on the identity.
+	Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error
+
+	// LookupByID and LookupByLabels consult the backend's cache of all
+	// global identities, without a request.
+	LookupByID(id identity.NumericIdentity) (labels.Labels, bool)
+	LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool)
+
+	// Start begins keeping the cache; every identity that appears or
+	// disappears is reported to events, and events.Synced is called once
+	// after the first complete listing. Stop ends it.
+	Start(ctx context.Context, events GlobalEvents) error
+	Stop(ctx context.Context) error
+}
+
+// GlobalEvents receives the changes of the global identities cache.
+type GlobalEvents interface {
+	Upsert(id identity.NumericIdentity, lbls labels.Labels)
+	Delete(id identity.NumericIdentity, lbls labels.Labels)
+	Synced()
+}
+
+// globalRefs counts this node's references on global identities. Like a
+// local scope, hits and non-final releases only take the read lock. The
+// first reference and the last release of a label set call the backend; a
+// call in flight for a label set makes others for the same set wait, so
+// that an allocation never races with the deletion of the same reference.
+type globalRefs struct {
+	backend GlobalBackend
+	events  *eventQueue
+
+	mu       sync.RWMutex
+	byKey    map[string]*refEntry
+	byID     map[identity.NumericIdentity]*refEntry
+	inflight map[string]chan struct{}
+}
+
+func newGlobalRefs(backend GlobalBackend, events *eventQueue) *globalRefs {
+	return &globalRefs{
+		backend:  backend,
+		events:   events,
+		byKey:    map[string]*refEntry{},
+		byID:     map[identity.NumericIdentity]*refEntry{},
+		inflight: map[string]chan struct{}{},
+	}
+}
+
+func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocateOptions) (*identity.Identity, bool, error) {
+	var buf [keyBufSize]byte
+	key := lbls.AppendCanonical(buf[:0])
+
+	g.mu.RLock()
+	if e := g.byKey[string(key)]; e != nil {
+		e.refs.Add(1)
+		g.events.touch(e)
+		g.mu.RUnlock()
+		return &e.ident, false, nil
+	}
+	g.mu.RUnlock()
+
+	if g.backend == nil {
+		return nil, false, ErrNoGlobalBackend
+	}
+	skey := string(key)
+	for {
+		g.mu.Lock()
+		if e := g.byKey[skey]; e != nil {
+			e.refs.Add(1)
+			g.events.touch(e)
+			g.mu.Unlock()
+			return &e.ident, false, nil
+		}
+		wait, busy := g.inflight[skey]
+		if !busy {
+			done := make(chan struct{})
+			g.inflight[skey] = done
+			g.mu.Unlock()
+			return g.create(ctx, skey, lbls, done)
+		}
+		g.mu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return nil, false, fmt.Errorf("waiting for another allocation of %s: %w", lbls, ctx.Err())
+		}
+	}
+}
+
+func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels, done chan struct{}) (*identity.Identity, bool, error) {
+	id, allocated, err := g.backend.Allocate(ctx, lbls)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	delete(g.inflight, key)
+	close(done)
+	if err != nil {
+		return nil, false, err
+	}
+	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}}
+	e.refs.Store(1)
+	g.byKey[key] = e
+	g.byID[id] = e
+	// The backend's cache reports the identity too; the dispatcher drops
+	// the echo. Queuing it here makes it visible before this call returns.
+	g.events.pushEvent(event{Change: Change{Kind: ChangeUpsert, ID: id, Labels: lbls}, ref: e, source: SourceGlobal})
+	return &e.ident, allocated, nil
+}
+
+func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (bool, error) {
+	g.mu.RLock()
+	e := g.byID[id]
+	if e != nil {
+		for {
+			r := e.refs.Load()
+			if r <= 1 {
+				break
+			}
+			if e.refs.CompareAndSwap(r, r-1) {
+				g.events.touch(e)
+				g.mu.RUnlock()
+				return false, nil
+			}
+		}
+	}
+	g.mu.RUnlock()
+	if e == nil {
+		return false, fmt.Errorf("%w: %d", ErrUnknownIdentity, id)
+	}
+
+	g.mu.Lock()
+	if g.byID[id] != e {
+		g.mu.Unlock()
+		return false, fmt.Errorf("%w: %d", ErrUnknownIdentity, id)
+	}
+	if e.refs.Add(-1) > 0 {
+		g.events.touch(e)
+		g.mu.Unlock()
+		return false, nil
+	}
+	key := e.ident.Labels.Canonical()
+	delete(g.byID, id)
+	delete(g.byKey, key)
+	done := make(chan struct{})
+	g.inflight[key] = done
+	// The identity stays in the store; the table row only learns that
+	// this node's count is zero.
+	g.events.touch(e)
+	g.mu.Unlock()
+
+	err := g.backend.Release(ctx, id, e.ident.Labels)
+	g.mu.Lock()
+	delete(g.inflight, key)
+	close(done)
+	g.mu.Unlock()
+	if err != nil {
+		return true, fmt.Errorf("releasing global identity %d: %w (its reference key expires with the node's lease)", id, err)
+	}
+	return true, nil
+}
+
+func (g *globalRefs) lookupByKey(key []byte) *refEntry {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return g.byKey[string(key)]
+}
+
+func (g *globalRefs) lookupByID(id identity.NumericIdentity) *refEntry {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return g.byID[id]
+}
+
+func (g *globalRefs) entries(fn func(*refEntry)) {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	for _, e := range g.byID {
+		fn(e)
+	}
+}

@@ -1,0 +1,39 @@
+package main
+
+import (
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/shell"
+	"github.com/identityd/identityd/cells/statedir"
+)
+
+// agentCells are the cells of the identityd agent, in the order of
+// DESIGN.md's flow; hive orders their start hooks by dependency.
+var agentCells = []cell.Cell{
+	cell.SimpleHealthCell,
+	job.Cell,
+	statedb.Cell,
+	statedir.Cell,
+	shell.Cell,
+	allocator.Cell,
+
+	// The agent exists to serve its cells; force the ones nothing else
+	// depends on to be constructed.
+	cell.Invoke(func(allocator.Allocator) {}),
+}
+
+// newHive returns the agent's hive. Every call builds a fresh one, so tests
+// can run several agents in one process.
+func newHive() *hive.Hive {
+	opts := hive.DefaultOptions()
+	// Hooks and invokes that take longer than this are logged at info
+	// level, the others at debug, so that a normal start is a few lines.
+	opts.LogThreshold = 100 * time.Millisecond
+	return hive.NewWithOptions(opts, agentCells...)
+}

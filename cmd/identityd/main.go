@@ -1,0 +1,139 @@
+// Command identityd runs the identityd agent: the allocator, kvstore,
+// checkpoint, ipcache and restoration cells in one hive. Its subcommands
+// inspect the hive (hive, hive dot-graph), reach the running agent's shell
+// (shell) and print the version (version).
+package main
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"runtime/debug"
+	"strings"
+
+	"github.com/cilium/hive"
+	hiveshell "github.com/cilium/hive/shell"
+	"github.com/lmittmann/tint"
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	"github.com/identityd/identityd/cells/shell"
+	"github.com/identityd/identityd/cells/statedir"
+)
+
+// version is set at build time with -ldflags "-X main.version=…".
+var version = ""
+
+func main() {
+	if err := newRootCmd(newHive(), os.Stdout, os.Stderr).Execute(); err != nil {
+		fmt.Fprintf(os.Stderr, "identityd: %s\n", oneLine(err))
+		os.Exit(1)
+	}
+}
+
+// oneLine folds a multi-line error (hive joins start errors with newlines)
+// into one readable line.
+func oneLine(err error) string {
+	return strings.Join(strings.Fields(strings.ReplaceAll(err.Error(), "\n", "; ")), " ")
+}
+
+type logOptions struct {
+	format string
+	level  string
+}
+
+func (o logOptions) logger(w io.Writer) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.level)); err != nil {
+		return nil, fmt.Errorf("invalid --log-level %q: want debug, info, warn or error", o.level)
+	}
+	switch o.format {
+	case "text":
+		f, isFile := w.(*os.File)
+		color := isFile && term.IsTerminal(int(f.Fd()))
+		return slog.New(tint.NewHandler(w, &tint.Options{Level: level, NoColor: !color})), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level})), nil
+	}
+	return nil, fmt.Errorf("invalid --log-format %q: want text or json", o.format)
+}
+
+func newRootCmd(h *hive.Hive, stdout, stderr io.Writer) *cobra.Command {
+	var logOpts logOptions
+	root := &cobra.Command{
+		Use:           "identityd",
+		Short:         "Security identities for network agents: allocation, etcd, checkpoint, ipcache, restoration",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			log, err := logOpts.logger(stderr)
+			if err != nil {
+				return err
+			}
+			slog.SetDefault(log)
+			return h.Run(log)
+		},
+	}
+	root.PersistentFlags().StringVar(&logOpts.format, "log-format", "text", "Log format: text or json")
+	root.PersistentFlags().StringVar(&logOpts.level, "log-level", "info", "Log level: debug, info, warn or error")
+	h.RegisterFlags(root.Flags())
+	root.AddCommand(h.Command(), newShellCmd(stdout), newVersionCmd(stdout))
+	return root
+}
+
+func newVersionCmd(stdout io.Writer) *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version",
+		Args:  cobra.NoArgs,
+		Run: func(cmd *cobra.Command, args []string) {
+			fmt.Fprintf(stdout, "identityd %s\n", versionString())
+		},
+	}
+}
+
+func versionString() string {
+	if version != "" {
+		return version
+	}
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		v := bi.Main.Version
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				v += " " + s.Value
+			}
+		}
+		return v + " " + bi.GoVersion
+	}
+	return "unknown"
+}
+
+func newShellCmd(stdout io.Writer) *cobra.Command {
+	var stateDir, sockPath string
+	cmd := &cobra.Command{
+		Use:   "shell [-- command [args...]]",
+		Short: "Run a command in the running agent's shell, or open an interactive shell",
+		Long: "Connects to the agent's shell socket (<state-dir>/" + shell.SocketName + ").\n" +
+			"With a command, runs it and exits non-zero if it fails; without, starts an interactive shell.\n" +
+			"Example: identityd shell --state-dir .identityd -- identity/list",
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if sockPath == "" {
+				sockPath = statedir.New(stateDir).Join(shell.SocketName)
+			}
+			cfg := hiveshell.Config{ShellSockPath: sockPath}
+			if len(args) > 0 {
+				return hiveshell.ShellExchange(cfg, stdout, "%s", strings.Join(args, " "))
+			}
+			interactive := hiveshell.ShellCmd(sockPath, "identityd> ", func(w io.Writer) {
+				fmt.Fprintf(w, "identityd shell on %s; 'help' lists the commands, Ctrl-D leaves.\n", sockPath)
+			})
+			interactive.Run(interactive, nil)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&stateDir, "state-dir", statedir.DefaultConfig.StateDir, "State directory of the agent to reach")
+	cmd.Flags().StringVar(&sockPath, "shell-sock-path", "", "Path of the shell socket (default <state-dir>/"+shell.SocketName+")")
+	return cmd
+}

@@ -1,0 +1,52 @@
+package main
+
+import (
+	"context"
+	"maps"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/script"
+	"github.com/cilium/hive/script/scripttest"
+
+	"github.com/identityd/identityd/cells/statedir"
+)
+
+// TestScript runs testdata/*.txtar, each against a fresh agent hive with its
+// own state directory, through the same commands the shell offers.
+func TestScript(t *testing.T) {
+	scripttest.Test(t, context.Background(),
+		func(t testing.TB, args []string) *script.Engine {
+			h := newHive()
+			stateDir := t.TempDir()
+			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = stateDir })
+			log := hivetest.Logger(t)
+			cmds, err := h.ScriptCommands(log)
+			if err != nil {
+				t.Fatalf("ScriptCommands: %s", err)
+			}
+			maps.Insert(cmds, maps.All(script.DefaultCmds()))
+			// The built-in "hive" command prints to the log, which scripts
+			// cannot match; this one prints the same to stdout.
+			cmds["hive/objects"] = script.Command(
+				script.CmdUsage{Summary: "print the hive's cells and objects to stdout"},
+				func(s *script.State, args ...string) (script.WaitFunc, error) {
+					var b strings.Builder
+					err := h.PrintObjects(&b, log)
+					return func(*script.State) (string, string, error) { return b.String(), "", err }, nil
+				})
+			t.Cleanup(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				h.Stop(log, ctx)
+			})
+			return &script.Engine{
+				Cmds:             cmds,
+				RetryInterval:    10 * time.Millisecond,
+				MaxRetryInterval: 500 * time.Millisecond,
+			}
+		}, nil, "testdata/*.txtar")
+}

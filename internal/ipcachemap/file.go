@@ -1,0 +1,432 @@
+package ipcachemap
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// tmpSuffix names the one temporary file a sync writes before renaming it
+// over the map file. A fixed name (the state directory's lock guarantees a
+// single writer) means a crash leaves at most one stale temp file, which the
+// next open removes.
+const tmpSuffix = ".tmp"
+
+func openFile(cfg Config) (Map, OpenInfo, error) {
+	info := OpenInfo{Kind: KindFile}
+	dir := filepath.Dir(cfg.FilePath)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, info, fmt.Errorf("cannot create directory of ipcache map file %s: %w", cfg.FilePath, err)
+	}
+	if err := os.Remove(cfg.FilePath + tmpSuffix); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, info, fmt.Errorf("cannot remove stale temporary file: %w", err)
+	}
+
+	entries := map[rawKey]rawValue{}
+	data, err := os.ReadFile(cfg.FilePath)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		info.Created = true
+		info.Reason = fmt.Sprintf("created map file %s", cfg.FilePath)
+	case err != nil:
+		return nil, info, fmt.Errorf("cannot read ipcache map file: %w", err)
+	default:
+		raw, derr := decodeFile(data)
+		if derr != nil {
+			// Keep the evidence for the operator, start empty: the agent
+			// must come up, and restoration degrades to what the
+			// checkpoint knows.
+			aside, err := moveAside(cfg.FilePath, time.Now())
+			if err != nil {
+				return nil, info, fmt.Errorf("%s: %w; cannot move it aside: %w", cfg.FilePath, derr, err)
+			}
+			info.MovedAside = aside
+			info.Warnings = append(info.Warnings, fmt.Sprintf("%s: %v; moved to %s, starting empty", cfg.FilePath, derr, aside))
+			info.Created = true
+			info.Reason = fmt.Sprintf("replaced corrupt map file %s with an empty one", cfg.FilePath)
+			break
+		}
+		entries = raw
+		info.Snapshot = rawEntries(raw)
+		info.Reason = fmt.Sprintf("loaded map file %s with %d entries", cfg.FilePath, len(raw))
+		if len(raw) > int(cfg.MaxEntries) {
+			info.Warnings = append(info.Warnings, fmt.Sprintf("map file %s holds %d entries, more than max entries %d; new keys are refused until it shrinks", cfg.FilePath, len(raw), cfg.MaxEntries))
+		}
+	}
+	f := &fileMap{
+		path:      cfg.FilePath,
+		max:       int(cfg.MaxEntries),
+		syncDelay: cfg.SyncDelay,
+		entries:   entries,
+	}
+	return f, info, nil
+}
+
+// fileMap is the file backend: the records live in memory in their binary
+// form (36 bytes of payload each) and Sync writes them all atomically.
+type fileMap struct {
+	path      string
+	max       int
+	syncDelay time.Duration
+
+	// syncMu serializes file writes and guards buf; it is taken before mu.
+	syncMu sync.Mutex
+	buf    []byte
+
+	mu      sync.RWMutex
+	entries map[rawKey]rawValue
+	dirty   bool
+	closed  bool
+	timer   *time.Timer // armed write-behind, nil when none
+	timerWG sync.WaitGroup
+	syncErr error // last write-behind failure, returned by the next Sync
+}
+
+func (f *fileMap) Kind() Kind   { return KindFile }
+func (f *fileMap) Path() string { return f.path }
+
+func (f *fileMap) Lookup(k Key) (Value, bool, error) {
+	var (
+		rk rawKey
+		v  Value
+	)
+	if err := k.put(&rk); err != nil {
+		return v, false, err
+	}
+	addr := k.Prefix.Addr()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.closed {
+		return v, false, ErrClosed
+	}
+	// Longest prefix first, as the kernel's trie answers; at most 129
+	// hash lookups, cheaper than keeping a trie beside the hash map.
+	for bits := k.Prefix.Bits(); bits >= 0; bits-- {
+		if bits != k.Prefix.Bits() {
+			_ = Key{Prefix: netip.PrefixFrom(addr, bits), ClusterID: k.ClusterID}.put(&rk)
+		}
+		if rv, ok := f.entries[rk]; ok {
+			v.get(&rv)
+			return v, true, nil
+		}
+	}
+	return v, false, nil
+}
+
+// changed marks the table dirty and arms the write-behind timer. Called
+// with mu held.
+func (f *fileMap) changed() {
+	f.dirty = true
+	if f.syncDelay > 0 && f.timer == nil {
+		f.timerWG.Add(1)
+		f.timer = time.AfterFunc(f.syncDelay, f.writeBehind)
+	}
+}
+
+func (f *fileMap) writeBehind() {
+	defer f.timerWG.Done()
+	f.mu.Lock()
+	f.timer = nil
+	closed := f.closed
+	f.mu.Unlock()
+	if closed {
+		return
+	}
+	if err := f.sync(); err != nil {
+		f.mu.Lock()
+		f.syncErr = err
+		if !f.closed {
+			f.changed() // retry after another delay
+		}
+		f.mu.Unlock()
+	}
+}
+
+func (f *fileMap) putLocked(rk *rawKey, rv *rawValue) error {
+	if _, ok := f.entries[*rk]; !ok && len(f.entries) >= f.max {
+		var k Key
+		_ = k.get(rk)
+		return fmt.Errorf("update %s: %w (max %d entries)", k, ErrFull, f.max)
+	}
+	f.entries[*rk] = *rv
+	return nil
+}
+
+func (f *fileMap) Update(k Key, v Value) error {
+	var (
+		rk rawKey
+		rv rawValue
+	)
+	if err := k.put(&rk); err != nil {
+		return err
+	}
+	if err := v.put(&rv); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return ErrClosed
+	}
+	if old, ok := f.entries[rk]; ok && old == rv {
+		return nil // unchanged: no file write needed
+	}
+	if err := f.putLocked(&rk, &rv); err != nil {
+		return err
+	}
+	f.changed()
+	return nil
+}
+
+func (f *fileMap) UpdateBatch(entries []Entry) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return ErrClosed
+	}
+	var (
+		rk  rawKey
+		rv  rawValue
+		err error
+	)
+	n := 0
+	for i := range entries {
+		if err = entries[i].Key.put(&rk); err != nil {
+			break
+		}
+		if err = entries[i].Value.put(&rv); err != nil {
+			err = fmt.Errorf("%s: %w", entries[i].Key, err)
+			break
+		}
+		if old, ok := f.entries[rk]; ok && old == rv {
+			continue
+		}
+		if err = f.putLocked(&rk, &rv); err != nil {
+			break
+		}
+		n++
+	}
+	if n > 0 {
+		f.changed()
+	}
+	return err
+}
+
+func (f *fileMap) Delete(k Key) error {
+	var rk rawKey
+	if err := k.put(&rk); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return ErrClosed
+	}
+	if _, ok := f.entries[rk]; ok {
+		delete(f.entries, rk)
+		f.changed()
+	}
+	return nil
+}
+
+func (f *fileMap) DeleteBatch(keys []Key) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return ErrClosed
+	}
+	var rk rawKey
+	n := 0
+	var err error
+	for i := range keys {
+		if err = keys[i].put(&rk); err != nil {
+			break
+		}
+		if _, ok := f.entries[rk]; ok {
+			delete(f.entries, rk)
+			n++
+		}
+	}
+	if n > 0 {
+		f.changed()
+	}
+	return err
+}
+
+func (f *fileMap) Dump(yield func(Key, Value) bool) error {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.closed {
+		return ErrClosed
+	}
+	for rk, rv := range f.entries {
+		e, err := decodeEntry(&rk, &rv)
+		if err != nil {
+			continue
+		}
+		if !yield(e.Key, e.Value) {
+			return nil
+		}
+	}
+	return nil
+}
+
+func (f *fileMap) snapshot() ([]Entry, int, error) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.closed {
+		return nil, 0, ErrClosed
+	}
+	return rawEntries(f.entries), 0, nil
+}
+
+func (f *fileMap) Len() (int, error) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.closed {
+		return 0, ErrClosed
+	}
+	return len(f.entries), nil
+}
+
+func (f *fileMap) Sync() error {
+	f.mu.Lock()
+	closed, bgErr := f.closed, f.syncErr
+	f.syncErr = nil
+	f.mu.Unlock()
+	if closed {
+		return ErrClosed
+	}
+	if err := f.sync(); err != nil {
+		return err
+	}
+	if bgErr != nil {
+		// The failed background write has been superseded by this one;
+		// still tell the caller that durability lagged.
+		return fmt.Errorf("earlier write-behind failed (now recovered): %w", bgErr)
+	}
+	return nil
+}
+
+// sync writes the table if it changed since the last successful write.
+func (f *fileMap) sync() error {
+	f.syncMu.Lock()
+	defer f.syncMu.Unlock()
+	f.mu.Lock()
+	if !f.dirty {
+		f.mu.Unlock()
+		return nil
+	}
+	// Encoding under the lock is a memory copy (about 36 MB for 1M
+	// entries); the slow part, writing and fsync, runs without it so that
+	// updates and lookups go on meanwhile.
+	f.buf = encodeFile(f.buf, f.entries)
+	f.dirty = false
+	f.mu.Unlock()
+
+	if err := writeFileAtomic(f.path, f.buf); err != nil {
+		f.mu.Lock()
+		f.dirty = true
+		f.mu.Unlock()
+		return err
+	}
+	return nil
+}
+
+func (f *fileMap) Close() error {
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return nil
+	}
+	f.closed = true
+	if f.timer != nil && f.timer.Stop() {
+		f.timer = nil
+		f.timerWG.Done()
+	}
+	f.mu.Unlock()
+	// A write-behind already running finishes first; then the final write.
+	f.timerWG.Wait()
+	err := f.sync()
+	f.mu.Lock()
+	f.entries = nil
+	f.buf = nil
+	f.mu.Unlock()
+	return err
+}
+
+// writeFileAtomic replaces path with data so that a crash at any moment
+// leaves either the old or the new contents: write a temporary file in the
+// same directory, fsync it, rename it over path, fsync the directory.
+func writeFileAtomic(path string, data []byte) (err error) {
+	tmp := path + tmpSuffix
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("cannot create %s: %w", tmp, err)
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(tmp)
+		}
+	}()
+	// A temp file left by an older version may have another mode, which
+	// O_TRUNC keeps.
+	if err := f.Chmod(0o600); err != nil {
+		return fmt.Errorf("cannot chmod %s: %w", tmp, err)
+	}
+	if _, err := f.Write(data); err != nil {
+		return fmt.Errorf("cannot write %s: %w", tmp, err)
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("cannot fsync %s: %w", tmp, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("cannot close %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("cannot rename %s to %s: %w", tmp, path, err)
+	}
+	if err := syncDir(filepath.Dir(path)); err != nil {
+		return fmt.Errorf("cannot fsync directory of %s: %w", path, err)
+	}
+	return nil
+}
+
+// syncDir makes a rename in dir durable.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// moveAside renames a corrupt file to <path>.corrupt-<unix time>, adding
+// .1, .2, … when that name is taken, so that no earlier evidence is
+// overwritten.
+func moveAside(path string, now time.Time) (string, error) {
+	base := path + ".corrupt-" + strconv.FormatInt(now.Unix(), 10)
+	for i := 0; i < 1000; i++ {
+		aside := base
+		if i > 0 {
+			aside += "." + strconv.Itoa(i)
+		}
+		if _, err := os.Lstat(aside); err == nil {
+			continue
+		}
+		if err := os.Rename(path, aside); err != nil {
+			return "", err
+		}
+		_ = syncDir(filepath.Dir(path))
+		return aside, nil
+	}
+	return "", fmt.Errorf("too many corrupt files named %s*", base)
+}

@@ -1,0 +1,85 @@
+// Package shellfmt prints the objects of shell commands as a table, JSON or
+// YAML (`-o table|json|yaml`), the same way for every cell.
+package shellfmt
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/spf13/pflag"
+	"go.yaml.in/yaml/v3"
+)
+
+// Formats accepted by -o.
+const (
+	Table = "table"
+	JSON  = "json"
+	YAML  = "yaml"
+)
+
+// AddFlag registers -o/--output on a command's flag set.
+func AddFlag(fs *pflag.FlagSet) {
+	fs.StringP("output", "o", Table, "Output format: table, json or yaml")
+}
+
+// Format reads -o from a command's flags and checks it.
+func Format(fs *pflag.FlagSet) (string, error) {
+	f, err := fs.GetString("output")
+	if err != nil {
+		return "", err
+	}
+	switch f {
+	case Table, JSON, YAML:
+		return f, nil
+	}
+	return "", fmt.Errorf("unknown output format %q (want table, json or yaml)", f)
+}
+
+// Tabular is an object that can print itself as table rows.
+type Tabular interface {
+	TableHeader() []string
+	TableRow() []string
+}
+
+// Render prints objs in the format: a table with one row per object, or the
+// objects (as given, so their JSON tags apply) in JSON or YAML.
+func Render[T Tabular](format string, objs []T) (string, error) {
+	switch format {
+	case JSON:
+		b, err := json.MarshalIndent(objs, "", "  ")
+		if err != nil {
+			return "", err
+		}
+		return string(b) + "\n", nil
+	case YAML:
+		// Through JSON, so that YAML uses the same field names.
+		b, err := json.Marshal(objs)
+		if err != nil {
+			return "", err
+		}
+		var v any
+		if err := json.Unmarshal(b, &v); err != nil {
+			return "", err
+		}
+		var out bytes.Buffer
+		enc := yaml.NewEncoder(&out)
+		enc.SetIndent(2)
+		if err := enc.Encode(v); err != nil {
+			return "", err
+		}
+		return out.String(), nil
+	default:
+		var zero T
+		var out strings.Builder
+		tw := tabwriter.NewWriter(&out, 4, 8, 2, ' ', 0)
+		fmt.Fprintln(tw, strings.Join(zero.TableHeader(), "\t"))
+		for _, o := range objs {
+			fmt.Fprintln(tw, strings.Join(o.TableRow(), "\t"))
+		}
+		tw.Flush()
+		return out.String(), nil
+	}
+}
