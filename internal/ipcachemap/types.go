@@ -90,9 +90,6 @@ func (k Key) put(dst *rawKey) error {
 		return fmt.Errorf("%w: prefix %v is not valid", ErrInvalidKey, k.Prefix)
 	}
 	addr := k.Prefix.Addr()
-	if addr.Zone() != "" {
-		return fmt.Errorf("%w: prefix %s has a zone", ErrInvalidKey, k.Prefix)
-	}
 	if addr.Is4In6() {
 		return fmt.Errorf("%w: prefix %s is IPv4-mapped IPv6; unmap it first", ErrInvalidKey, k.Prefix)
 	}
