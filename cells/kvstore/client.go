@@ -1,0 +1,517 @@
+package kvstore
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc"
+
+	"github.com/identityd/identityd/cells/statedir"
+)
+
+var (
+	// ErrNotStarted is returned by calls that need etcd before the
+	// client's start hook ran.
+	ErrNotStarted = errors.New("kvstore: client is not started")
+	// ErrStopped is returned by calls made after the client stopped.
+	ErrStopped = errors.New("kvstore: client is stopped")
+)
+
+// Client is the agent's etcd client: the connection, this node's data lease,
+// request counting and client-side rate limiting. It is provided by Cell and
+// usable once its start hook has run (start hooks of cells that depend on it
+// run later).
+type Client struct {
+	cfg     Config
+	log     *slog.Logger
+	dir     *statedir.Dir
+	limiter *rate.Limiter // nil: unlimited
+	counts  sync.Map      // method name -> *atomic.Uint64
+
+	// grantMu serializes granting and revoking, so concurrent callers of
+	// Lease share one lease instead of each granting their own.
+	grantMu sync.Mutex
+
+	mu        sync.Mutex
+	cli       *clientv3.Client
+	embedded  *embeddedEtcd
+	endpoints []string
+	lease     *nodeLease
+	lastErr   error
+	stopped   bool
+
+	wg sync.WaitGroup // keepalive goroutines
+}
+
+// nodeLease is one granted lease and its keepalive.
+type nodeLease struct {
+	id       clientv3.LeaseID
+	lost     chan struct{}
+	lostOnce sync.Once
+	cancel   context.CancelFunc
+}
+
+type params struct {
+	cell.In
+
+	Lifecycle cell.Lifecycle
+	Log       *slog.Logger
+	Config    Config
+	Dir       *statedir.Dir `optional:"true"`
+}
+
+func newClient(p params) (*Client, error) {
+	c, err := New(p.Log, p.Config, p.Dir)
+	if err != nil {
+		return nil, err
+	}
+	p.Lifecycle.Append(c)
+	return c, nil
+}
+
+// New returns a client for cfg without starting it; call Start and Stop
+// (hive does this for the Client provided by Cell). dir is needed only for
+// the embedded etcd.
+func New(log *slog.Logger, cfg Config, dir *statedir.Dir) (*Client, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("kvstore: %w", err)
+	}
+	if cfg.Embedded() && dir == nil {
+		return nil, errors.New("kvstore: the embedded etcd needs a state directory (add the statedir cell or set --kvstore-endpoints)")
+	}
+	c := &Client{cfg: cfg, log: log, dir: dir}
+	if cfg.KVStoreRateLimit > 0 {
+		burst := max(1, int(math.Ceil(cfg.KVStoreRateLimit)))
+		c.limiter = rate.NewLimiter(rate.Limit(cfg.KVStoreRateLimit), burst)
+	}
+	return c, nil
+}
+
+// Start starts the embedded etcd when no endpoints are configured, connects,
+// and checks within --kvstore-dial-timeout that etcd answers.
+func (c *Client) Start(ctx cell.HookContext) error {
+	// c.mu is not held while connecting: the request interceptor takes it.
+	if c.Client() != nil {
+		return errors.New("kvstore: client already started")
+	}
+	endpoints := c.cfg.KVStoreEndpoints
+	var e *embeddedEtcd
+	if c.cfg.Embedded() {
+		var err error
+		if e, err = startEmbedded(ctx, c.log, c.dir.Join("etcd")); err != nil {
+			return fmt.Errorf("kvstore: %w", err)
+		}
+		endpoints = []string{e.clientURL}
+	}
+	cli, err := c.connect(ctx, endpoints)
+	if err != nil {
+		if e != nil {
+			e.stop()
+		}
+		return err
+	}
+	c.mu.Lock()
+	c.cli, c.embedded, c.endpoints, c.stopped = cli, e, endpoints, false
+	c.mu.Unlock()
+	c.log.Info("Connected to etcd", "endpoints", endpoints, "embedded", e != nil)
+	return nil
+}
+
+func (c *Client) connect(ctx context.Context, endpoints []string) (*clientv3.Client, error) {
+	cfg := clientv3.Config{
+		Endpoints:            endpoints,
+		DialTimeout:          c.cfg.KVStoreDialTimeout,
+		DialKeepAliveTime:    10 * time.Second,
+		DialKeepAliveTimeout: 5 * time.Second,
+		PermitWithoutStream:  true,
+		Logger:               newZapLogger(c.log.With("component", "etcd-client"), zapcore.WarnLevel, nil),
+		Context:              context.Background(),
+		DialOptions: []grpc.DialOption{
+			grpc.WithChainUnaryInterceptor(c.unaryInterceptor),
+			grpc.WithChainStreamInterceptor(c.streamInterceptor),
+		},
+	}
+	tlsCfg, err := c.tlsConfig(endpoints)
+	if err != nil {
+		return nil, err
+	}
+	cfg.TLS = tlsCfg
+	if c.cfg.KVStoreUsername != "" {
+		pw, err := os.ReadFile(c.cfg.KVStorePasswordFile)
+		if err != nil {
+			return nil, fmt.Errorf("kvstore: reading --kvstore-password-file: %w", err)
+		}
+		cfg.Username = c.cfg.KVStoreUsername
+		cfg.Password = strings.TrimRight(string(pw), "\r\n")
+	}
+
+	where := strings.Join(endpoints, ",")
+	dialCtx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreDialTimeout)
+	defer cancel()
+	cli, err := clientv3.New(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kvstore: connecting to etcd at %s: %w", where, flatError{err})
+	}
+	// clientv3.New does not wait for a connection: ask every endpoint for
+	// its status until one answers, bounded by the dial timeout, so that
+	// an unreachable etcd fails the start instead of the first request.
+	if err := c.probe(dialCtx, cli, endpoints); err != nil {
+		cli.Close()
+		// The probe's own error is mostly "deadline exceeded"; the last
+		// attempt's error says why (refused, TLS, auth).
+		c.mu.Lock()
+		last := c.lastErr
+		c.mu.Unlock()
+		if last != nil && last.Error() != err.Error() {
+			return nil, fmt.Errorf("kvstore: etcd at %s not reachable within %s: %w (last error: %s)",
+				where, c.cfg.KVStoreDialTimeout, flatError{err}, flatError{errors.New(rpctypes.ErrorDesc(last))})
+		}
+		return nil, fmt.Errorf("kvstore: etcd at %s not reachable within %s: %w", where, c.cfg.KVStoreDialTimeout, flatError{err})
+	}
+	return cli, nil
+}
+
+func (c *Client) probe(ctx context.Context, cli *clientv3.Client, endpoints []string) error {
+	errs := make(chan error, len(endpoints))
+	for _, ep := range endpoints {
+		go func() {
+			_, err := cli.Status(ctx, ep)
+			errs <- err
+		}()
+	}
+	var first error
+	for range endpoints {
+		err := <-errs
+		if err == nil {
+			return nil
+		}
+		if first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+func (c *Client) tlsConfig(endpoints []string) (*tls.Config, error) {
+	secure := c.cfg.KVStoreCAFile != "" || c.cfg.KVStoreCertFile != ""
+	for _, ep := range endpoints {
+		if strings.HasPrefix(ep, "https://") || strings.HasPrefix(ep, "unixs://") {
+			secure = true
+		}
+	}
+	if !secure {
+		return nil, nil
+	}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if c.cfg.KVStoreCAFile != "" {
+		ca, err := os.ReadFile(c.cfg.KVStoreCAFile)
+		if err != nil {
+			return nil, fmt.Errorf("kvstore: reading --kvstore-ca-file: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(ca) {
+			return nil, fmt.Errorf("kvstore: --kvstore-ca-file %s holds no PEM certificate", c.cfg.KVStoreCAFile)
+		}
+		cfg.RootCAs = pool
+	}
+	if c.cfg.KVStoreCertFile != "" {
+		cert, err := tls.LoadX509KeyPair(c.cfg.KVStoreCertFile, c.cfg.KVStoreKeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("kvstore: loading --kvstore-cert-file/--kvstore-key-file: %w", err)
+		}
+		cfg.Certificates = []tls.Certificate{cert}
+	}
+	return cfg, nil
+}
+
+// Stop revokes the node's lease, so that its keys vanish at once rather
+// than after the TTL, closes the client and stops the embedded etcd.
+func (c *Client) Stop(ctx cell.HookContext) error {
+	if err := c.RevokeLease(ctx); err != nil {
+		c.log.Warn("Revoking the node's etcd lease failed; its keys expire with the TTL", "error", err, "ttl", c.cfg.KVStoreLeaseTTL)
+	}
+	c.mu.Lock()
+	cli, e := c.cli, c.embedded
+	c.stopped = true
+	c.cli, c.embedded = nil, nil
+	c.mu.Unlock()
+
+	var err error
+	if cli != nil {
+		err = cli.Close()
+		if errors.Is(err, context.Canceled) {
+			err = nil
+		}
+	}
+	// Closing the client ends every keepalive stream.
+	c.wg.Wait()
+	if e != nil {
+		e.stop()
+	}
+	if err != nil {
+		return fmt.Errorf("kvstore: closing client: %w", err)
+	}
+	return nil
+}
+
+// Client returns the etcd client for transactions, reads and watches; nil
+// before Start and after Stop. Requests made through it are counted and
+// rate limited (see RequestCounts).
+func (c *Client) Client() *clientv3.Client {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cli
+}
+
+// NodeName is this node's name, the suffix of its reference keys.
+func (c *Client) NodeName() string { return c.cfg.NodeName }
+
+// Embedded reports whether the client talks to the embedded etcd.
+func (c *Client) Embedded() bool { return c.cfg.Embedded() }
+
+// Endpoints returns the etcd endpoints in use (the embedded etcd's address
+// once started).
+func (c *Client) Endpoints() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.endpoints == nil {
+		return append([]string(nil), c.cfg.KVStoreEndpoints...)
+	}
+	return append([]string(nil), c.endpoints...)
+}
+
+// RequestTimeout is the configured timeout for one request.
+func (c *Client) RequestTimeout() time.Duration { return c.cfg.KVStoreRequestTimeout }
+
+// LeaseTTL is the TTL of the node's lease.
+func (c *Client) LeaseTTL() time.Duration { return c.cfg.KVStoreLeaseTTL }
+
+// Lease returns the node's data lease, granting it on first use (or after
+// the previous one was lost) and keeping it alive until it is lost or
+// revoked. Keys written with it vanish when the node stops or dies.
+func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
+	c.grantMu.Lock()
+	defer c.grantMu.Unlock()
+
+	c.mu.Lock()
+	cli, cur, stopped := c.cli, c.lease, c.stopped
+	c.mu.Unlock()
+	switch {
+	case cur != nil:
+		return cur.id, nil
+	case stopped:
+		return 0, ErrStopped
+	case cli == nil:
+		return 0, ErrNotStarted
+	}
+
+	gctx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreRequestTimeout)
+	defer cancel()
+	resp, err := cli.Grant(gctx, int64(c.cfg.KVStoreLeaseTTL/time.Second))
+	if err != nil {
+		return 0, fmt.Errorf("kvstore: granting lease: %w", err)
+	}
+	// The keepalive outlives the caller's context: it ends when the lease
+	// is lost or revoked, or the client closes.
+	kctx, kcancel := context.WithCancel(context.Background())
+	ch, err := cli.KeepAlive(kctx, resp.ID)
+	if err != nil {
+		kcancel()
+		return 0, fmt.Errorf("kvstore: keeping lease %x alive: %w", int64(resp.ID), err)
+	}
+	l := &nodeLease{id: resp.ID, lost: make(chan struct{}), cancel: kcancel}
+	c.mu.Lock()
+	c.lease = l
+	c.mu.Unlock()
+	c.wg.Add(1)
+	go c.keepAlive(l, ch)
+	c.log.Debug("Granted etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)), "ttl", c.cfg.KVStoreLeaseTTL)
+	return l.id, nil
+}
+
+func (c *Client) keepAlive(l *nodeLease, ch <-chan *clientv3.LeaseKeepAliveResponse) {
+	defer c.wg.Done()
+	for range ch {
+	}
+	// The channel closes when the lease expired or was revoked (by us or
+	// anyone else), when etcd was unreachable for the whole TTL, or when
+	// the client closed.
+	c.leaseLost(l, "keepalive ended")
+}
+
+// leaseLost forgets l if it is current and wakes everyone waiting on it.
+func (c *Client) leaseLost(l *nodeLease, why string) {
+	c.mu.Lock()
+	current := c.lease == l
+	if current {
+		c.lease = nil
+	}
+	stopped := c.stopped
+	c.mu.Unlock()
+	l.cancel()
+	l.lostOnce.Do(func() {
+		close(l.lost)
+		if current && !stopped {
+			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
+				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
+		}
+	})
+}
+
+// LeaseLost returns a channel that is closed once lease id is lost or
+// revoked. It is closed already when id is not the current lease. After it
+// closes, Lease grants a new lease; keys written with the old one are gone.
+func (c *Client) LeaseLost(id clientv3.LeaseID) <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.lease != nil && c.lease.id == id {
+		return c.lease.lost
+	}
+	return closedChan
+}
+
+var closedChan = func() chan struct{} {
+	ch := make(chan struct{})
+	close(ch)
+	return ch
+}()
+
+// RevokeLease revokes the node's lease, deleting every key attached to it
+// at once. A later Lease call grants a new one.
+func (c *Client) RevokeLease(ctx context.Context) error {
+	c.grantMu.Lock()
+	defer c.grantMu.Unlock()
+	c.mu.Lock()
+	cli, l := c.cli, c.lease
+	c.mu.Unlock()
+	if l == nil || cli == nil {
+		return nil
+	}
+	c.leaseLost(l, "revoked")
+	rctx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreRequestTimeout)
+	defer cancel()
+	if _, err := cli.Revoke(rctx, l.id); err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		return fmt.Errorf("kvstore: revoking lease %x: %w", int64(l.id), err)
+	}
+	return nil
+}
+
+// currentLease returns the current lease or nil.
+func (c *Client) currentLease() *nodeLease {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lease
+}
+
+// RequestCounts returns how many RPCs this client sent, by gRPC method name
+// (Range, Txn, Put, DeleteRange, LeaseGrant, Status, ...; streams such as
+// Watch and LeaseKeepAlive count once per stream opened). Retries count as
+// separate requests: the figure is what etcd served.
+func (c *Client) RequestCounts() map[string]uint64 {
+	out := map[string]uint64{}
+	c.counts.Range(func(k, v any) bool {
+		out[k.(string)] = v.(*atomic.Uint64).Load()
+		return true
+	})
+	return out
+}
+
+func (c *Client) count(method string) {
+	name := method[strings.LastIndexByte(method, '/')+1:]
+	v, ok := c.counts.Load(name)
+	if !ok {
+		v, _ = c.counts.LoadOrStore(name, new(atomic.Uint64))
+	}
+	v.(*atomic.Uint64).Add(1)
+}
+
+// kvMethodPrefix is the gRPC service whose calls the rate limit applies to:
+// the reads and writes of data, not lease keepalives or status.
+const kvMethodPrefix = "/etcdserverpb.KV/"
+
+func (c *Client) unaryInterceptor(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	if c.limiter != nil && strings.HasPrefix(method, kvMethodPrefix) {
+		if err := c.limiter.Wait(ctx); err != nil {
+			return fmt.Errorf("kvstore: rate limit: %w", err)
+		}
+	}
+	c.count(method)
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	if err != nil {
+		c.noteError(req, err)
+	}
+	return err
+}
+
+func (c *Client) streamInterceptor(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	c.count(method)
+	s, err := streamer(ctx, desc, cc, method, opts...)
+	if err != nil {
+		c.noteError(nil, err)
+	}
+	return s, err
+}
+
+// noteError records the last error for Status and notices a lost lease as
+// soon as a write using it is refused, rather than at the next keepalive,
+// which may be minutes away.
+func (c *Client) noteError(req any, err error) {
+	if errors.Is(err, context.Canceled) {
+		return
+	}
+	c.mu.Lock()
+	c.lastErr = err
+	c.mu.Unlock()
+	if rpctypes.ErrorDesc(err) != rpctypes.ErrorDesc(rpctypes.ErrGRPCLeaseNotFound) {
+		return
+	}
+	if l := c.currentLease(); l != nil && usesLease(req, l.id) {
+		c.leaseLost(l, "etcd refused a write with it: lease not found")
+	}
+}
+
+func usesLease(req any, id clientv3.LeaseID) bool {
+	switch r := req.(type) {
+	case *pb.PutRequest:
+		return r.Lease == int64(id)
+	case *pb.TxnRequest:
+		for _, ops := range [][]*pb.RequestOp{r.Success, r.Failure} {
+			for _, op := range ops {
+				if p := op.GetRequestPut(); p != nil && p.Lease == int64(id) {
+					return true
+				}
+				if t := op.GetRequestTxn(); t != nil && usesLease(t, id) {
+					return true
+				}
+			}
+		}
+	case *pb.LeaseTimeToLiveRequest:
+		return r.ID == int64(id)
+	case *pb.LeaseKeepAliveRequest:
+		return r.ID == int64(id)
+	}
+	return false
+}
+
+// flatError keeps start errors to one readable line (gRPC errors may carry
+// newlines) while errors.Is still sees the cause.
+type flatError struct{ err error }
+
+func (e flatError) Error() string { return strings.Join(strings.Fields(e.err.Error()), " ") }
+func (e flatError) Unwrap() error { return e.err }

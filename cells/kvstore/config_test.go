@@ -1,0 +1,94 @@
+package kvstore_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/spf13/pflag"
+
+	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/statedir"
+)
+
+func TestConfigValidate(t *testing.T) {
+	valid := kvstore.DefaultConfig
+	valid.NodeName = "node-1"
+	tests := []struct {
+		name    string
+		change  func(*kvstore.Config)
+		wantErr string // substring; empty: valid
+	}{
+		{"default", func(*kvstore.Config) {}, ""},
+		{"external", func(c *kvstore.Config) { c.KVStoreEndpoints = []string{"https://10.0.0.1:2379"} }, ""},
+		{"ttl minimum", func(c *kvstore.Config) { c.KVStoreLeaseTTL = 25 * time.Second }, ""},
+		{"ttl maximum", func(c *kvstore.Config) { c.KVStoreLeaseTTL = 24 * time.Hour }, ""},
+		{"ttl too short", func(c *kvstore.Config) { c.KVStoreLeaseTTL = 24 * time.Second }, "--kvstore-lease-ttl 24s is out of range: must be between 25s and 24h0m0s"},
+		{"ttl too long", func(c *kvstore.Config) { c.KVStoreLeaseTTL = 25 * time.Hour }, "--kvstore-lease-ttl"},
+		{"no dial timeout", func(c *kvstore.Config) { c.KVStoreDialTimeout = 0 }, "--kvstore-dial-timeout"},
+		{"no request timeout", func(c *kvstore.Config) { c.KVStoreRequestTimeout = -time.Second }, "--kvstore-request-timeout"},
+		{"negative rate", func(c *kvstore.Config) { c.KVStoreRateLimit = -1 }, "--kvstore-rate-limit"},
+		{"empty node name", func(c *kvstore.Config) { c.NodeName = "" }, "--node-name must not be empty"},
+		{"slash in node name", func(c *kvstore.Config) { c.NodeName = "a/b" }, "must not contain '/'"},
+		{"control char in node name", func(c *kvstore.Config) { c.NodeName = "a\nb" }, "control"},
+		{"invalid utf8 node name", func(c *kvstore.Config) { c.NodeName = "a\xffb" }, "control"},
+		{"bad endpoint", func(c *kvstore.Config) { c.KVStoreEndpoints = []string{"not a url"} }, "--kvstore-endpoints"},
+		{"cert without key", func(c *kvstore.Config) {
+			c.KVStoreEndpoints = []string{"https://h:1"}
+			c.KVStoreCertFile = "c.pem"
+		}, "must be given together"},
+		{"user without password", func(c *kvstore.Config) {
+			c.KVStoreEndpoints = []string{"http://h:1"}
+			c.KVStoreUsername = "u"
+		}, "--kvstore-password-file must be given together"},
+		{"tls with embedded", func(c *kvstore.Config) { c.KVStoreCAFile = "ca.pem" }, "--kvstore-ca-file needs --kvstore-endpoints"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := valid
+			tt.change(&cfg)
+			err := cfg.Validate()
+			switch {
+			case tt.wantErr == "" && err != nil:
+				t.Fatalf("unexpected error: %v", err)
+			case tt.wantErr != "" && err == nil:
+				t.Fatalf("no error, want %q", tt.wantErr)
+			case tt.wantErr != "" && !strings.Contains(err.Error(), tt.wantErr):
+				t.Fatalf("error %q does not contain %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// TestFlags checks that every config field has its flag and that flags
+// reach the config, by running the cell's config through a hive.
+func TestFlags(t *testing.T) {
+	var got kvstore.Config
+	h := hive.New(statedir.Cell, kvstore.Cell, cell.Invoke(func(c kvstore.Config) { got = c }))
+	flags := pflag.NewFlagSet("test", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	for _, name := range []string{
+		"kvstore-endpoints", "kvstore-ca-file", "kvstore-cert-file", "kvstore-key-file",
+		"kvstore-username", "kvstore-password-file", "kvstore-lease-ttl", "kvstore-dial-timeout",
+		"kvstore-request-timeout", "kvstore-rate-limit", "node-name",
+	} {
+		if flags.Lookup(name) == nil {
+			t.Errorf("flag --%s missing", name)
+		}
+	}
+	if err := flags.Parse([]string{
+		"--kvstore-endpoints=http://a:1,http://b:2", "--kvstore-lease-ttl=1m",
+		"--kvstore-rate-limit=2.5", "--node-name=n1",
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Populate(hivetest.Logger(t)); err != nil {
+		t.Fatal(err)
+	}
+	if len(got.KVStoreEndpoints) != 2 || got.KVStoreLeaseTTL != time.Minute || got.KVStoreRateLimit != 2.5 || got.NodeName != "n1" {
+		t.Fatalf("flags not applied: %+v", got)
+	}
+}
