@@ -1,0 +1,337 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/statedir"
+)
+
+// Checkpoint keeps the checkpoint file in step with the allocator's local
+// identities. It observes the allocator and asks for a write on every
+// local allocation and every release to zero, coalescing the writes to at
+// most one per interval; it writes once more on stop. Every method is safe
+// for concurrent use.
+type Checkpoint struct {
+	log      *slog.Logger
+	path     string
+	interval time.Duration
+	jobs     job.Group
+
+	// attached is set once the allocator is known; alloc is written once
+	// before start and read afterwards.
+	attached atomic.Bool
+	alloc    allocator.Allocator
+
+	// dirty says a change was observed since the last write began; wake
+	// (capacity 1) tells the trigger loop about it.
+	dirty atomic.Bool
+	wake  chan struct{}
+	// changed says the allocator changed a local identity during this
+	// run, or this run wrote the file.
+	changed atomic.Bool
+	// startedAt delays the first triggered write, see run.
+	startedAt time.Time
+
+	// mu serializes writes and guards the fields below.
+	mu sync.Mutex
+	// buf is reused by every write: the encoding of a large state is
+	// megabytes, and a fresh buffer each interval only feeds the GC.
+	buf    []byte
+	status Status
+	// blocked holds the error that forbids writing: a bad file that
+	// could not be kept aside must not be overwritten.
+	blocked error
+	// fault injects failures into the steps of a write, for tests.
+	fault func(step string) error
+
+	loads, corrupt, invalidEntries, writes, writeFailures atomic.Uint64
+}
+
+type params struct {
+	cell.In
+
+	Log    *slog.Logger
+	Config Config
+	Dir    *statedir.Dir
+	Jobs   job.Registry
+	Health cell.Health
+}
+
+func newCheckpoint(p params) (*Checkpoint, error) {
+	if err := p.Config.Validate(); err != nil {
+		return nil, err
+	}
+	return &Checkpoint{
+		log:      p.Log,
+		path:     p.Dir.Join(FileName),
+		interval: p.Config.IdentityCheckpointInterval,
+		jobs:     p.Jobs.NewGroup(p.Health),
+		wake:     make(chan struct{}, 1),
+	}, nil
+}
+
+// attach connects the checkpoint to the allocator and registers its
+// hooks. It is called from the allocator's decorator, right after the
+// allocator's constructor, so that the stop hook appended here runs after
+// those of all the allocator's users.
+func (c *Checkpoint) attach(a allocator.Allocator, lc cell.Lifecycle) {
+	if c.attached.Swap(true) {
+		return
+	}
+	c.alloc = a
+	lc.Append(c)
+	// Appended after the checkpoint's own hook, the trigger loop stops
+	// before the final write, which thus never races with it.
+	c.jobs.Add(job.OneShot("checkpoint-trigger", c.run))
+}
+
+// Path returns the checkpoint file's path.
+func (c *Checkpoint) Path() string { return c.path }
+
+// Start implements cell.HookInterface.
+func (c *Checkpoint) Start(cell.HookContext) error {
+	c.startedAt = time.Now()
+	return nil
+}
+
+// Stop writes the final checkpoint, after every cell that can still
+// allocate or release has stopped. A run that saw no local change, did not
+// write and holds no local identity leaves the file alone: an agent that
+// fails to start before restoration loaded the file must not replace it
+// with an empty state. (Local identities exist only if this run allocated
+// them, which counts as a change even when the allocator's event for it is
+// still on its way.)
+func (c *Checkpoint) Stop(cell.HookContext) error {
+	if !c.changed.Load() && !c.dirty.Load() && c.alloc != nil && len(c.alloc.LocalIdentities()) == 0 {
+		c.log.Debug("No local identity changed, checkpoint left as is", "file", c.path)
+		return nil
+	}
+	if _, err := c.Write(); err != nil {
+		return fmt.Errorf("final checkpoint: %w", err)
+	}
+	return nil
+}
+
+// request marks the state dirty and wakes the trigger loop.
+func (c *Checkpoint) request() {
+	c.changed.Store(true)
+	c.dirty.Store(true)
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// run observes the allocator and writes when asked, at most once per
+// interval. The initial replay of the allocator's state counts as one
+// change if it holds local identities (they can only have been allocated
+// by this run). The first write waits one interval after start,
+// so that restoration has loaded the old file before anything replaces it.
+func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
+	var synced, replayedLocal atomic.Bool
+	observed := make(chan error, 1)
+	c.alloc.Observe(ctx,
+		func(ch allocator.Change) {
+			switch {
+			case ch.Kind == allocator.ChangeSync:
+				synced.Store(true)
+				// Local identities in the replay were allocated
+				// after start but before this subscription: one
+				// request covers them all.
+				if replayedLocal.Load() {
+					c.request()
+				}
+			case !ch.ID.HasLocalScope():
+			case synced.Load():
+				c.request()
+			default:
+				replayedLocal.Store(true)
+			}
+		},
+		func(err error) { observed <- err })
+
+	health.OK("Waiting for local identity changes")
+	var (
+		timer  *time.Timer
+		timerC <-chan time.Time
+	)
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			<-observed
+			return nil
+		case err := <-observed:
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("allocator changes ended: %w", errOrEOF(err))
+		case <-c.wake:
+			if timerC != nil {
+				continue
+			}
+			if wait := c.nextWrite().Sub(time.Now()); wait > 0 {
+				timer = time.NewTimer(wait)
+				timerC = timer.C
+				continue
+			}
+			c.triggeredWrite(health)
+		case <-timerC:
+			timer, timerC = nil, nil
+			c.triggeredWrite(health)
+		}
+	}
+}
+
+func errOrEOF(err error) error {
+	if err == nil {
+		return errors.New("stream completed")
+	}
+	return err
+}
+
+// nextWrite is the earliest time of the next triggered write.
+func (c *Checkpoint) nextWrite() time.Time {
+	c.mu.Lock()
+	last := c.status.LastWrite
+	c.mu.Unlock()
+	if c.startedAt.After(last) {
+		last = c.startedAt
+	}
+	return last.Add(c.interval)
+}
+
+func (c *Checkpoint) triggeredWrite(health cell.Health) {
+	if !c.dirty.Load() {
+		// A write since the request (a command) already took it.
+		return
+	}
+	st, err := c.Write()
+	if err != nil {
+		c.log.Error("Checkpoint write failed", "file", c.path, "error", err)
+		health.Degraded("Checkpoint write failed", err)
+		return
+	}
+	health.OK(fmt.Sprintf("Wrote %d identities", st.Entries))
+}
+
+// Write writes a snapshot of the allocator's local identities now.
+func (c *Checkpoint) Write() (Status, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.blocked != nil {
+		return c.status, c.blocked
+	}
+	if c.alloc == nil {
+		return c.status, errors.New("checkpoint is not attached to an allocator")
+	}
+	// Cleared before the snapshot, so that a change racing with it asks
+	// for another write.
+	c.dirty.Store(false)
+	t0 := time.Now()
+	ids := c.alloc.LocalIdentities()
+	c.buf = AppendJSON(c.buf[:0], ids)
+	err := writeFile(c.path, c.buf, c.fault)
+	d := time.Since(t0)
+	if err != nil {
+		c.writeFailures.Add(1)
+		c.dirty.Store(true)
+		c.status.LastError = fmt.Errorf("write checkpoint %s: %w", c.path, err)
+		c.status.LastErrorTime = t0
+		return c.status, c.status.LastError
+	}
+	c.changed.Store(true)
+	c.writes.Add(1)
+	n := 0
+	for _, id := range ids {
+		if id != nil && id.ID.HasLocalScope() {
+			n++
+		}
+	}
+	c.status.LastWrite = t0
+	c.status.Duration = d
+	c.status.Size = int64(len(c.buf))
+	c.status.Entries = n
+	c.status.LastError = nil
+	c.log.Debug("Checkpoint written", "file", c.path, "identities", n, "bytes", len(c.buf), "duration", d)
+	return c.status, nil
+}
+
+// Load reads the checkpoint for restoration; see Loader.Load. It must run
+// before the allocator hands out new local IDs and before the first write
+// (which the trigger delays by one interval after start). When a bad file
+// could not be kept aside, writing is disabled so that it is never lost.
+func (c *Checkpoint) Load() (LoadResult, error) {
+	res, err := Loader{Log: c.log}.Load(c.path)
+	c.loads.Add(1)
+	if res.Report.Corrupt != nil {
+		c.corrupt.Add(1)
+	}
+	c.invalidEntries.Add(uint64(len(res.Report.Invalid)))
+	if err != nil {
+		c.mu.Lock()
+		c.blocked = fmt.Errorf("writing disabled: %w", err)
+		c.mu.Unlock()
+	}
+	return res, err
+}
+
+// Status is the state of the checkpoint, for health and metrics.
+type Status struct {
+	// LastWrite is the start of the last successful write (zero if none).
+	LastWrite time.Time
+	// Duration is how long that write took: snapshot, encoding and the
+	// atomic write with its fsyncs.
+	Duration time.Duration
+	// Size is the file's size in bytes after that write.
+	Size int64
+	// Entries is the number of identities it holds.
+	Entries int
+	// LastError is the error of the last write if it failed, else nil.
+	LastError error
+	// LastErrorTime is when that write began.
+	LastErrorTime time.Time
+	// Pending says a change waits for the next write.
+	Pending bool
+	// Counters count events since the agent started.
+	Counters Counters
+}
+
+// Counters count the checkpoint's events, for metrics.
+type Counters struct {
+	Writes         uint64
+	WriteFailures  uint64
+	Loads          uint64
+	CorruptFiles   uint64
+	InvalidEntries uint64
+}
+
+// Status returns the checkpoint's status.
+func (c *Checkpoint) Status() Status {
+	c.mu.Lock()
+	st := c.status
+	c.mu.Unlock()
+	st.Pending = c.dirty.Load()
+	st.Counters = Counters{
+		Writes:         c.writes.Load(),
+		WriteFailures:  c.writeFailures.Load(),
+		Loads:          c.loads.Load(),
+		CorruptFiles:   c.corrupt.Load(),
+		InvalidEntries: c.invalidEntries.Load(),
+	}
+	return st
+}

@@ -1,0 +1,100 @@
+package checkpoint
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/script"
+
+	"github.com/identityd/identityd/identity"
+)
+
+func newCommands(c *Checkpoint) hive.ScriptCmdsOut {
+	return hive.NewScriptCmds(map[string]script.Cmd{
+		"checkpoint/write": writeCmd(c),
+		"checkpoint/show":  showCmd(c),
+	})
+}
+
+func writeCmd(c *Checkpoint) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Write the local identity checkpoint now",
+			Detail: []string{
+				"Writes a snapshot of the allocator's local identities to the",
+				"checkpoint file at once, without waiting for the interval.",
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) != 0 {
+				return nil, script.ErrUsage
+			}
+			st, err := c.Write()
+			if err != nil {
+				return nil, err
+			}
+			out := fmt.Sprintf("wrote %d identities (%d bytes) to %s in %s\n", st.Entries, st.Size, c.Path(), st.Duration)
+			return stdout(out), nil
+		},
+	)
+}
+
+func showCmd(c *Checkpoint) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Show the identities in the checkpoint file",
+			Args:    "[file]",
+			Detail: []string{
+				"Prints the identities of the checkpoint file as a table,",
+				"followed by the entries that would not be restored. The file",
+				"is read, never modified. Without an argument it is the agent's",
+				"checkpoint.",
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			path := c.Path()
+			switch len(args) {
+			case 0:
+			case 1:
+				path = s.Path(args[0])
+			default:
+				return nil, script.ErrUsage
+			}
+			data, _, err := readBounded(path, MaxFileSize)
+			if errors.Is(err, fs.ErrNotExist) {
+				return stdout(fmt.Sprintf("no checkpoint at %s\n", path)), nil
+			}
+			if err != nil {
+				return nil, fmt.Errorf("read %s: %w", path, err)
+			}
+			ids, invalid, err := Decode(data)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", path, err)
+			}
+			// Files written by other agents may be in any order.
+			slices.SortFunc(ids, func(a, b identity.Identity) int { return cmp.Compare(a.ID, b.ID) })
+			var b strings.Builder
+			tw := tabwriter.NewWriter(&b, 5, 0, 3, ' ', 0)
+			fmt.Fprintln(tw, "ID\tScope\tLabels")
+			for _, id := range ids {
+				fmt.Fprintf(tw, "%d\t%s\t%s\n", id.ID, id.ID.Scope(), id.Labels)
+			}
+			tw.Flush()
+			for _, e := range invalid {
+				fmt.Fprintf(&b, "invalid %s\n", e)
+			}
+			return stdout(b.String()), nil
+		},
+	)
+}
+
+// stdout makes out the command's standard output, which scripts can match.
+func stdout(out string) script.WaitFunc {
+	return func(*script.State) (string, string, error) { return out, "", nil }
+}
