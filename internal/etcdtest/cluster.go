@@ -89,6 +89,9 @@ type Member struct {
 	done   chan struct{}
 	exit   *error // written by the waiter before done is closed
 	paused bool
+	// logStart is where the current process's output begins in the log,
+	// so that a failure is diagnosed from this run's lines only.
+	logStart int64
 }
 
 // StartSingle starts a one-member cluster and waits until it serves.
@@ -307,6 +310,33 @@ func (c *Cluster) WaitLeader(tb testing.TB) {
 	}
 }
 
+// Leader returns the index of the member that is the leader, waiting for
+// one to be elected.
+func (c *Cluster) Leader(tb testing.TB) int {
+	tb.Helper()
+	cli := c.Client(tb)
+	ctx, cancel := context.WithTimeout(context.Background(), c.opts.readyTimeout)
+	defer cancel()
+	for {
+		for i, m := range c.members {
+			if !m.Running() {
+				continue
+			}
+			sctx, scancel := context.WithTimeout(ctx, time.Second)
+			resp, err := cli.Status(sctx, m.clientURL)
+			scancel()
+			if err == nil && resp.Leader != 0 && resp.Leader == resp.Header.GetMemberId() {
+				return i
+			}
+		}
+		select {
+		case <-ctx.Done():
+			tb.Fatalf("etcdtest: no leader: %v", ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
 func (c *Cluster) killAll() {
 	for _, m := range c.members {
 		m.Kill()
@@ -392,6 +422,7 @@ func (m *Member) Pause() {
 	defer m.mu.Unlock()
 	if m.cmd != nil && !m.exited() {
 		m.cmd.Process.Signal(syscall.SIGSTOP)
+		waitStopped(m.cmd.Process.Pid)
 		m.paused = true
 	}
 }
@@ -438,6 +469,10 @@ func (m *Member) spawn() error {
 		return fmt.Errorf("opening log of %s: %w", m.name, err)
 	}
 	defer logf.Close()
+	var logStart int64
+	if fi, err := logf.Stat(); err == nil {
+		logStart = fi.Size()
+	}
 	fmt.Fprintf(logf, "=== etcdtest: starting %s at %s\n", m.name, time.Now().Format(time.RFC3339Nano))
 	cmd := exec.Command(m.c.bin, m.args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
@@ -448,7 +483,7 @@ func (m *Member) spawn() error {
 	done := make(chan struct{})
 	exit := new(error)
 	m.mu.Lock()
-	m.cmd, m.done, m.exit, m.paused = cmd, done, exit, false
+	m.cmd, m.done, m.exit, m.paused, m.logStart = cmd, done, exit, false, logStart
 	m.mu.Unlock()
 	go func() {
 		*exit = cmd.Wait()
@@ -475,33 +510,43 @@ func (m *Member) waitReady(ctx context.Context, needLeader bool) error {
 		return err
 	}
 	cfg.Endpoints = []string{m.clientURL}
-	cli, err := clientv3.New(cfg)
-	if err != nil {
-		return fmt.Errorf("client for %s: %w", m.name, err)
-	}
-	defer cli.Close()
+	cfg.DialTimeout = time.Second
+	// With auth, creating a client already needs the server (for the
+	// token), so it is retried like the status request.
+	var cli *clientv3.Client
+	defer func() {
+		if cli != nil {
+			cli.Close()
+		}
+	}()
 
 	m.mu.Lock()
-	done, exit := m.done, m.exit
+	done, exit, logStart := m.done, m.exit, m.logStart
 	m.mu.Unlock()
 	var lastErr error
 	for {
 		select {
 		case <-done:
-			if strings.Contains(tailFile(m.logPath, 8<<10), "address already in use") {
+			if strings.Contains(readFrom(m.logPath, logStart), "address already in use") {
 				return fmt.Errorf("member %s: %w", m.name, errPortClash)
 			}
 			return fmt.Errorf("member %s exited before serving (%v); log:\n%s", m.name, *exit, tailFile(m.logPath, 4<<10))
 		default:
 		}
-		sctx, cancel := context.WithTimeout(ctx, time.Second)
-		resp, err := cli.Status(sctx, m.clientURL)
-		cancel()
-		if err == nil && (!needLeader || resp.Leader != 0) {
-			return nil
+		if cli == nil {
+			cli, err = clientv3.New(cfg)
 		}
-		if err == nil {
-			err = errors.New("no leader")
+		if cli != nil {
+			sctx, cancel := context.WithTimeout(ctx, time.Second)
+			var resp *clientv3.StatusResponse
+			resp, err = cli.Status(sctx, m.clientURL)
+			cancel()
+			if err == nil && (!needLeader || resp.Leader != 0) {
+				return nil
+			}
+			if err == nil {
+				err = errors.New("no leader")
+			}
 		}
 		lastErr = err
 		select {
@@ -544,5 +589,16 @@ func tailFile(path string, n int64) string {
 		f.Seek(fi.Size()-n, io.SeekStart)
 	}
 	b, _ := io.ReadAll(f)
+	return string(b)
+}
+
+func readFrom(path string, offset int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	f.Seek(offset, io.SeekStart)
+	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
 	return string(b)
 }

@@ -2,6 +2,8 @@ package etcdtest_test
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"testing"
 	"time"
 
@@ -13,12 +15,22 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
+// put retries: right after a member loss a write may time out while a new
+// leader is elected.
 func put(t *testing.T, cli *clientv3.Client, key, val string) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-	defer cancel()
-	if _, err := cli.Put(ctx, key, val); err != nil {
-		t.Fatalf("put %s: %v", key, err)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		_, err := cli.Put(ctx, key, val)
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("put %s: %v", key, err)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
 
@@ -71,19 +83,22 @@ func TestClusterSurvivesMemberLoss(t *testing.T) {
 	cli := c.Client(t)
 	put(t, cli, "a", "1")
 
-	c.Member(0).Kill()
+	leader := c.Leader(t)
+	c.Member(leader).Kill()
 	put(t, cli, "b", "2")
 
-	c.Member(1).Pause()
+	follower := (leader + 1) % 3
+	c.Member(follower).Pause()
 	// Two of three down: no quorum, writes must time out.
 	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
 	_, err := cli.Put(ctx, "c", "3")
 	cancel()
 	if err == nil {
-		t.Fatal("write succeeded without quorum")
+		st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", c.Member(follower).PID()))
+		t.Fatalf("write succeeded without quorum (leader %d killed, running %v, follower %d paused: %s)", leader, c.Member(leader).Running(), follower, st)
 	}
-	c.Member(1).Resume()
-	c.Member(0).Restart()
+	c.Member(follower).Resume()
+	c.Member(leader).Restart()
 	c.WaitLeader(t)
 	put(t, cli, "c", "3")
 	if got := get(t, cli, "b"); got != "2" {
@@ -122,5 +137,11 @@ func TestTLSAndAuth(t *testing.T) {
 	authed := c.Client(t)
 	if got := get(t, authed, "k"); got != "v" {
 		t.Fatalf("got %q, want v", got)
+	}
+	// Restarting waits with credentials; auth stays on.
+	c.Member(0).Restart()
+	c.WaitLeader(t)
+	if got := get(t, authed, "k"); got != "v" {
+		t.Fatalf("after restart got %q, want v", got)
 	}
 }

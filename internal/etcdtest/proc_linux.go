@@ -1,8 +1,12 @@
 package etcdtest
 
 import (
+	"bytes"
+	"fmt"
+	"os"
 	"os/exec"
 	"syscall"
+	"time"
 )
 
 // setDeathSignal makes the kernel kill the server when the test binary dies
@@ -10,4 +14,22 @@ import (
 // behind holding ports and CPU.
 func setDeathSignal(cmd *exec.Cmd) {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+}
+
+// waitStopped waits until the kernel reports the process stopped: SIGSTOP
+// takes effect asynchronously, and a test that pauses a member must not
+// have it serve one more request after Pause returns.
+func waitStopped(pid int) {
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return
+		}
+		// The state follows the parenthesized command name.
+		if i := bytes.LastIndexByte(stat, ')'); i >= 0 && i+2 < len(stat) && stat[i+2] == 'T' {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
 }

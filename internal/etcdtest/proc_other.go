@@ -5,3 +5,5 @@ package etcdtest
 import "os/exec"
 
 func setDeathSignal(*exec.Cmd) {}
+
+func waitStopped(int) {}
