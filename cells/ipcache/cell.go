@@ -1,0 +1,99 @@
+package ipcache
+
+import (
+	"log/slog"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"golang.org/x/time/rate"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/internal/ipcachemap"
+)
+
+// Cell provides *IPCache, the read-only ipcache table
+// (statedb.Table[*Entry]) and the ipcache/* shell commands. It needs
+// allocator.Allocator, *statedir.Dir, statedb, jobs and health.
+var Cell = cell.Module(
+	"ipcache",
+	"Prefix to identity cache and its datapath map",
+
+	cell.Config(DefaultConfig),
+	cell.ProvidePrivate(
+		NewTable,
+		func(r job.Registry, h cell.Health) job.Group { return r.NewGroup(h) },
+	),
+	cell.Provide(
+		statedb.RWTable[*Entry].ToTable,
+		newIPCache,
+		newCommands,
+	),
+)
+
+type params struct {
+	cell.In
+
+	Config     Config
+	Log        *slog.Logger
+	DB         *statedb.DB
+	Table      statedb.RWTable[*Entry]
+	Allocator  allocator.Allocator
+	Dir        *statedir.Dir
+	Lifecycle  cell.Lifecycle
+	Jobs       job.Group
+	Reconciler reconciler.Params
+}
+
+func newIPCache(p params) (*IPCache, error) {
+	if err := p.Config.Validate(); err != nil {
+		return nil, err
+	}
+	c := &IPCache{
+		log:   p.Log,
+		db:    p.DB,
+		table: p.Table,
+		alloc: p.Allocator,
+		mapConfig: ipcachemap.Config{
+			Kind:       ipcachemap.Kind(p.Config.IPCacheMap),
+			PinPath:    p.Config.IPCacheMapPinPath,
+			MaxEntries: p.Config.IPCacheMapMaxEntries,
+			FilePath:   p.Dir.Join(ipcachemap.FileName),
+		},
+		dualStack: p.Config.IPCacheDualStack,
+		ready:     make(chan struct{}),
+		syncNow:   make(chan struct{}, 1),
+		stop:      make(chan struct{}),
+	}
+	// The table stays uninitialized, and the map unpruned, until every
+	// start hook has run; other initializers (restoration) extend that.
+	wtxn := p.DB.WriteTxn(p.Table)
+	c.selfDone = p.Table.RegisterInitializer(wtxn, selfInitializer)
+	wtxn.Commit()
+
+	// The hook is appended before the reconciler's jobs, so the map is
+	// open before they start (and they stop before it is closed, as job
+	// hooks stop first).
+	p.Lifecycle.Append(c)
+
+	rec, err := reconciler.Register(
+		p.Reconciler,
+		p.Table,
+		(*Entry).clone,
+		(*Entry).setStatus,
+		(*Entry).getStatus,
+		ops{c},
+		ops{c},
+		reconciler.WithPruning(pruneInterval),
+		reconciler.WithRefreshing(0, nil),
+		reconciler.WithRoundLimits(roundSize, rate.NewLimiter(roundsPerSecond, 1)),
+	)
+	if err != nil {
+		return nil, err
+	}
+	c.rec = rec
+	p.Jobs.Add(job.OneShot("ipcache-map-sync", c.syncLoop))
+	return c, nil
+}

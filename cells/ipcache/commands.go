@@ -1,0 +1,271 @@
+package ipcache
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/script"
+	"github.com/spf13/pflag"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/internal/shellfmt"
+	"github.com/identityd/identityd/labels"
+)
+
+// DefaultShellOwner is the owner of contributions made from the shell.
+const DefaultShellOwner ResourceID = "shell"
+
+func newCommands(c *IPCache) hive.ScriptCmdsOut {
+	return hive.NewScriptCmds(map[string]script.Cmd{
+		"ipcache/upsert":   upsertCmd(c),
+		"ipcache/delete":   deleteCmd(c),
+		"ipcache/lookup":   lookupCmd(c),
+		"ipcache/list":     listCmd(c),
+		"ipcache/map-dump": mapDumpCmd(c),
+	})
+}
+
+func render[T shellfmt.Tabular](fs *pflag.FlagSet, objs []T) (script.WaitFunc, error) {
+	format, err := shellfmt.Format(fs)
+	if err != nil {
+		return nil, err
+	}
+	out, err := shellfmt.Render(format, objs)
+	if err != nil {
+		return nil, err
+	}
+	return func(*script.State) (string, string, error) { return out, "", nil }, nil
+}
+
+// parsePrefix accepts a prefix or a bare address (a /32 or /128).
+func parsePrefix(s string) (netip.Prefix, error) {
+	if strings.Contains(s, "/") {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return p, fmt.Errorf("%w: %w", ErrInvalidPrefix, err)
+		}
+		return p, nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("%w: %w", ErrInvalidPrefix, err)
+	}
+	return netip.PrefixFrom(a, a.BitLen()), nil
+}
+
+func parsePrefixes(args []string) ([]netip.Prefix, error) {
+	out := make([]netip.Prefix, len(args))
+	for i, a := range args {
+		p, err := parsePrefix(a)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = p
+	}
+	return out, nil
+}
+
+func upsertCmd(c *IPCache) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Set an owner's contribution (labels, requested ID or direct identity) to prefixes",
+			Args:    "prefix...",
+			Detail: []string{
+				"Replaces what the owner said about each prefix before. Examples:",
+				"  ipcache/upsert 10.0.0.0/8 2001:db8::/32      (plain CIDR identities)",
+				"  ipcache/upsert --owner=kube --labels=reserved:kube-apiserver 192.168.0.1",
+				"  ipcache/upsert --owner=restored --requested-id=16777300 192.0.2.0/24",
+				"  ipcache/upsert --owner=endpoints --identity=1234 --tunnel-endpoint=10.1.0.1 10.2.0.5",
+				"A direct --identity wins over labels; see the package documentation.",
+			},
+			Flags: func(fs *pflag.FlagSet) {
+				shellfmt.AddFlag(fs)
+				fs.String("owner", string(DefaultShellOwner), "Resource ID of the owner")
+				fs.String("labels", "", "Comma-separated labels, source:key=value")
+				fs.Uint32("requested-id", 0, "Numeric identity to ask for when no owner gives labels")
+				fs.Uint32("identity", 0, "Direct identity (no allocation)")
+				fs.String("tunnel-endpoint", "", "IPv4 tunnel endpoint (with --identity)")
+				fs.Uint8("encrypt-key", 0, "Encryption key index (with --identity)")
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) == 0 {
+				return nil, script.ErrUsage
+			}
+			prefixes, err := parsePrefixes(args)
+			if err != nil {
+				return nil, err
+			}
+			owner, _ := s.Flags.GetString("owner")
+			var info Info
+			if l, _ := s.Flags.GetString("labels"); l != "" {
+				if info.Labels, err = labels.ParseList(l); err != nil {
+					return nil, err
+				}
+			}
+			req, _ := s.Flags.GetUint32("requested-id")
+			id, _ := s.Flags.GetUint32("identity")
+			info.RequestedID, info.Identity = identity.NumericIdentity(req), identity.NumericIdentity(id)
+			if te, _ := s.Flags.GetString("tunnel-endpoint"); te != "" {
+				if info.TunnelEndpoint, err = netip.ParseAddr(te); err != nil {
+					return nil, fmt.Errorf("invalid tunnel endpoint: %w", err)
+				}
+			}
+			info.EncryptKey, _ = s.Flags.GetUint8("encrypt-key")
+			updates := make([]Update, len(prefixes))
+			for i, p := range prefixes {
+				updates[i] = Update{Prefix: p, Info: info}
+			}
+			if err := c.UpsertBatch(s.Context(), ResourceID(owner), updates); err != nil {
+				return nil, err
+			}
+			var rows []*Entry
+			for _, p := range prefixes {
+				if e, ok := c.LookupPrefix(p); ok {
+					rows = append(rows, e)
+				}
+			}
+			return render(s.Flags, rows)
+		},
+	)
+}
+
+func deleteCmd(c *IPCache) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Remove an owner's contributions to prefixes, or all of them with --all",
+			Args:    "prefix...",
+			Flags: func(fs *pflag.FlagSet) {
+				fs.String("owner", string(DefaultShellOwner), "Resource ID of the owner")
+				fs.Bool("all", false, "Remove every contribution of the owner")
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			owner, _ := s.Flags.GetString("owner")
+			all, _ := s.Flags.GetBool("all")
+			if all {
+				if len(args) > 0 {
+					return nil, errors.New("--all takes no prefixes")
+				}
+				n, err := c.RemoveOwner(s.Context(), ResourceID(owner))
+				if err != nil {
+					return nil, err
+				}
+				msg := fmt.Sprintf("removed %d prefixes of owner %s\n", n, owner)
+				return func(*script.State) (string, string, error) { return msg, "", nil }, nil
+			}
+			if len(args) == 0 {
+				return nil, script.ErrUsage
+			}
+			prefixes, err := parsePrefixes(args)
+			if err != nil {
+				return nil, err
+			}
+			return nil, c.Remove(s.Context(), ResourceID(owner), prefixes...)
+		},
+	)
+}
+
+func lookupCmd(c *IPCache) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Find the longest prefix that contains an address",
+			Args:    "ip",
+			Flags:   shellfmt.AddFlag,
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) != 1 {
+				return nil, script.ErrUsage
+			}
+			addr, err := netip.ParseAddr(args[0])
+			if err != nil {
+				return nil, fmt.Errorf("invalid address: %w", err)
+			}
+			e, ok := c.Lookup(addr)
+			if !ok {
+				return nil, fmt.Errorf("no prefix contains %s", addr)
+			}
+			return render(s.Flags, []*Entry{e})
+		},
+	)
+}
+
+func listCmd(c *IPCache) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "List the ipcache table",
+			Flags: func(fs *pflag.FlagSet) {
+				shellfmt.AddFlag(fs)
+				fs.String("owner", "", "Only prefixes this owner contributes to")
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if owner, _ := s.Flags.GetString("owner"); owner != "" {
+				return render(s.Flags, c.ListOwner(ResourceID(owner)))
+			}
+			return render(s.Flags, c.List())
+		},
+	)
+}
+
+// MapRow is one datapath map entry as ipcache/map-dump prints it.
+type MapRow struct {
+	Prefix         netip.Prefix             `json:"prefix"`
+	ClusterID      uint16                   `json:"cluster-id,omitempty"`
+	Identity       identity.NumericIdentity `json:"identity"`
+	TunnelEndpoint netip.Addr               `json:"tunnel-endpoint,omitzero"`
+	EncryptKey     uint8                    `json:"encrypt-key,omitempty"`
+	Flags          uint8                    `json:"flags,omitempty"`
+}
+
+// TableHeader implements shellfmt.Tabular.
+func (MapRow) TableHeader() []string {
+	return []string{"Prefix", "Cluster", "Identity", "TunnelEndpoint", "EncryptKey", "Flags"}
+}
+
+// TableRow implements shellfmt.Tabular.
+func (r MapRow) TableRow() []string {
+	te := ""
+	if r.TunnelEndpoint.IsValid() {
+		te = r.TunnelEndpoint.String()
+	}
+	return []string{
+		r.Prefix.String(), strconv.Itoa(int(r.ClusterID)), r.Identity.String(), te,
+		strconv.Itoa(int(r.EncryptKey)), strconv.Itoa(int(r.Flags)),
+	}
+}
+
+func mapRow(e ipcachemap.Entry) MapRow {
+	return MapRow{
+		Prefix: e.Key.Prefix, ClusterID: e.Key.ClusterID, Identity: e.Value.Identity,
+		TunnelEndpoint: e.Value.TunnelEndpoint, EncryptKey: e.Value.EncryptKey, Flags: e.Value.Flags,
+	}
+}
+
+func mapDumpCmd(c *IPCache) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Show what the datapath map holds now",
+			Flags:   shellfmt.AddFlag,
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			entries, err := c.MapDump()
+			if err != nil {
+				return nil, err
+			}
+			rows := make([]MapRow, len(entries))
+			for i, e := range entries {
+				rows[i] = mapRow(e)
+			}
+			if len(rows) == 0 {
+				s.Logf("map (%s) is empty\n", c.MapKind())
+			}
+			return render(s.Flags, rows)
+		},
+	)
+}

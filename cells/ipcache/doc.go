@@ -1,0 +1,103 @@
+// Package ipcache is the cell that maps IP prefixes to security identities
+// and keeps the datapath's ipcache map in step with that mapping.
+//
+// # What it provides
+//
+//   - *IPCache: the API owners use to contribute to prefixes, plus Lookup
+//     (longest-prefix match), TakeSnapshot and RegisterInitializer for the
+//     restoration cell.
+//   - statedb.Table[*Entry], the "ipcache" table: one row per prefix (IPv4
+//     and IPv6, masked) with the resolved identity, every owner's
+//     contribution and the reconciliation status. Its primary index
+//     ([PrefixIndex]) is the exact prefix; [LPMIndex] answers
+//     longest-prefix lookups and [OwnerIndex] finds an owner's rows.
+//   - A statedb reconciler from the table to the datapath map
+//     (internal/ipcachemap): incremental batched writes, retries with
+//     backoff (visible in the row's status and in the module's health),
+//     and pruning of map entries the table does not have.
+//   - Shell commands: ipcache/upsert, ipcache/delete, ipcache/lookup,
+//     ipcache/list and ipcache/map-dump, with -o table|json|yaml.
+//
+// It depends on allocator.Allocator, *statedir.Dir, statedb, job and a
+// cell.Health provider (cell.SimpleHealthCell in the identityd binary).
+//
+// # Flags
+//
+//	--ipcache-map=auto|bpf|file         backend (default auto: bpf when a map can be
+//	                                    created and pinned, else file; the choice and
+//	                                    its reason are logged)
+//	--ipcache-map-pin-path=PATH         bpf pin (default /sys/fs/bpf/identityd/ipcache)
+//	--ipcache-map-max-entries=N         capacity (default 512000, up to 16777216)
+//	--ipcache-dual-stack                world-ipv4/world-ipv6 labels instead of world
+//
+// The file backend keeps <state-dir>/ipcache.map.
+//
+// # Contributions and precedence
+//
+// Owners are named by a [ResourceID]. Each owner has at most one
+// contribution ([Info]) per prefix; Upsert replaces it, Remove drops it and
+// RemoveOwner drops all of an owner's contributions at once (through the
+// owner index). A contribution is either metadata (labels and/or a
+// requested numeric ID) or a direct identity. A prefix's identity is
+// decided as follows:
+//
+//  1. A direct identity beats all metadata. Among several owners giving a
+//     direct identity, the most recent upsert wins; when it is removed, the
+//     next most recent one takes over. A direct identity needs no
+//     allocation and holds no allocator reference; its tunnel endpoint and
+//     encryption key go to the map with it.
+//  2. Otherwise the metadata of all owners is merged: the prefix's CIDR
+//     labels (labels.FromPrefix: cidr:<prefix> plus the world label), then
+//     each owner's labels in ascending owner order, so that for two labels
+//     with the same key the greater owner wins, whatever the order of the
+//     upserts. If any owner gives a reserved label other than a world
+//     label (host, remote-node, kube-apiserver, …), the world label is
+//     dropped: such a prefix is not part of the world. A plain CIDR set
+//     gets a node-local identity; reserved:remote-node makes it
+//     remote-node scoped; labels of other sources make it global (which
+//     needs the kvstore).
+//  3. A requested ID only matters when no owner gives labels (restoration
+//     knows the old identity of the prefix but not its labels): the
+//     requested ID of the first owner, in owner order, that has one is
+//     passed to the allocator (allocator.WithOldID), which honours it when
+//     it is free and in scope. When owners give labels, the labels decide
+//     and requested IDs are ignored. A requested ID is a hint for the
+//     allocation only: a prefix that already holds an identity for the same
+//     label set keeps it.
+//
+// Each prefix resolved from metadata holds exactly one allocator reference.
+// When its merged labels change, the new identity is allocated first and
+// the old one released after the table is updated, so the datapath never
+// sees an identity without a reference. When the last contribution goes
+// (or a direct identity takes over), the reference is released.
+//
+// Upserts and removals are synchronous: an allocation failure leaves that
+// prefix as it was and is returned; the other prefixes of the batch are
+// applied. A batch is one allocator batch and one table write transaction.
+//
+// # Start, restoration and pruning
+//
+// The order, which the restoration cell relies on:
+//
+//  1. The ipcache's start hook opens the map. ipcachemap.Open reads the old
+//     contents before anything can write; they are kept until
+//     [IPCache.TakeSnapshot] hands them over (once).
+//  2. Later start hooks run; restoration's start hook (it depends on the
+//     ipcache, so it runs after) takes the snapshot and re-creates metadata
+//     for the prefixes it keeps, under its owner (e.g. "restored").
+//  3. When every start hook has run, the reconciler begins writing to the
+//     map; it waits before that, so nothing restoration has yet to see is
+//     overwritten by an early row.
+//  4. Pruning of entries the table does not have waits until the table is
+//     initialized: the ipcache holds its own initializer until every start
+//     hook has run, and any other initializer registered with
+//     [IPCache.RegisterInitializer] (by restoration, from its constructor
+//     or start hook) holds it further until its done function is called.
+//     Without such an initializer, the table counts as initialized once the
+//     start hooks have run.
+//
+// Afterwards the whole map is compared with the table every 10 minutes:
+// stale entries are deleted and entries someone else changed are rewritten.
+// The file backend is written (atomically) at most every 200ms after
+// changes and once more on stop.
+package ipcache

@@ -1,0 +1,206 @@
+package ipcache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"iter"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/identityd/identityd/internal/ipcachemap"
+)
+
+// Tuning of the reconciler.
+const (
+	// pruneInterval is how often the map is compared with the whole table
+	// once the table is initialized: entries the table does not have are
+	// deleted and entries with another value are rewritten. It replaces
+	// the reconciler's per-object refresh, which would rewrite every row
+	// of a million-prefix table.
+	pruneInterval = 10 * time.Minute
+	// roundSize and roundsPerSecond trade latency for batch size: a round
+	// writes at most roundSize rows in one map batch and commits their
+	// statuses in one transaction.
+	roundSize       = 10000
+	roundsPerSecond = 50
+	// syncInterval is the shortest time between two writes of the map file;
+	// a file of a million entries is 36 MB.
+	syncInterval = 200 * time.Millisecond
+)
+
+// ops writes ipcache rows into the datapath map. Every operation is
+// idempotent: the reconciler retries failures with backoff.
+type ops struct{ c *IPCache }
+
+var (
+	_ reconciler.Operations[*Entry]      = ops{}
+	_ reconciler.BatchOperations[*Entry] = ops{}
+)
+
+func mapKey(e *Entry) ipcachemap.Key { return ipcachemap.Key{Prefix: e.Prefix} }
+
+func mapValue(e *Entry) ipcachemap.Value {
+	return ipcachemap.Value{Identity: e.Identity, TunnelEndpoint: e.TunnelEndpoint, EncryptKey: e.EncryptKey}
+}
+
+// Update implements reconciler.Operations.
+func (o ops) Update(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *Entry) error {
+	m, err := o.c.waitReady(ctx)
+	if err != nil {
+		return err
+	}
+	defer o.c.triggerSync()
+	return m.Update(mapKey(e), mapValue(e))
+}
+
+// Delete implements reconciler.Operations.
+func (o ops) Delete(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *Entry) error {
+	m, err := o.c.waitReady(ctx)
+	if err != nil {
+		return err
+	}
+	defer o.c.triggerSync()
+	return m.Delete(mapKey(e))
+}
+
+// UpdateBatch implements reconciler.BatchOperations. The map's batch write
+// stops at the first error, so after a failure each entry is written alone
+// to find which ones fail.
+func (o ops) UpdateBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*Entry]) {
+	m, err := o.c.waitReady(ctx)
+	if err != nil {
+		for i := range batch {
+			batch[i].Result = err
+		}
+		return
+	}
+	defer o.c.triggerSync()
+	entries := make([]ipcachemap.Entry, len(batch))
+	for i, b := range batch {
+		entries[i] = ipcachemap.Entry{Key: mapKey(b.Object), Value: mapValue(b.Object)}
+	}
+	if m.UpdateBatch(entries) == nil {
+		return
+	}
+	for i := range batch {
+		batch[i].Result = m.Update(entries[i].Key, entries[i].Value)
+	}
+}
+
+// DeleteBatch implements reconciler.BatchOperations.
+func (o ops) DeleteBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*Entry]) {
+	m, err := o.c.waitReady(ctx)
+	if err != nil {
+		for i := range batch {
+			batch[i].Result = err
+		}
+		return
+	}
+	defer o.c.triggerSync()
+	keys := make([]ipcachemap.Key, len(batch))
+	for i, b := range batch {
+		keys[i] = mapKey(b.Object)
+	}
+	if m.DeleteBatch(keys) == nil {
+		return
+	}
+	for i := range batch {
+		batch[i].Result = m.Delete(keys[i])
+	}
+}
+
+// Prune implements reconciler.Operations. The reconciler calls it only
+// once the table is initialized: before, an entry missing from the table
+// may be one that restoration has yet to re-create. Entries are checked
+// against the table's primary index rather than a set built from the
+// iterator, which would double the memory of a large table.
+func (o ops) Prune(ctx context.Context, txn statedb.ReadTxn, _ iter.Seq2[*Entry, statedb.Revision]) error {
+	m, err := o.c.waitReady(ctx)
+	if err != nil {
+		return err
+	}
+	var (
+		stale []ipcachemap.Key
+		fix   []ipcachemap.Entry
+	)
+	err = m.Dump(func(k ipcachemap.Key, v ipcachemap.Value) bool {
+		e, _, found := o.c.table.Get(txn, PrefixIndex.Query(k.Prefix))
+		switch {
+		case !found || k.ClusterID != 0:
+			stale = append(stale, k)
+		case e.Status.Kind == reconciler.StatusKindDone && mapValue(e) != v:
+			// Someone else changed the entry; rows not yet reconciled
+			// are left to the incremental path.
+			fix = append(fix, ipcachemap.Entry{Key: k, Value: mapValue(e)})
+		}
+		return ctx.Err() == nil
+	})
+	if err != nil {
+		return fmt.Errorf("dump ipcache map: %w", err)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	var errs []error
+	if len(stale) > 0 {
+		if err := m.DeleteBatch(stale); err != nil {
+			errs = append(errs, fmt.Errorf("delete %d stale entries: %w", len(stale), err))
+		}
+	}
+	if len(fix) > 0 {
+		if err := m.UpdateBatch(fix); err != nil {
+			errs = append(errs, fmt.Errorf("rewrite %d changed entries: %w", len(fix), err))
+		}
+	}
+	if len(stale)+len(fix) > 0 {
+		o.c.log.Info("IPCache map pruned", "deleted", len(stale), "rewritten", len(fix))
+		o.c.triggerSync()
+	}
+	return errors.Join(errs...)
+}
+
+func (c *IPCache) triggerSync() {
+	select {
+	case c.syncNow <- struct{}{}:
+	default:
+	}
+}
+
+// syncLoop persists the map (file backend) after writes, at most once per
+// syncInterval, and retries failed writes. It runs as a job so that its
+// failures show in the module's health.
+func (c *IPCache) syncLoop(ctx context.Context, health cell.Health) error {
+	backoff := syncInterval
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-c.syncNow:
+		}
+		m, err := c.waitReady(ctx)
+		if err != nil {
+			return nil
+		}
+		if m.Kind() != ipcachemap.KindFile {
+			// The kernel holds a bpf map: nothing to persist.
+			continue
+		}
+		if err := m.Sync(); err != nil {
+			health.Degraded("ipcache map file write failed", err)
+			c.triggerSync()
+			backoff = min(backoff*2, time.Minute)
+		} else {
+			health.OK("ipcache map file written")
+			backoff = syncInterval
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(backoff):
+		}
+	}
+}
