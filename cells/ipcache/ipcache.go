@@ -188,9 +188,6 @@ func normalize(p netip.Prefix) (netip.Prefix, error) {
 		}
 		p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
 	}
-	if p.Addr().Zone() != "" {
-		return p, fmt.Errorf("%w: %s has a zone", ErrInvalidPrefix, p)
-	}
 	return p.Masked(), nil
 }
 
