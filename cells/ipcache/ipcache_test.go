@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -57,6 +58,10 @@ func newNode(t testing.TB, cfg func(*ipcache.Config), extra ...cell.Cell) *node 
 func (n *node) start(t testing.TB) {
 	t.Helper()
 	log := hivetest.Logger(t)
+	if _, bench := t.(*testing.B); bench {
+		// Benchmark output is for figures, not start-up logs.
+		log = hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))
+	}
 	if err := n.hive.Start(log, context.Background()); err != nil {
 		t.Fatal(err)
 	}
