@@ -92,3 +92,40 @@ func TestBPFMap(t *testing.T) {
 		t.Fatalf("snapshot after restart: %+v", snap)
 	}
 }
+
+// TestAutoMap checks that auto picks bpf where a map can be pinned, and
+// falls back to the file in the state directory where it cannot.
+func TestAutoMap(t *testing.T) {
+	t.Run("bpf", func(t *testing.T) {
+		pin := bpfPinPath(t)
+		n := newNode(t, func(c *ipcache.Config) {
+			c.IPCacheMap = string(ipcachemap.KindAuto)
+			c.IPCacheMapPinPath = pin
+		})
+		n.start(t)
+		if n.ipc.MapKind() != ipcachemap.KindBPF {
+			t.Fatalf("auto chose %s where bpf works", n.ipc.MapKind())
+		}
+	})
+	t.Run("file", func(t *testing.T) {
+		// A pin path outside any bpffs cannot hold a pinned map.
+		n := newNode(t, func(c *ipcache.Config) {
+			c.IPCacheMap = string(ipcachemap.KindAuto)
+			c.IPCacheMapPinPath = filepath.Join(t.TempDir(), "not-bpffs", "ipcache")
+		})
+		n.start(t)
+		if n.ipc.MapKind() != ipcachemap.KindFile {
+			t.Fatalf("auto chose %s where bpf cannot pin", n.ipc.MapKind())
+		}
+		if err := n.ipc.Upsert(t.Context(), "k8s", pfx("10.0.0.0/8"), ipcache.Info{}); err != nil {
+			t.Fatal(err)
+		}
+		waitMap(t, n.ipc)
+		if err := n.hive.Stop(hivetest.Logger(t), context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(filepath.Join(n.dir, ipcachemap.FileName)); err != nil {
+			t.Fatalf("file backend did not write to the state directory: %v", err)
+		}
+	})
+}
