@@ -57,31 +57,57 @@ func (e *LimitError) Unwrap() error { return ErrLimit }
 // Validate checks that the label can round-trip through both the text and
 // the canonical form.
 func (l Label) Validate() error {
-	bad := func(reason error) error { return &InvalidLabelError{Label: l.String(), Reason: reason} }
+	if err := l.check(); err != nil {
+		return &InvalidLabelError{Label: l.String(), Reason: err}
+	}
+	return nil
+}
+
+// check is Validate without building the error, in one pass over each
+// field: it runs for every new identity.
+func (l Label) check() error {
 	switch {
 	case l.Key == "":
-		return bad(ErrEmptyKey)
+		return ErrEmptyKey
 	case l.Source == "":
-		return bad(ErrEmptySource)
-	case strings.ContainsRune(l.Key, '='):
-		return bad(ErrEqualsInKey)
-	case strings.ContainsAny(l.Source, "/:"):
-		return bad(ErrBadSource)
-	case strings.ContainsRune(l.Source, ';') || strings.ContainsRune(l.Key, ';') || strings.ContainsRune(l.Value, ';'):
-		return bad(ErrSemicolon)
+		return ErrEmptySource
+	case l.Source[0] == '$':
+		// A leading '$' in the text form means "reserved", so such a
+		// source would read back differently.
+		return ErrBadSource
 	}
-	// A leading '$' in the text form means "reserved", so a source that
-	// starts with it would read back differently.
-	if strings.HasPrefix(l.Source, "$") {
-		return bad(ErrBadSource)
+	if err := checkField(l.Source, true, false); err != nil {
+		return err
 	}
-	for _, s := range [...]string{l.Source, l.Key, l.Value} {
+	if err := checkField(l.Key, false, true); err != nil {
+		return err
+	}
+	return checkField(l.Value, false, false)
+}
+
+func checkField(s string, isSource, isKey bool) error {
+	ascii := true
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c < 0x20 || c == 0x7f:
+			return ErrControlChar
+		case c == ';':
+			return ErrSemicolon
+		case c == '=' && isKey:
+			return ErrEqualsInKey
+		case (c == '/' || c == ':') && isSource:
+			return ErrBadSource
+		case c >= 0x80:
+			ascii = false
+		}
+	}
+	if !ascii {
 		if !utf8.ValidString(s) {
-			return bad(ErrInvalidUTF8)
+			return ErrInvalidUTF8
 		}
 		for _, r := range s {
-			if r < 0x20 || r == 0x7f {
-				return bad(ErrControlChar)
+			if r >= 0x80 && r < 0xa0 { // C1 control characters
+				return ErrControlChar
 			}
 		}
 	}

@@ -32,6 +32,7 @@ type identityAllocator struct {
 	cfg    Config
 	log    *slog.Logger
 	queue  *eventQueue
+	table  *tableWriter
 	disp   *dispatcher
 	local  *localScope
 	remote *localScope
@@ -57,20 +58,23 @@ func newAllocator(p params) (Allocator, error) {
 }
 
 func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend GlobalBackend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {
-	q := newEventQueue()
+	tw := newTableWriter(db, table)
+	q := newEventQueue(tw)
 	a := &identityAllocator{
 		cfg:     cfg,
 		log:     log,
 		queue:   q,
-		disp:    newDispatcher(q, handlers, db, table),
+		table:   tw,
+		disp:    newDispatcher(q, handlers),
 		local:   newLocalScope(identity.ScopeLocal, log, q, maxLocal),
 		remote:  newLocalScope(identity.ScopeRemoteNode, log, q, maxLocal),
 		global:  newGlobalRefs(backend, q),
 		backend: backend,
 		synced:  make(chan struct{}),
 	}
+	tw.known = a.disp.known
 	for _, r := range identity.ReservedIdentities() {
-		q.pushEvent(event{Change: Change{Kind: ChangeUpsert, ID: r.ID, Labels: r.Labels}, source: SourceReserved})
+		q.pushEvent(event{kind: ChangeUpsert, ident: r, source: SourceReserved})
 	}
 	if backend == nil {
 		// Without a kvstore there is nothing global to wait for.
@@ -86,11 +90,13 @@ func (a *identityAllocator) Start(ctx cell.HookContext) error {
 	a.done = make(chan struct{})
 	go func() {
 		defer close(a.done)
+		var wg sync.WaitGroup
+		wg.Go(func() { a.table.run(runCtx) })
+		// The dispatcher wakes at once: the reserved identities queued
+		// by the constructor reach handlers before anything else.
 		a.disp.run(runCtx)
+		wg.Wait()
 	}()
-	// Deliver what was queued before start (reserved identities) before
-	// anything else starts, so that handlers see them first.
-	a.queue.signal()
 	if a.backend != nil {
 		if err := a.backend.Start(ctx, a); err != nil {
 			cancel()
@@ -116,12 +122,12 @@ func (a *identityAllocator) Stop(ctx cell.HookContext) error {
 
 // Upsert implements GlobalEvents.
 func (a *identityAllocator) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
-	a.queue.pushEvent(event{Change: Change{Kind: ChangeUpsert, ID: id, Labels: lbls}, ref: a.global.lookupByID(id), source: SourceGlobal})
+	a.queue.pushEvent(event{kind: ChangeUpsert, ident: &identity.Identity{ID: id, Labels: lbls}, ref: a.global.lookupByID(id), source: SourceGlobal})
 }
 
 // Delete implements GlobalEvents.
 func (a *identityAllocator) Delete(id identity.NumericIdentity, lbls labels.Labels) {
-	a.queue.pushEvent(event{Change: Change{Kind: ChangeDelete, ID: id, Labels: lbls}, source: SourceGlobal})
+	a.queue.pushEvent(event{kind: ChangeDelete, ident: &identity.Identity{ID: id, Labels: lbls}, source: SourceGlobal})
 }
 
 // Synced implements GlobalEvents.
@@ -153,9 +159,6 @@ func (a *identityAllocator) Allocate(ctx context.Context, lbls labels.Labels, op
 func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o *allocateOptions) (*identity.Identity, bool, error) {
 	if r := identity.LookupReserved(lbls); r != nil {
 		return r, false, nil
-	}
-	if err := lbls.Validate(); err != nil {
-		return nil, false, fmt.Errorf("%w: %w", ErrInvalidLabels, err)
 	}
 	scope := identity.ScopeForLabels(lbls)
 	if s := a.scopeOf(scope); s != nil {
@@ -197,16 +200,15 @@ func (a *identityAllocator) LookupByLabels(lbls labels.Labels) *identity.Identit
 	if r := identity.LookupReserved(lbls); r != nil {
 		return r
 	}
-	var buf [keyBufSize]byte
-	key := lbls.AppendCanonical(buf[:0])
 	scope := identity.ScopeForLabels(lbls)
 	if s := a.scopeOf(scope); s != nil {
-		if e := s.lookupByKey(key); e != nil {
+		if e := s.lookup(lbls); e != nil {
 			return &e.ident
 		}
 		return nil
 	}
-	if e := a.global.lookupByKey(key); e != nil {
+	var buf [keyBufSize]byte
+	if e := a.global.lookupByKey(lbls.AppendCanonical(buf[:0])); e != nil {
 		return &e.ident
 	}
 	if a.backend != nil {
@@ -244,15 +246,13 @@ func (a *identityAllocator) List() []Entry {
 		out = append(out, Entry{Identity: r, Source: SourceReserved})
 	}
 	held := map[identity.NumericIdentity]bool{}
-	collect := func(source Source) func(*refEntry) {
-		return func(e *refEntry) {
-			held[e.ident.ID] = true
-			out = append(out, entryOf(&e.ident, e, source))
-		}
+	collect := func(e *refEntry) {
+		held[e.ident.ID] = true
+		out = append(out, entryOf(e))
 	}
-	a.local.entries(collect(SourceLocal))
-	a.remote.entries(collect(SourceLocal))
-	a.global.entries(collect(SourceGlobal))
+	a.local.entries(collect)
+	a.remote.entries(collect)
+	a.global.entries(collect)
 	// Global identities other nodes hold, as far as the dispatcher knows.
 	for _, id := range a.disp.snapshot() {
 		if id.ID.IsReserved() || id.ID.HasLocalScope() || held[id.ID] {

@@ -166,4 +166,3 @@ func listCmd(a Allocator) script.Cmd {
 		},
 	)
 }
-

@@ -4,62 +4,52 @@ import (
 	"context"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/identity"
-	"github.com/identityd/identityd/labels"
 )
 
-// event is a Change with what the identities table needs to know of it.
+// event is one identity change as queued by the allocation paths.
 type event struct {
-	Change
-	ref    *refEntry
+	kind  ChangeKind
+	ident *identity.Identity
+	// ref is this node's reference entry of the identity, if it has one.
+	ref *refEntry
+	// source is the table source of identities without a ref.
 	source Source
 }
 
 // eventQueue collects changes from the allocation paths. Pushing is a short
 // critical section, so that allocations never wait for observers, handlers
-// or the identities table: the dispatcher delivers to those.
+// or the identities table: the dispatcher and the table writer deliver to
+// those on their own goroutines.
 type eventQueue struct {
 	mu      sync.Mutex
 	pending []event
-	dirty   []*refEntry
 	holds   int
 	wake    chan struct{}
+
+	table *tableWriter
 }
 
-func newEventQueue() *eventQueue {
-	return &eventQueue{wake: make(chan struct{}, 1)}
+func newEventQueue(table *tableWriter) *eventQueue {
+	return &eventQueue{wake: make(chan struct{}, 1), table: table}
 }
-
-func (q *eventQueue) push(c Change) { q.pushEvent(event{Change: c}) }
 
 func (q *eventQueue) pushEvent(ev event) {
 	q.mu.Lock()
 	q.pending = append(q.pending, ev)
 	q.mu.Unlock()
-	q.signal()
-}
-
-// touch queues an entry whose reference count changed, once until the
-// dispatcher has looked at it.
-func (q *eventQueue) touch(e *refEntry) {
-	if e.dirty.Load() || !e.dirty.CompareAndSwap(false, true) {
-		return
-	}
-	q.mu.Lock()
-	q.dirty = append(q.dirty, e)
-	q.mu.Unlock()
-	q.signal()
-}
-
-func (q *eventQueue) signal() {
 	select {
 	case q.wake <- struct{}{}:
 	default:
 	}
 }
+
+// touch tells the identities table that an entry's count changed.
+func (q *eventQueue) touch(e *refEntry) { q.table.touch(e) }
 
 // hold keeps the dispatcher from taking changes until release, so that the
 // changes of a batch reach the handlers in one call.
@@ -73,50 +63,49 @@ func (q *eventQueue) release() {
 	q.mu.Lock()
 	q.holds--
 	q.mu.Unlock()
-	q.signal()
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
 }
 
-func (q *eventQueue) take() ([]event, []*refEntry) {
+func (q *eventQueue) take() []event {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.holds > 0 {
-		return nil, nil
+		return nil
 	}
-	evs, dirty := q.pending, q.dirty
-	q.pending, q.dirty = nil, nil
-	return evs, dirty
+	evs := q.pending
+	q.pending = nil
+	return evs
 }
 
-// dispatcher turns queued changes into Observe events, handler batches and
-// identities-table rows. It runs on one goroutine, so handler calls and
-// table writes are serialized and in order.
+// dispatcher turns queued changes into Observe events and handler batches,
+// and forwards them to the table writer. It runs on one goroutine, so
+// handler calls are serialized and in order.
 type dispatcher struct {
 	queue    *eventQueue
 	handlers []Handler
-	db       *statedb.DB
-	table    statedb.RWTable[Entry]
 
 	mu     sync.Mutex
-	state  map[identity.NumericIdentity]labels.Labels
+	state  map[identity.NumericIdentity]*identity.Identity
 	subs   map[*subscriber]struct{}
 	synced bool
 	closed bool
 }
 
-func newDispatcher(q *eventQueue, handlers []Handler, db *statedb.DB, table statedb.RWTable[Entry]) *dispatcher {
+func newDispatcher(q *eventQueue, handlers []Handler) *dispatcher {
 	return &dispatcher{
 		queue:    q,
 		handlers: handlers,
-		db:       db,
-		table:    table,
-		state:    map[identity.NumericIdentity]labels.Labels{},
+		state:    map[identity.NumericIdentity]*identity.Identity{},
 		subs:     map[*subscriber]struct{}{},
 	}
 }
 
 // syncEvent is queued when the global identities were first listed; it is
 // ordered after the listed identities, so Observe's sync marker is too.
-var syncEvent = event{Change: Change{Kind: ChangeSync}}
+var syncEvent = event{kind: ChangeSync}
 
 func (d *dispatcher) run(ctx context.Context) {
 	for {
@@ -133,50 +122,72 @@ func (d *dispatcher) run(ctx context.Context) {
 
 // drain delivers everything queued. It reports whether anything was taken.
 func (d *dispatcher) drain() bool {
-	evs, dirty := d.queue.take()
-	if len(evs) == 0 && len(dirty) == 0 {
+	evs := d.queue.take()
+	if len(evs) == 0 {
 		return false
 	}
-	added, deleted := IdentityMap{}, IdentityMap{}
-	out := make([]Change, 0, len(evs))
-	applied := evs[:0]
-
 	d.mu.Lock()
+	// Handler batches and observer events are only built when someone
+	// consumes them: a busy allocator queues many changes per drain.
+	wantBatch, wantOut := len(d.handlers) > 0, len(d.subs) > 0
+	var added, deleted IdentityMap
+	if wantBatch {
+		added, deleted = IdentityMap{}, IdentityMap{}
+	}
+	var out []Change
+	if wantOut {
+		out = make([]Change, 0, len(evs))
+	}
 	for _, ev := range evs {
-		switch ev.Kind {
+		switch ev.kind {
 		case ChangeSync:
 			if d.synced {
 				continue
 			}
 			d.synced = true
-		case ChangeUpsert:
-			if old, ok := d.state[ev.ID]; ok && old.Equal(ev.Labels) {
-				// A watch echo of a known identity; it may still tell
-				// the table that this node holds it.
-				if ev.ref != nil {
-					applied = append(applied, ev)
-				}
-				continue
+			if wantOut {
+				out = append(out, Change{Kind: ChangeSync})
 			}
-			d.state[ev.ID] = ev.Labels
-			if old, ok := deleted[ev.ID]; ok && old.Equal(ev.Labels) {
-				delete(deleted, ev.ID)
-			} else {
-				added[ev.ID] = ev.Labels
+			continue
+		case ChangeUpsert:
+			id := ev.ident
+			if ev.ref != nil {
+				d.queue.table.touch(ev.ref)
+			}
+			if old, ok := d.state[id.ID]; ok && old.Labels.Equal(id.Labels) {
+				continue // a watch echo of an identity already known
+			}
+			d.state[id.ID] = id
+			if wantBatch {
+				if old, ok := deleted[id.ID]; ok && old.Equal(id.Labels) {
+					delete(deleted, id.ID)
+				} else {
+					added[id.ID] = id.Labels
+				}
 			}
 		case ChangeDelete:
-			if _, ok := d.state[ev.ID]; !ok {
+			id := ev.ident
+			if ev.ref != nil {
+				d.queue.table.touch(ev.ref)
+			}
+			if _, ok := d.state[id.ID]; !ok {
 				continue
 			}
-			delete(d.state, ev.ID)
-			if _, ok := added[ev.ID]; ok {
-				delete(added, ev.ID)
-			} else {
-				deleted[ev.ID] = ev.Labels
+			delete(d.state, id.ID)
+			if wantBatch {
+				if _, ok := added[id.ID]; ok {
+					delete(added, id.ID)
+				} else {
+					deleted[id.ID] = id.Labels
+				}
 			}
 		}
-		out = append(out, ev.Change)
-		applied = append(applied, ev)
+		if wantOut {
+			out = append(out, Change{Kind: ev.kind, ID: ev.ident.ID, Labels: ev.ident.Labels})
+		}
+		if ev.ref == nil {
+			d.queue.table.apply(ev)
+		}
 	}
 	for s := range d.subs {
 		s.push(out...)
@@ -188,52 +199,7 @@ func (d *dispatcher) drain() bool {
 			h.UpdateIdentities(added, deleted)
 		}
 	}
-	d.writeTable(applied, dirty)
 	return true
-}
-
-func (d *dispatcher) writeTable(evs []event, dirty []*refEntry) {
-	if d.table == nil {
-		return
-	}
-	txn := d.db.WriteTxn(d.table)
-	for _, ev := range evs {
-		switch ev.Kind {
-		case ChangeUpsert:
-			if ev.ref == nil {
-				// Keep the row of an identity this node holds when the
-				// store reports it again.
-				if old, _, ok := d.table.Get(txn, EntryIDIndex.Query(ev.ID)); ok && old.ref != nil && old.Identity.Labels.Equal(ev.Labels) {
-					continue
-				}
-			}
-			d.table.Insert(txn, entryOf(&identity.Identity{ID: ev.ID, Labels: ev.Labels}, ev.ref, ev.source))
-		case ChangeDelete:
-			d.table.Delete(txn, Entry{Identity: &identity.Identity{ID: ev.ID}})
-		}
-	}
-	for _, e := range dirty {
-		e.dirty.Store(false)
-		row, _, ok := d.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
-		if !ok || row.ref != e {
-			continue
-		}
-		d.table.Insert(txn, entryOf(row.Identity, e, row.Source))
-	}
-	txn.Commit()
-}
-
-// entryOf builds a table row; ref is the node's reference entry, if any.
-func entryOf(id *identity.Identity, ref *refEntry, source Source) Entry {
-	e := Entry{Identity: id, Source: source, ref: ref}
-	if ref != nil {
-		e.Identity = &ref.ident
-		e.RefCount = int(ref.refs.Load())
-		if source == SourceLocal && ref.restored.Load() {
-			e.Source = SourceRestored
-		}
-	}
-	return e
 }
 
 func (d *dispatcher) close() {
@@ -250,10 +216,17 @@ func (d *dispatcher) snapshot() []*identity.Identity {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make([]*identity.Identity, 0, len(d.state))
-	for id, l := range d.state {
-		out = append(out, &identity.Identity{ID: id, Labels: l})
+	for _, id := range d.state {
+		out = append(out, id)
 	}
 	return out
+}
+
+func (d *dispatcher) known(id identity.NumericIdentity) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	_, ok := d.state[id]
+	return ok
 }
 
 // Observe implements stream.Observable[Change].
@@ -267,7 +240,7 @@ func (d *dispatcher) Observe(ctx context.Context, next func(Change), complete fu
 	slices.Sort(ids)
 	replay := make([]Change, 0, len(ids)+1)
 	for _, id := range ids {
-		replay = append(replay, Change{Kind: ChangeUpsert, ID: id, Labels: d.state[id]})
+		replay = append(replay, Change{Kind: ChangeUpsert, ID: id, Labels: d.state[id].Labels})
 	}
 	if d.synced {
 		replay = append(replay, Change{Kind: ChangeSync})
@@ -345,4 +318,127 @@ func (s *subscriber) run(ctx context.Context, next func(Change)) error {
 		case <-s.wake:
 		}
 	}
+}
+
+// tableWriterInterval is the least time between two writes of the
+// identities table. The table is for operators and other cells to read;
+// coalescing keeps a busy allocator from spending a core on it.
+const tableWriterInterval = 10 * time.Millisecond
+
+// tableWriter keeps the identities table in step with the allocator. Held
+// identities reach it as dirty entries (their current count is written),
+// the others (reserved, other nodes' global ones) as events.
+type tableWriter struct {
+	db       *statedb.DB
+	table    statedb.RWTable[Entry]
+	interval time.Duration
+	// known reports whether an identity still exists, for global
+	// identities this node stopped holding.
+	known func(identity.NumericIdentity) bool
+
+	mu    sync.Mutex
+	dirty []*refEntry
+	evs   []event
+	wake  chan struct{}
+}
+
+func newTableWriter(db *statedb.DB, table statedb.RWTable[Entry]) *tableWriter {
+	return &tableWriter{db: db, table: table, interval: tableWriterInterval, wake: make(chan struct{}, 1)}
+}
+
+func (w *tableWriter) touch(e *refEntry) {
+	if w.table == nil || e.dirty.Load() || !e.dirty.CompareAndSwap(false, true) {
+		return
+	}
+	w.mu.Lock()
+	w.dirty = append(w.dirty, e)
+	w.mu.Unlock()
+	w.signal()
+}
+
+func (w *tableWriter) apply(ev event) {
+	if w.table == nil {
+		return
+	}
+	w.mu.Lock()
+	w.evs = append(w.evs, ev)
+	w.mu.Unlock()
+	w.signal()
+}
+
+func (w *tableWriter) signal() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (w *tableWriter) run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			w.flush()
+			return
+		case <-w.wake:
+			w.flush()
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(w.interval):
+		}
+	}
+}
+
+func (w *tableWriter) flush() {
+	w.mu.Lock()
+	dirty, evs := w.dirty, w.evs
+	w.dirty, w.evs = nil, nil
+	w.mu.Unlock()
+	if len(dirty) == 0 && len(evs) == 0 {
+		return
+	}
+	txn := w.db.WriteTxn(w.table)
+	for _, ev := range evs {
+		switch ev.kind {
+		case ChangeUpsert:
+			// A held identity's row is written from its entry.
+			if old, _, ok := w.table.Get(txn, EntryIDIndex.Query(ev.ident.ID)); ok && old.ref != nil {
+				continue
+			}
+			w.table.Insert(txn, Entry{Identity: ev.ident, Source: ev.source})
+		case ChangeDelete:
+			w.table.Delete(txn, Entry{Identity: ev.ident})
+		}
+	}
+	for _, e := range dirty {
+		e.dirty.Store(false)
+		refs := int(e.refs.Load())
+		old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
+		switch {
+		case refs > 0:
+			// A newer entry of the same ID wins over an older one
+			// that was released meanwhile.
+			w.table.Insert(txn, entryOf(e))
+		case hadOld && old.ref != e:
+			// The ID was reused by a newer entry; leave its row.
+		case e.global && w.known(e.ident.ID):
+			// This node let go, but the identity still exists.
+			w.table.Insert(txn, Entry{Identity: &e.ident, Source: SourceGlobal})
+		case hadOld:
+			w.table.Delete(txn, old)
+		}
+	}
+	txn.Commit()
+}
+
+// entryOf builds the table row of a held identity.
+func entryOf(ref *refEntry) Entry {
+	e := Entry{Identity: &ref.ident, RefCount: int(ref.refs.Load()), ref: ref, Source: SourceLocal}
+	switch {
+	case ref.global:
+		e.Source = SourceGlobal
+	case ref.restored.Load():
+		e.Source = SourceRestored
+	}
+	return e
 }

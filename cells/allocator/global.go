@@ -82,6 +82,9 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 	if g.backend == nil {
 		return nil, false, ErrNoGlobalBackend
 	}
+	if err := lbls.Validate(); err != nil {
+		return nil, false, fmt.Errorf("%w: %w", ErrInvalidLabels, err)
+	}
 	skey := string(key)
 	for {
 		g.mu.Lock()
@@ -116,13 +119,13 @@ func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels,
 	if err != nil {
 		return nil, false, err
 	}
-	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}}
+	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}, global: true}
 	e.refs.Store(1)
 	g.byKey[key] = e
 	g.byID[id] = e
 	// The backend's cache reports the identity too; the dispatcher drops
 	// the echo. Queuing it here makes it visible before this call returns.
-	g.events.pushEvent(event{Change: Change{Kind: ChangeUpsert, ID: id, Labels: lbls}, ref: e, source: SourceGlobal})
+	g.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: e})
 	return &e.ident, allocated, nil
 }
 

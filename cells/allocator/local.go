@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"fmt"
+	"hash/maphash"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -18,27 +19,38 @@ const keyBufSize = 256
 // identity is embedded so that one allocation holds both.
 type refEntry struct {
 	ident identity.Identity
+	// next chains entries whose label sets share a hash.
+	next *refEntry
 	// refs is changed with atomics while the scope's read lock is held,
 	// and only taken to or from zero under its write lock, so that hits
 	// and non-final releases never block each other.
 	refs atomic.Int32
 	// restored is set while every reference was taken by restoration.
 	restored atomic.Bool
-	// dirty is set when refs changed since the identities table last saw
-	// the entry, so that a hot identity is queued for the table once.
+	// dirty is set while the entry waits for the identities table, so
+	// that a hot identity is queued for the table once.
 	dirty atomic.Bool
+	// hash is the label set's hash in a local scope's index.
+	hash uint64
+	// global marks entries of global identities.
+	global bool
 }
 
 // localScope allocates the numeric identities of one node-local scope.
+//
+// Label sets are found by a hash of their labels rather than by their
+// canonical string, so that neither a lookup nor a stored identity needs
+// the string: it saves an allocation per call and ~48 bytes per identity.
 type localScope struct {
 	scope    identity.Scope
 	log      *slog.Logger
+	seed     maphash.Seed
 	min, max identity.NumericIdentity // counter bounds, without the scope bits
 	events   *eventQueue
 
-	mu    sync.RWMutex
-	byKey map[string]*refEntry
-	byID  map[identity.NumericIdentity]*refEntry
+	mu     sync.RWMutex
+	byHash map[uint64]*refEntry
+	byID   idTable
 	// next is the counter value tried first by the next allocation.
 	next     identity.NumericIdentity
 	withheld map[identity.NumericIdentity]struct{}
@@ -48,27 +60,44 @@ func newLocalScope(scope identity.Scope, log *slog.Logger, events *eventQueue, m
 	return &localScope{
 		scope:    scope,
 		log:      log,
+		seed:     maphash.MakeSeed(),
 		min:      identity.MinLocalIdentity,
 		max:      maxCounter,
 		events:   events,
-		byKey:    map[string]*refEntry{},
-		byID:     map[identity.NumericIdentity]*refEntry{},
+		byHash:   map[uint64]*refEntry{},
 		next:     identity.MinLocalIdentity,
 		withheld: map[identity.NumericIdentity]struct{}{},
 	}
 }
 
+// hashLabels hashes a label set's canonical string, built on the stack.
+// Equal hashes are confirmed with labels.Equal, so an unvalidated set that
+// happens to collide with another cannot be mistaken for it.
+func hashLabels(seed maphash.Seed, ls labels.Labels) uint64 {
+	var buf [keyBufSize]byte
+	return maphash.Bytes(seed, ls.AppendCanonical(buf[:0]))
+}
+
+// find returns the entry of lbls; the caller holds a lock.
+func (s *localScope) find(h uint64, lbls labels.Labels) *refEntry {
+	for e := s.byHash[h]; e != nil; e = e.next {
+		if e.ident.Labels.Equal(lbls) {
+			return e
+		}
+	}
+	return nil
+}
+
 // acquire returns the identity of lbls with one more reference, allocating
 // it if needed.
 func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.Identity, bool, error) {
-	var buf [keyBufSize]byte
-	key := lbls.AppendCanonical(buf[:0])
+	h := hashLabels(s.seed, lbls)
 
 	// Fast path: a label set held already takes a reference under the
 	// read lock. An entry in the maps always has refs >= 1 because the
 	// last reference is only dropped under the write lock.
 	s.mu.RLock()
-	if e := s.byKey[string(key)]; e != nil {
+	if e := s.find(h, lbls); e != nil {
 		e.refs.Add(1)
 		s.touch(e, o)
 		s.mu.RUnlock()
@@ -76,9 +105,14 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	}
 	s.mu.RUnlock()
 
+	// Only a new identity needs validation: a held set was validated
+	// when it was first allocated.
+	if err := lbls.Validate(); err != nil {
+		return nil, false, fmt.Errorf("%w: %w", ErrInvalidLabels, err)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if e := s.byKey[string(key)]; e != nil {
+	if e := s.find(h, lbls); e != nil {
 		e.refs.Add(1)
 		s.touch(e, o)
 		return &e.ident, false, nil
@@ -87,12 +121,13 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	if err != nil {
 		return nil, false, err
 	}
-	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}}
+	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}, next: s.byHash[h], hash: h}
 	e.refs.Store(1)
 	e.restored.Store(o.restored)
-	s.byKey[string(key)] = e
-	s.byID[id] = e
-	s.events.push(Change{Kind: ChangeUpsert, ID: id, Labels: lbls})
+	s.byHash[h] = e
+	s.byID.set(id, e)
+	// The dispatcher passes the entry on to the identities table.
+	s.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: e})
 	return &e.ident, true, nil
 }
 
@@ -112,12 +147,12 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 	// free, withheld or not: withholding exists to keep it for this call.
 	if old != identity.InvalidIdentity && old.Scope() == s.scope {
 		counter := old &^ identity.ScopeMask
-		if counter >= s.min && counter <= s.max && s.byID[old] == nil {
+		if counter >= s.min && counter <= s.max && s.byID.get(old) == nil {
 			return old, nil
 		}
 	}
 	size := uint64(s.max-s.min) + 1
-	if uint64(len(s.byID)) < size {
+	if uint64(s.byID.n) < size {
 		c := s.next
 		for range size {
 			if c > s.max || c < s.min {
@@ -125,11 +160,13 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 			}
 			id := identity.NumericIdentity(s.scope) | c
 			c++
-			if s.byID[id] != nil {
+			if s.byID.get(id) != nil {
 				continue
 			}
-			if _, held := s.withheld[id]; held {
-				continue
+			if len(s.withheld) > 0 {
+				if _, held := s.withheld[id]; held {
+					continue
+				}
 			}
 			s.next = c
 			return id, nil
@@ -137,7 +174,7 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 		// Every free ID is withheld: claiming one beats failing, but
 		// the restart that withheld it may now lose its number.
 		for id := range s.withheld {
-			if s.byID[id] == nil {
+			if s.byID.get(id) == nil {
 				s.log.Warn("Local identity space exhausted, handing out a withheld identity",
 					"scope", s.scope, "identity", id)
 				return id, nil
@@ -150,7 +187,7 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 // release drops one reference on id.
 func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 	s.mu.RLock()
-	e := s.byID[id]
+	e := s.byID.get(id)
 	if e != nil {
 		// Not the last reference: drop it under the read lock.
 		for {
@@ -172,30 +209,50 @@ func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.byID[id] != e {
+	if s.byID.get(id) != e {
 		return false, fmt.Errorf("%w: %d", ErrUnknownIdentity, id)
 	}
 	if e.refs.Add(-1) > 0 {
 		s.events.touch(e)
 		return false, nil
 	}
-	delete(s.byID, id)
-	var buf [keyBufSize]byte
-	delete(s.byKey, string(e.ident.Labels.AppendCanonical(buf[:0])))
-	s.events.push(Change{Kind: ChangeDelete, ID: id, Labels: e.ident.Labels})
+	s.byID.set(id, nil)
+	s.unlink(e)
+	s.events.pushEvent(event{kind: ChangeDelete, ident: &e.ident, ref: e})
 	return true, nil
 }
 
-func (s *localScope) lookupByKey(key []byte) *refEntry {
+// unlink removes e from its hash chain; the caller holds the write lock.
+func (s *localScope) unlink(e *refEntry) {
+	h := e.hash
+	head := s.byHash[h]
+	if head == e {
+		if e.next == nil {
+			delete(s.byHash, h)
+		} else {
+			s.byHash[h] = e.next
+		}
+		return
+	}
+	for p := head; p != nil; p = p.next {
+		if p.next == e {
+			p.next = e.next
+			return
+		}
+	}
+}
+
+func (s *localScope) lookup(lbls labels.Labels) *refEntry {
+	h := hashLabels(s.seed, lbls)
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.byKey[string(key)]
+	return s.find(h, lbls)
 }
 
 func (s *localScope) lookupByID(id identity.NumericIdentity) *refEntry {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.byID[id]
+	return s.byID.get(id)
 }
 
 func (s *localScope) withhold(ids []identity.NumericIdentity) {
@@ -230,13 +287,60 @@ func (s *localScope) withheldIDs() []identity.NumericIdentity {
 func (s *localScope) entries(fn func(*refEntry)) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	for _, e := range s.byID {
-		fn(e)
-	}
+	s.byID.each(fn)
 }
 
 func (s *localScope) len() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return len(s.byID)
+	return s.byID.n
+}
+
+// idTable maps the 24-bit counter of a local identity to its entry with two
+// array lookups: local IDs are dense and mostly sequential, so pages of 64Ki
+// pointers cost 8 bytes per identity and no hashing, against ~30 for a map.
+type idTable struct {
+	pages [256]*[1 << 16]*refEntry
+	n     int
+}
+
+func (t *idTable) get(id identity.NumericIdentity) *refEntry {
+	c := uint32(id &^ identity.ScopeMask)
+	p := t.pages[c>>16]
+	if p == nil {
+		return nil
+	}
+	return p[c&0xFFFF]
+}
+
+func (t *idTable) set(id identity.NumericIdentity, e *refEntry) {
+	c := uint32(id &^ identity.ScopeMask)
+	p := t.pages[c>>16]
+	if p == nil {
+		if e == nil {
+			return
+		}
+		p = new([1 << 16]*refEntry)
+		t.pages[c>>16] = p
+	}
+	switch old := p[c&0xFFFF]; {
+	case old == nil && e != nil:
+		t.n++
+	case old != nil && e == nil:
+		t.n--
+	}
+	p[c&0xFFFF] = e
+}
+
+func (t *idTable) each(fn func(*refEntry)) {
+	for _, p := range t.pages {
+		if p == nil {
+			continue
+		}
+		for _, e := range p {
+			if e != nil {
+				fn(e)
+			}
+		}
+	}
 }

@@ -1,0 +1,488 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/statedb"
+	"go.uber.org/goleak"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// testAllocator returns a started allocator without a global backend,
+// with local scopes of maxLocal IDs each.
+func testAllocator(t testing.TB, maxLocal identity.NumericIdentity, handlers ...Handler) (*identityAllocator, *statedb.DB, statedb.RWTable[Entry]) {
+	t.Helper()
+	db := statedb.New()
+	table, err := NewTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log *slog.Logger
+	if tt, ok := t.(*testing.T); ok {
+		log = hivetest.Logger(tt)
+	} else {
+		log = slog.New(slog.DiscardHandler)
+	}
+	a := newIdentityAllocator(DefaultConfig, log, db, table, nil, handlers, maxLocal)
+	if err := a.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Stop(context.Background()) })
+	return a, db, table
+}
+
+func cidr(s string) labels.Labels { return labels.FromPrefix(netip.MustParsePrefix(s), false) }
+
+func remoteNode(ip string) labels.Labels {
+	return labels.MustNew(labels.Label{Source: labels.SourceCIDR, Key: ip + "/32"}, labels.LabelRemoteNode)
+}
+
+func mustAlloc(t testing.TB, a Allocator, lbls labels.Labels, opts ...AllocateOption) (*identity.Identity, bool) {
+	t.Helper()
+	id, allocated, err := a.Allocate(context.Background(), lbls, opts...)
+	if err != nil {
+		t.Fatalf("allocate %s: %s", lbls, err)
+	}
+	return id, allocated
+}
+
+func TestLocalSequentialAndRefcounts(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+
+	id1, new1 := mustAlloc(t, a, cidr("10.0.0.0/8"))
+	if !new1 || id1.ID != 16777217 {
+		t.Fatalf("first CIDR identity = %d (new %v), want 16777217 new", id1.ID, new1)
+	}
+	id2, _ := mustAlloc(t, a, cidr("10.1.0.0/16"))
+	if id2.ID != 16777218 {
+		t.Fatalf("second CIDR identity = %d, want 16777218", id2.ID)
+	}
+	rn, _ := mustAlloc(t, a, remoteNode("192.168.1.10"))
+	if rn.ID != 33554433 {
+		t.Fatalf("first remote-node identity = %d, want 33554433", rn.ID)
+	}
+
+	again, newAgain := mustAlloc(t, a, cidr("10.0.0.0/8"))
+	if newAgain || again.ID != id1.ID {
+		t.Fatalf("second allocation = %d new %v, want %d existing", again.ID, newAgain, id1.ID)
+	}
+	if got := a.LookupByLabels(cidr("10.0.0.0/8")); got == nil || got.ID != id1.ID {
+		t.Fatalf("LookupByLabels = %v", got)
+	}
+	if got := a.LookupByID(id1.ID); got == nil || !got.Labels.Equal(cidr("10.0.0.0/8")) {
+		t.Fatalf("LookupByID = %v", got)
+	}
+
+	// Two references: the first release keeps it, the second frees it.
+	if released, err := a.Release(context.Background(), id1); err != nil || released {
+		t.Fatalf("first release = %v, %v; want kept", released, err)
+	}
+	if released, err := a.Release(context.Background(), id1); err != nil || !released {
+		t.Fatalf("second release = %v, %v; want released", released, err)
+	}
+	if a.LookupByID(id1.ID) != nil || a.LookupByLabels(cidr("10.0.0.0/8")) != nil {
+		t.Fatal("released identity still found")
+	}
+	if _, err := a.Release(context.Background(), id1); !errors.Is(err, ErrUnknownIdentity) {
+		t.Fatalf("release of a released identity: %v, want ErrUnknownIdentity", err)
+	}
+	// Numbering goes on sequentially rather than reusing at once.
+	id3, _ := mustAlloc(t, a, cidr("10.2.0.0/16"))
+	if id3.ID != 16777219 {
+		t.Fatalf("third CIDR identity = %d, want 16777219", id3.ID)
+	}
+}
+
+func TestReservedNoOps(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	for _, r := range identity.ReservedIdentities() {
+		id, allocated := mustAlloc(t, a, r.Labels)
+		if allocated || id.ID != r.ID {
+			t.Fatalf("allocate %s = %d new %v, want %d existing", r.Labels, id.ID, allocated, r.ID)
+		}
+		if released, err := a.Release(context.Background(), id); err != nil || released {
+			t.Fatalf("release of reserved %d = %v, %v", r.ID, released, err)
+		}
+		if got := a.LookupByID(r.ID); got != r {
+			t.Fatalf("LookupByID(%d) = %v", r.ID, got)
+		}
+	}
+	if len(a.LocalIdentities()) != 0 {
+		t.Fatal("reserved allocations created local identities")
+	}
+}
+
+func TestGlobalWithoutBackend(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	_, _, err := a.Allocate(context.Background(), labels.MustParse("k8s:app=web"))
+	if !errors.Is(err, ErrNoGlobalBackend) {
+		t.Fatalf("global allocation without backend: %v, want ErrNoGlobalBackend", err)
+	}
+}
+
+func TestInvalidLabels(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	bad := labels.Labels{{Source: "cidr", Key: "a;b"}}
+	_, _, err := a.Allocate(context.Background(), bad)
+	if !errors.Is(err, ErrInvalidLabels) || !errors.Is(err, labels.ErrSemicolon) {
+		t.Fatalf("allocate invalid labels: %v", err)
+	}
+}
+
+func TestRequestedIDAndWithhold(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	const (
+		first  = identity.NumericIdentity(16777217)
+		second = identity.NumericIdentity(16777218)
+		wanted = identity.NumericIdentity(16777300)
+	)
+	a.Withhold([]identity.NumericIdentity{first, wanted})
+	if got := a.Withheld(); !slices.Equal(got, []identity.NumericIdentity{first, wanted}) {
+		t.Fatalf("Withheld = %v", got)
+	}
+	// Withheld IDs are skipped by ordinary allocations...
+	id, _ := mustAlloc(t, a, cidr("10.0.0.0/8"))
+	if id.ID != second {
+		t.Fatalf("allocation with %d withheld = %d, want %d", first, id.ID, second)
+	}
+	// ...but handed out when requested.
+	id, _ = mustAlloc(t, a, cidr("10.1.0.0/16"), WithOldID(wanted))
+	if id.ID != wanted {
+		t.Fatalf("requested withheld ID: got %d, want %d", id.ID, wanted)
+	}
+	// A requested ID in use, or of another scope, is not honoured.
+	id, _ = mustAlloc(t, a, cidr("10.2.0.0/16"), WithOldID(wanted))
+	if id.ID == wanted {
+		t.Fatal("requested ID in use was handed out twice")
+	}
+	rn, _ := mustAlloc(t, a, remoteNode("192.168.0.1"), WithOldID(16777400))
+	if rn.ID.Scope() != identity.ScopeRemoteNode {
+		t.Fatalf("requested ID of another scope honoured: %d", rn.ID)
+	}
+	a.Unwithhold([]identity.NumericIdentity{first, wanted})
+	if len(a.Withheld()) != 0 {
+		t.Fatal("unwithhold left IDs")
+	}
+	// The counter wraps around to the now free first ID eventually; a
+	// requested free ID is honoured directly.
+	id, _ = mustAlloc(t, a, cidr("10.3.0.0/16"), WithOldID(first))
+	if id.ID != first {
+		t.Fatalf("requested free ID: got %d, want %d", id.ID, first)
+	}
+}
+
+func TestExhaustion(t *testing.T) {
+	a, _, _ := testAllocator(t, 4)
+	ids := map[identity.NumericIdentity]bool{}
+	a.Withhold([]identity.NumericIdentity{16777220})
+	for i := range 3 {
+		id, _ := mustAlloc(t, a, cidr(fmt.Sprintf("10.0.%d.0/24", i)))
+		ids[id.ID] = true
+	}
+	if ids[16777220] {
+		t.Fatal("withheld ID handed out while others were free")
+	}
+	// Only the withheld ID is left: it is claimed rather than failing.
+	id, _ := mustAlloc(t, a, cidr("10.0.9.0/24"))
+	if id.ID != 16777220 {
+		t.Fatalf("exhausted scope claimed %d, want the withheld 16777220", id.ID)
+	}
+	_, _, err := a.Allocate(context.Background(), cidr("10.0.10.0/24"))
+	if !errors.Is(err, ErrLocalSpaceExhausted) {
+		t.Fatalf("allocation in a full scope: %v, want ErrLocalSpaceExhausted", err)
+	}
+	// Releasing one makes room again, and the wrap-around finds it.
+	if _, err := a.Release(context.Background(), a.LookupByID(16777218)); err != nil {
+		t.Fatal(err)
+	}
+	id, _ = mustAlloc(t, a, cidr("10.0.10.0/24"))
+	if id.ID != 16777218 {
+		t.Fatalf("after release got %d, want 16777218", id.ID)
+	}
+	// The other scope is independent.
+	if _, _, err := a.Allocate(context.Background(), remoteNode("192.168.0.1")); err != nil {
+		t.Fatalf("remote-node scope affected by local exhaustion: %v", err)
+	}
+}
+
+type recordingHandler struct {
+	mu    sync.Mutex
+	calls []struct{ added, deleted IdentityMap }
+}
+
+func (h *recordingHandler) UpdateIdentities(added, deleted IdentityMap) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.calls = append(h.calls, struct{ added, deleted IdentityMap }{added, deleted})
+}
+
+func (h *recordingHandler) snapshot() []struct{ added, deleted IdentityMap } {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.calls)
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func TestHandlerBatches(t *testing.T) {
+	h := &recordingHandler{}
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity, h)
+	// The reserved identities arrive first, in one call.
+	waitFor(t, "reserved batch", func() bool { return len(h.snapshot()) == 1 })
+	if got := len(h.snapshot()[0].added); got != 10 {
+		t.Fatalf("first batch has %d identities, want the 10 reserved", got)
+	}
+
+	reqs := make([]Request, 100)
+	for i := range reqs {
+		reqs[i] = Request{Labels: cidr(fmt.Sprintf("10.%d.0.0/16", i))}
+	}
+	for _, r := range a.AllocateBatch(context.Background(), reqs) {
+		if r.Err != nil || !r.Allocated {
+			t.Fatalf("batch result %+v", r)
+		}
+	}
+	waitFor(t, "batch", func() bool { return len(h.snapshot()) == 2 })
+	if got := h.snapshot()[1]; len(got.added) != 100 || len(got.deleted) != 0 {
+		t.Fatalf("batch call: %d added, %d deleted; want 100 added in one call", len(got.added), len(got.deleted))
+	}
+
+	// An add and a delete of the same ID within one batch cancel out;
+	// the other changes of the batch still arrive together.
+	a.queue.hold()
+	tmp, _ := mustAlloc(t, a, cidr("172.16.0.0/12"))
+	kept, _ := mustAlloc(t, a, cidr("172.17.0.0/16"))
+	gone := a.LookupByLabels(cidr("10.0.0.0/16"))
+	if _, err := a.Release(context.Background(), tmp); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Release(context.Background(), gone); err != nil {
+		t.Fatal(err)
+	}
+	a.queue.release()
+	waitFor(t, "third batch", func() bool { return len(h.snapshot()) == 3 })
+	got := h.snapshot()[2]
+	if _, ok := got.added[tmp.ID]; ok {
+		t.Fatal("add+delete in one batch was delivered as an add")
+	}
+	if _, ok := got.deleted[tmp.ID]; ok {
+		t.Fatal("add+delete in one batch was delivered as a delete")
+	}
+	if _, ok := got.added[kept.ID]; !ok || len(got.added) != 1 {
+		t.Fatalf("batch added %v, want only %d", got.added, kept.ID)
+	}
+	if _, ok := got.deleted[gone.ID]; !ok || len(got.deleted) != 1 {
+		t.Fatalf("batch deleted %v, want only %d", got.deleted, gone.ID)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if n := len(h.snapshot()); n != 3 {
+		t.Fatalf("%d handler calls, want 3 (one per batch)", n)
+	}
+}
+
+func TestObserveReplaySyncLive(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	pre, _ := mustAlloc(t, a, cidr("10.0.0.0/8"))
+	waitFor(t, "dispatch", func() bool { return len(a.disp.snapshot()) == 11 })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var mu sync.Mutex
+	var got []Change
+	done := make(chan error, 1)
+	a.Observe(ctx, func(c Change) {
+		mu.Lock()
+		got = append(got, c)
+		mu.Unlock()
+	}, func(err error) { done <- err })
+
+	waitFor(t, "replay", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 12 })
+	live, _ := mustAlloc(t, a, cidr("10.1.0.0/16"))
+	if _, err := a.Release(context.Background(), live); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "live", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 14 })
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("complete(%v), want context.Canceled", err)
+	}
+
+	mu.Lock()
+	defer mu.Unlock()
+	for i := range 10 {
+		if got[i].Kind != ChangeUpsert || got[i].ID != identity.NumericIdentity(i+1) {
+			t.Fatalf("replay[%d] = %+v, want reserved %d", i, got[i], i+1)
+		}
+	}
+	if got[10].Kind != ChangeUpsert || got[10].ID != pre.ID {
+		t.Fatalf("replay[10] = %+v, want %d", got[10], pre.ID)
+	}
+	if got[11].Kind != ChangeSync {
+		t.Fatalf("after replay: %+v, want sync", got[11])
+	}
+	if got[12].Kind != ChangeUpsert || got[12].ID != live.ID || got[13].Kind != ChangeDelete || got[13].ID != live.ID {
+		t.Fatalf("live events %+v %+v", got[12], got[13])
+	}
+	if len(got) != 14 {
+		t.Fatalf("%d events, want 14", len(got))
+	}
+}
+
+func TestTableInStep(t *testing.T) {
+	a, db, table := testAllocator(t, identity.MaxLocalIdentity)
+	id, _ := mustAlloc(t, a, cidr("10.0.0.0/8"))
+	mustAlloc(t, a, cidr("10.0.0.0/8"))
+	restored, _ := mustAlloc(t, a, cidr("10.9.0.0/16"), AsRestored())
+	row := func(nid identity.NumericIdentity) (Entry, bool) {
+		e, _, ok := table.Get(db.ReadTxn(), EntryIDIndex.Query(nid))
+		return e, ok
+	}
+	waitFor(t, "row with 2 refs", func() bool { e, ok := row(id.ID); return ok && e.RefCount == 2 })
+	waitFor(t, "restored row", func() bool { e, ok := row(restored.ID); return ok && e.Source == SourceRestored })
+	if e, _, ok := table.Get(db.ReadTxn(), EntryLabelsIndex.Query(cidr("10.0.0.0/8").Canonical())); !ok || e.Identity.ID != id.ID {
+		t.Fatal("labels index does not find the identity")
+	}
+	if e, ok := row(identity.ReservedIdentityWorld); !ok || e.Source != SourceReserved {
+		t.Fatal("reserved identity missing from table")
+	}
+	// A non-restored reference ends the restored state.
+	mustAlloc(t, a, cidr("10.9.0.0/16"))
+	waitFor(t, "restored row becomes local", func() bool { e, ok := row(restored.ID); return ok && e.Source == SourceLocal && e.RefCount == 2 })
+
+	a.Release(context.Background(), id)
+	waitFor(t, "row with 1 ref", func() bool { e, ok := row(id.ID); return ok && e.RefCount == 1 })
+	a.Release(context.Background(), id)
+	waitFor(t, "row gone", func() bool { _, ok := row(id.ID); return !ok })
+}
+
+// TestConcurrentAllocateRelease: goroutines allocate and release
+// overlapping label sets; afterwards refcounts are exact, a label set kept
+// its ID while held, and no ID denoted two label sets.
+func TestConcurrentAllocateRelease(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	const (
+		workers = 8
+		sets    = 64
+	)
+	duration := 2 * time.Second
+	if testing.Short() {
+		duration = 300 * time.Millisecond
+	}
+	lbls := make([]labels.Labels, sets)
+	for i := range lbls {
+		if i%4 == 0 {
+			lbls[i] = remoteNode(fmt.Sprintf("192.168.0.%d", i))
+		} else {
+			lbls[i] = cidr(fmt.Sprintf("10.%d.0.0/16", i))
+		}
+	}
+	var (
+		mu      sync.Mutex
+		idOwner = map[identity.NumericIdentity]string{} // ID -> label key while held
+		errs    []error
+	)
+	held := make([][]int, workers) // per worker: refs it holds per set
+	deadline := time.Now().Add(duration)
+	var wg sync.WaitGroup
+	for w := range workers {
+		held[w] = make([]int, sets)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ids := make([]*identity.Identity, sets)
+			for i := 0; time.Now().Before(deadline); i++ {
+				s := (i*7 + w*13) % sets
+				if held[w][s] > 0 && i%3 == 0 {
+					if _, err := a.Release(context.Background(), ids[s]); err != nil {
+						mu.Lock()
+						errs = append(errs, err)
+						mu.Unlock()
+						return
+					}
+					held[w][s]--
+					continue
+				}
+				id, _, err := a.Allocate(context.Background(), lbls[s])
+				if err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+					return
+				}
+				if held[w][s] > 0 && id.ID != ids[s].ID {
+					mu.Lock()
+					errs = append(errs, fmt.Errorf("set %d changed ID from %d to %d while held", s, ids[s].ID, id.ID))
+					mu.Unlock()
+				}
+				if !id.Labels.Equal(lbls[s]) {
+					mu.Lock()
+					errs = append(errs, fmt.Errorf("ID %d returned for %s carries %s", id.ID, lbls[s], id.Labels))
+					mu.Unlock()
+				}
+				mu.Lock()
+				if owner, ok := idOwner[id.ID]; ok && owner != lbls[s].Canonical() && a.LookupByID(id.ID) != nil && a.LookupByID(id.ID).Labels.Canonical() != owner {
+					errs = append(errs, fmt.Errorf("ID %d denoted %s and %s", id.ID, owner, lbls[s].Canonical()))
+				}
+				idOwner[id.ID] = lbls[s].Canonical()
+				mu.Unlock()
+				ids[s] = id
+				held[w][s]++
+			}
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		t.Error(err)
+	}
+	// Exact refcounts: the sum of what the workers hold.
+	byID := map[identity.NumericIdentity]labels.Labels{}
+	for s := range sets {
+		want := 0
+		for w := range workers {
+			want += held[w][s]
+		}
+		id := a.LookupByLabels(lbls[s])
+		if want == 0 {
+			if id != nil {
+				t.Errorf("set %d held by nobody still has identity %d", s, id.ID)
+			}
+			continue
+		}
+		if id == nil {
+			t.Errorf("set %d held %d times has no identity", s, want)
+			continue
+		}
+		if other, dup := byID[id.ID]; dup {
+			t.Errorf("ID %d shared by %s and %s", id.ID, other, lbls[s])
+		}
+		byID[id.ID] = lbls[s]
+		var e *refEntry
+		if s := a.scopeOf(id.ID.Scope()); s != nil {
+			e = s.lookupByID(id.ID)
+		}
+		if got := int(e.refs.Load()); got != want {
+			t.Errorf("set %d: refcount %d, want %d", s, got, want)
+		}
+	}
+}

@@ -1,0 +1,234 @@
+package allocator_test
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/hive/script"
+	"github.com/cilium/hive/script/scripttest"
+	"github.com/cilium/statedb"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/allocatortest"
+	"github.com/identityd/identityd/labels"
+)
+
+// node starts a hive with the allocator cell and the given backend.
+func node(t *testing.T, backend allocator.GlobalBackend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
+	t.Helper()
+	var a allocator.Allocator
+	cells := []cell.Cell{
+		job.Cell, statedb.Cell, allocator.Cell,
+		cell.Invoke(func(x allocator.Allocator) { a = x }),
+	}
+	if backend != nil {
+		cells = append(cells, cell.Provide(func() allocator.GlobalBackend { return backend }))
+	}
+	h := hive.New(cells...)
+	if cfg != nil {
+		hive.AddConfigOverride(h, cfg)
+	}
+	log := hivetest.Logger(t)
+	if err := h.Start(log, t.Context()); err != nil {
+		return nil, h, err
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return a, h, nil
+}
+
+func TestGlobalRequests(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	b1, b2 := store.NewBackend("node1"), store.NewBackend("node2")
+	n1, _, err := node(t, b1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n2, _, err := node(t, b2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := labels.MustParse("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default")
+
+	id1, allocated, err := n1.Allocate(t.Context(), web)
+	if err != nil || !allocated {
+		t.Fatalf("first allocation: %v %v", allocated, err)
+	}
+	if id1.ID < identity.MinAllocatorIdentity || id1.ID > 65535 {
+		t.Fatalf("global identity %d outside cluster 0's range", id1.ID)
+	}
+	if got := b1.Requests.Load(); got != 1 {
+		t.Fatalf("new identity cost %d backend requests, want 1", got)
+	}
+	// A label set this node holds costs nothing.
+	for range 100 {
+		if id, _, err := n1.Allocate(t.Context(), web); err != nil || id.ID != id1.ID {
+			t.Fatalf("hit: %v %v", id, err)
+		}
+	}
+	if got := b1.Requests.Load(); got != 1 {
+		t.Fatalf("held label set cost %d backend requests, want 0 more", got-1)
+	}
+	// Another node adopts the same ID.
+	id2, allocated, err := n2.Allocate(t.Context(), web)
+	if err != nil || allocated || id2.ID != id1.ID {
+		t.Fatalf("adoption: id %v allocated %v err %v; want %d existing", id2, allocated, err, id1.ID)
+	}
+	if store.Refs(web) != 2 {
+		t.Fatalf("store has %d references, want 2", store.Refs(web))
+	}
+	// Node 2 sees it by ID through the backend's cache.
+	if got := n2.LookupByID(id1.ID); got == nil || !got.Labels.Equal(web) {
+		t.Fatalf("node2 LookupByID = %v", got)
+	}
+
+	// Releases: only the last local reference reaches the store.
+	for range 100 {
+		if released, err := n1.Release(t.Context(), id1); err != nil || released {
+			t.Fatalf("release of a multiply held identity: %v %v", released, err)
+		}
+	}
+	if got := b1.Requests.Load(); got != 1 {
+		t.Fatalf("non-final releases cost %d requests", got-1)
+	}
+	if released, err := n1.Release(t.Context(), id1); err != nil || !released {
+		t.Fatalf("final release: %v %v", released, err)
+	}
+	if got := b1.Requests.Load(); got != 2 {
+		t.Fatalf("final release: %d requests in all, want 2", got)
+	}
+	if store.Refs(web) != 1 {
+		t.Fatalf("store has %d references after node1 released, want 1", store.Refs(web))
+	}
+	// Node 1 still knows the identity (node 2 holds it).
+	if got := n1.LookupByID(id1.ID); got == nil {
+		t.Fatal("node1 lost sight of an identity node2 holds")
+	}
+	if _, err := n2.Release(t.Context(), id2); err != nil {
+		t.Fatal(err)
+	}
+	if store.GC() != 1 {
+		t.Fatal("GC did not remove the unused identity")
+	}
+	waitUntil(t, "delete reaches node1", func() bool { return n1.LookupByID(id1.ID) == nil })
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out: %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func TestGlobalStoreDown(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	b := store.NewBackend("node1")
+	a, _, err := node(t, b, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store.Down.Store(true)
+	_, _, err = a.Allocate(t.Context(), labels.MustParse("k8s:app=db"))
+	if !errors.Is(err, allocatortest.ErrDown) {
+		t.Fatalf("allocation with the store down: %v", err)
+	}
+	// Nothing was recorded, so a later attempt goes to the store again.
+	store.Down.Store(false)
+	if _, allocated, err := a.Allocate(t.Context(), labels.MustParse("k8s:app=db")); err != nil || !allocated {
+		t.Fatalf("allocation after recovery: %v %v", allocated, err)
+	}
+}
+
+func TestGlobalSameSetConcurrently(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	b := store.NewBackend("node1")
+	a, _, err := node(t, b, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lbls := labels.MustParse("k8s:app=api")
+	var wg sync.WaitGroup
+	ids := make([]identity.NumericIdentity, 16)
+	for i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			id, _, err := a.Allocate(context.Background(), lbls)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			ids[i] = id.ID
+		}()
+	}
+	wg.Wait()
+	for _, id := range ids {
+		if id != ids[0] {
+			t.Fatalf("concurrent allocations of one set got %v", ids)
+		}
+	}
+	if got := b.Requests.Load(); got != 1 {
+		t.Fatalf("16 concurrent first allocations cost %d requests, want 1", got)
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  func(*allocator.Config)
+		want string
+	}{
+		{"nonzero ID with default name", func(c *allocator.Config) { c.ClusterID = 3 }, "cluster name other than"},
+		{"ID above max", func(c *allocator.Config) { c.ClusterID = 256; c.ClusterName = "c1" }, "invalid cluster ID 256"},
+		{"bad max", func(c *allocator.Config) { c.MaxConnectedClusters = 300 }, "must be 255 or 511"},
+		{"bad name", func(c *allocator.Config) { c.ClusterName = "Bad_Name" }, "invalid cluster name"},
+		{"zero timeout", func(c *allocator.Config) { c.IdentityAllocationTimeout = 0 }, "identity-allocation-timeout"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, err := node(t, nil, tc.cfg)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("start error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+	// 511 mode with cluster 300 is fine.
+	if _, _, err := node(t, nil, func(c *allocator.Config) {
+		c.MaxConnectedClusters = 511
+		c.ClusterID = 300
+		c.ClusterName = "c300"
+	}); err != nil {
+		t.Fatalf("valid 511 config refused: %v", err)
+	}
+}
+
+func TestScript(t *testing.T) {
+	scripttest.Test(t, context.Background(),
+		func(t testing.TB, args []string) *script.Engine {
+			store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+			h := hive.New(
+				job.Cell, statedb.Cell, allocator.Cell,
+				cell.Provide(func() allocator.GlobalBackend { return store.NewBackend("node1") }),
+			)
+			log := hivetest.Logger(t)
+			cmds, err := h.ScriptCommands(log)
+			if err != nil {
+				t.Fatal(err)
+			}
+			maps.Insert(cmds, maps.All(script.DefaultCmds()))
+			t.Cleanup(func() { h.Stop(log, context.Background()) })
+			return &script.Engine{Cmds: cmds, RetryInterval: 10 * time.Millisecond, MaxRetryInterval: 200 * time.Millisecond}
+		}, nil, "testdata/*.txtar")
+}

@@ -1,0 +1,194 @@
+// Package allocatortest has a global identity backend that keeps
+// identities in memory, shared by several allocators in one process as if
+// they were nodes sharing a store. It exists to test the allocator's
+// global path apart from etcd; production code never uses it.
+package allocatortest
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idpool"
+	"github.com/identityd/identityd/labels"
+)
+
+// Store is the shared state: master entries and per-node references.
+type Store struct {
+	mu      sync.Mutex
+	pool    *idpool.Pool
+	byID    map[identity.NumericIdentity]labels.Labels
+	byKey   map[string]identity.NumericIdentity
+	refs    map[string]map[string]struct{} // label key -> nodes
+	nodes   []*Backend
+	// Down makes every request fail, as an unreachable store would.
+	Down atomic.Bool
+}
+
+// ErrDown is returned while the store is down.
+var ErrDown = errors.New("store is down")
+
+// NewStore returns a store allocating IDs of the cluster's range.
+func NewStore(cluster identity.ClusterInfo) *Store {
+	return &Store{
+		pool:  idpool.New(idpool.ID(cluster.MinID()), idpool.ID(cluster.MaxID())),
+		byID:  map[identity.NumericIdentity]labels.Labels{},
+		byKey: map[string]identity.NumericIdentity{},
+		refs:  map[string]map[string]struct{}{},
+	}
+}
+
+// Backend is one node's view of the store.
+type Backend struct {
+	store *Store
+	node  string
+	// Requests counts calls that would be store round trips.
+	Requests atomic.Int64
+
+	mu     sync.Mutex
+	events allocator.GlobalEvents
+}
+
+var _ allocator.GlobalBackend = (*Backend)(nil)
+
+// NewBackend returns the backend of one node.
+func (s *Store) NewBackend(node string) *Backend {
+	b := &Backend{store: s, node: node}
+	s.mu.Lock()
+	s.nodes = append(s.nodes, b)
+	s.mu.Unlock()
+	return b
+}
+
+// Refs returns the nodes holding a label set.
+func (s *Store) Refs(lbls labels.Labels) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.refs[lbls.Canonical()])
+}
+
+// Len returns the number of identities in the store.
+func (s *Store) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.byID)
+}
+
+func (s *Store) broadcast(fn func(allocator.GlobalEvents)) {
+	for _, n := range s.nodes {
+		n.mu.Lock()
+		ev := n.events
+		n.mu.Unlock()
+		if ev != nil {
+			fn(ev)
+		}
+	}
+}
+
+// Allocate implements allocator.GlobalBackend.
+func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
+	b.Requests.Add(1)
+	if b.store.Down.Load() {
+		return 0, false, ErrDown
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, false, err
+	}
+	s := b.store
+	key := lbls.Canonical()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	id, ok := s.byKey[key]
+	created := false
+	if !ok {
+		nid := s.pool.AllocateID()
+		if nid == idpool.NoID {
+			return 0, false, allocator.ErrGlobalSpaceExhausted
+		}
+		id = identity.NumericIdentity(nid)
+		s.byKey[key] = id
+		s.byID[id] = lbls
+		created = true
+		s.broadcast(func(ev allocator.GlobalEvents) { ev.Upsert(id, lbls) })
+	}
+	if s.refs[key] == nil {
+		s.refs[key] = map[string]struct{}{}
+	}
+	s.refs[key][b.node] = struct{}{}
+	return id, created, nil
+}
+
+// Release implements allocator.GlobalBackend.
+func (b *Backend) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
+	b.Requests.Add(1)
+	if b.store.Down.Load() {
+		return ErrDown
+	}
+	s := b.store
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.refs[lbls.Canonical()], b.node)
+	return nil
+}
+
+// GC deletes identities no node holds, as the kvstore's GC does.
+func (s *Store) GC() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for key, id := range s.byKey {
+		if len(s.refs[key]) > 0 {
+			continue
+		}
+		lbls := s.byID[id]
+		delete(s.byKey, key)
+		delete(s.byID, id)
+		delete(s.refs, key)
+		s.pool.Insert(idpool.ID(id))
+		s.broadcast(func(ev allocator.GlobalEvents) { ev.Delete(id, lbls) })
+		n++
+	}
+	return n
+}
+
+// LookupByID implements allocator.GlobalBackend.
+func (b *Backend) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
+	b.store.mu.Lock()
+	defer b.store.mu.Unlock()
+	l, ok := b.store.byID[id]
+	return l, ok
+}
+
+// LookupByLabels implements allocator.GlobalBackend.
+func (b *Backend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
+	b.store.mu.Lock()
+	defer b.store.mu.Unlock()
+	id, ok := b.store.byKey[lbls.Canonical()]
+	return id, ok
+}
+
+// Start implements allocator.GlobalBackend: it lists the store, then
+// reports changes.
+func (b *Backend) Start(ctx context.Context, events allocator.GlobalEvents) error {
+	b.store.mu.Lock()
+	defer b.store.mu.Unlock()
+	for id, l := range b.store.byID {
+		events.Upsert(id, l)
+	}
+	b.mu.Lock()
+	b.events = events
+	b.mu.Unlock()
+	events.Synced()
+	return nil
+}
+
+// Stop implements allocator.GlobalBackend.
+func (b *Backend) Stop(ctx context.Context) error {
+	b.mu.Lock()
+	b.events = nil
+	b.mu.Unlock()
+	return nil
+}
