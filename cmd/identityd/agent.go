@@ -9,6 +9,9 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/checkpoint"
+	"github.com/identityd/identityd/cells/ipcache"
+	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
 )
@@ -21,11 +24,14 @@ var agentCells = []cell.Cell{
 	statedb.Cell,
 	statedir.Cell,
 	shell.Cell,
+	kvstore.Cell,
 	allocator.Cell,
+	checkpoint.Cell,
+	ipcache.Cell,
 
 	// The agent exists to serve its cells; force the ones nothing else
 	// depends on to be constructed.
-	cell.Invoke(func(allocator.Allocator) {}),
+	cell.Invoke(func(allocator.Allocator, *checkpoint.Checkpoint, *kvstore.Client, *ipcache.IPCache) {}),
 }
 
 // newHive returns the agent's hive. Every call builds a fresh one, so tests
