@@ -1,0 +1,60 @@
+// Package allocator is the identity allocator cell: one object, Allocator,
+// through which an agent allocates, looks up, releases and watches security
+// identities.
+//
+// # What it does
+//
+//   - Reserved label sets (identity.LookupReserved) resolve to their fixed
+//     identity without allocation; releasing one is a no-op.
+//   - Node-local and remote-node label sets (identity.ScopeForLabels) are
+//     numbered in memory, sequentially with wrap-around from 0x01000001 and
+//     0x02000001. A requested old ID (WithOldID) is honoured when it is in
+//     the set's scope and free, even if withheld; withheld IDs are skipped
+//     otherwise; when every other ID is taken a withheld-but-free one is
+//     handed out with a warning, and only then ErrLocalSpaceExhausted.
+//   - Global label sets go to a GlobalBackend (the etcd backend when the
+//     kvstore cell is in the hive). The allocator counts this node's
+//     references itself: only a label set's first reference and last
+//     release reach the backend, and a set this node holds costs no
+//     request. Without a backend, a global label set fails with
+//     ErrNoGlobalBackend.
+//   - Label sets are validated (labels.Labels.Validate) before a new
+//     identity is made for them, so nothing unrepresentable reaches etcd.
+//
+// Hits and non-final releases only take a read lock and change the
+// reference count atomically; only the first reference and the last
+// release take the scope's write lock.
+//
+// # Observing
+//
+// Every identity that appears or disappears, reserved, local or global, is
+// published three ways, in order, by one dispatcher goroutine:
+//
+//   - the Allocator's stream.Observable[Change]: a new subscriber first gets
+//     every current identity as ChangeUpsert, then ChangeSync (once the
+//     global identities were listed), then live changes;
+//   - identity handlers registered by other cells through the
+//     "identity-handlers" value group (NewHandler): one call per batch of
+//     changes, with an add and a delete of the same ID in one batch
+//     cancelling out; AllocateBatch delivers its identities in one batch;
+//   - the statedb table "identities" (statedb.Table[Entry], indexes
+//     EntryIDIndex and EntryLabelsIndex), with the reference count and the
+//     source (reserved, local, global, restored) of every identity. The
+//     table is written at most every 10ms, so a busy allocator does not
+//     spend a core on it; it lags the allocator by that much.
+//
+// # Flags
+//
+//	--cluster-id                   this cluster's ID (0)
+//	--cluster-name                 this cluster's name ("default")
+//	--max-connected-clusters       255 or 511 (255)
+//	--identity-allocation-timeout  bound on every call that waits for the kvstore (2m)
+//
+// # Shell commands
+//
+//	identity/allocate [--old-id N] [-o table|json|yaml] <label>...
+//	identity/release <id>
+//	identity/get [-o …] <id> | <label>...
+//	identity/list [--source reserved|local|global|restored] [-o …]
+//	db/show identities
+package allocator
