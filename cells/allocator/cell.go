@@ -14,6 +14,7 @@ var Cell = cell.Module(
 	"Security identity allocator",
 
 	cell.Config(DefaultConfig),
+	cell.Config(DefaultEtcdConfig),
 	cell.ProvidePrivate(NewTable),
 	cell.Provide(
 		statedb.RWTable[Entry].ToTable,

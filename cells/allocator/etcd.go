@@ -1,0 +1,1023 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/spf13/pflag"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idpool"
+	"github.com/identityd/identityd/labels"
+)
+
+// The etcd key layout of global identities, shared with Cilium agents.
+const (
+	// IdentitiesPrefix is the base prefix of global identities in etcd.
+	IdentitiesPrefix = "cilium/state/identities/v1"
+	// MasterKeyPrefix precedes a numeric ID; the key's value is the
+	// canonical label string and carries no lease.
+	MasterKeyPrefix = IdentitiesPrefix + "/id/"
+	// ReferenceKeyPrefix precedes "<canonical labels>/<node>"; the value is
+	// the numeric ID and the key lives on the node's lease.
+	ReferenceKeyPrefix = IdentitiesPrefix + "/value/"
+	// LockKeyPrefix precedes "<canonical labels>/<lease hex>": the lock
+	// Cilium agents take while they allocate a label set.
+	LockKeyPrefix = IdentitiesPrefix + "/locks/"
+)
+
+// Errors of the etcd backend, besides ErrGlobalSpaceExhausted.
+var (
+	// ErrAllocationConflict: other writers kept winning the races for the
+	// label set or its candidate IDs until the attempts ran out.
+	ErrAllocationConflict = errors.New("global identity allocation kept conflicting with other writers")
+	// ErrKVStoreUnavailable: etcd did not answer, or refused the request.
+	ErrKVStoreUnavailable = errors.New("kvstore unavailable")
+)
+
+// Bounds of one allocation. Conflicts are rare (IDs are picked at random and
+// the cache knows most used ones), so a handful of them in a row means
+// something is wrong; transient errors get more room because a leader
+// election takes seconds.
+const (
+	maxConflicts   = 16
+	maxTransient   = 30
+	listPageSize   = 1000
+	restoreWorkers = 16
+)
+
+// EtcdConfig configures the etcd backend of global identities.
+type EtcdConfig struct {
+	// AllocatorListTimeout bounds how long the allocator's start waits
+	// for the first listing of global identities; the listing goes on in
+	// the background after it.
+	AllocatorListTimeout time.Duration
+	// IdentityGCInterval is the period of the garbage collection of
+	// unused master keys; 0 disables it.
+	IdentityGCInterval time.Duration
+	// IdentityGCRateLimit is the most master keys deleted per
+	// IdentityGCRateInterval.
+	IdentityGCRateLimit int64
+	// IdentityGCRateInterval is the window of IdentityGCRateLimit.
+	IdentityGCRateInterval time.Duration
+}
+
+// DefaultEtcdConfig is the default configuration of the etcd backend.
+var DefaultEtcdConfig = EtcdConfig{
+	AllocatorListTimeout:   3 * time.Minute,
+	IdentityGCInterval:     15 * time.Minute,
+	IdentityGCRateLimit:    2500,
+	IdentityGCRateInterval: time.Minute,
+}
+
+// Flags registers the flags of the etcd backend.
+func (def EtcdConfig) Flags(flags *pflag.FlagSet) {
+	flags.Duration("allocator-list-timeout", def.AllocatorListTimeout, "Time the start waits for the first listing of global identities from etcd (listing continues in the background)")
+	flags.Duration("identity-gc-interval", def.IdentityGCInterval, "Interval of the garbage collection of unused global identities in etcd; 0 disables it")
+	flags.Int64("identity-gc-rate-limit", def.IdentityGCRateLimit, "Maximum number of global identities deleted by the garbage collection per --identity-gc-rate-interval")
+	flags.Duration("identity-gc-rate-interval", def.IdentityGCRateInterval, "Window of --identity-gc-rate-limit")
+}
+
+// Validate checks the configuration.
+func (c EtcdConfig) Validate() error {
+	switch {
+	case c.AllocatorListTimeout <= 0:
+		return errors.New("--allocator-list-timeout must be positive")
+	case c.IdentityGCInterval < 0:
+		return errors.New("--identity-gc-interval must not be negative")
+	case c.IdentityGCRateLimit <= 0:
+		return errors.New("--identity-gc-rate-limit must be positive")
+	case c.IdentityGCRateInterval <= 0:
+		return errors.New("--identity-gc-rate-interval must be positive")
+	}
+	return nil
+}
+
+type etcdParams struct {
+	cell.In
+
+	Client     *kvstore.Client `optional:"true"`
+	Config     Config
+	EtcdConfig EtcdConfig
+	Log        *slog.Logger
+}
+
+// newEtcdBackend provides the GlobalBackend when the hive has a kvstore
+// client. Without one it provides a nil interface, which the allocator
+// treats as "no global backend" (ErrNoGlobalBackend).
+func newEtcdBackend(p etcdParams) (GlobalBackend, error) {
+	if p.Client == nil {
+		return nil, nil
+	}
+	if err := p.EtcdConfig.Validate(); err != nil {
+		return nil, err
+	}
+	return NewEtcdBackend(p.Log, p.Client, p.Config.ClusterInfo(), p.EtcdConfig), nil
+}
+
+// EtcdBackend is the GlobalBackend that keeps global identities in etcd
+// with Cilium's key layout. A new label set costs one transaction, adopting
+// another node's identity at most two (one when the cache knows it), and
+// the last release one delete. It keeps a cache of all master keys by
+// list and watch, re-creates this node's keys after a lost lease, and
+// collects unused master keys.
+type EtcdBackend struct {
+	log     *slog.Logger
+	kv      *kvstore.Client
+	cfg     EtcdConfig
+	cluster identity.ClusterInfo
+	node    string
+	pool    *idpool.Pool
+
+	cacheMu sync.RWMutex
+	byID    map[identity.NumericIdentity]*masterEntry
+	byKey   map[string]identity.NumericIdentity
+	events  GlobalEvents
+	synced  chan struct{}
+	once    sync.Once
+
+	// writeMu orders this node's reference writes against the
+	// re-creation of all of them after a lost lease: each write holds
+	// the read lock (and updates held within it), the restore holds the
+	// write lock, so a reference is never released and then restored.
+	writeMu  sync.RWMutex
+	heldMu   sync.Mutex
+	held     map[string]identity.NumericIdentity // canonical labels -> ID
+	heldByID map[identity.NumericIdentity]string
+
+	// lease is the last lease this backend wrote with; leaseSeen wakes
+	// the repair loop when it changes.
+	lease     atomic.Int64
+	leaseSeen chan struct{}
+	// lostMasters holds IDs whose master key vanished while this node
+	// references them; repairWake tells the repair loop.
+	lostMu      sync.Mutex
+	lostMasters map[identity.NumericIdentity]struct{}
+	repairWake  chan struct{}
+
+	gcLimiter *rate.Limiter
+	gc        gcCounters
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+type masterEntry struct {
+	key    string
+	lbls   labels.Labels
+	modRev int64
+}
+
+var _ GlobalBackend = (*EtcdBackend)(nil)
+
+// NewEtcdBackend returns the backend for the cluster's ID range, writing
+// through kv (which must be started before Start is called).
+func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg EtcdConfig) *EtcdBackend {
+	perDeletion := cfg.IdentityGCRateInterval / time.Duration(max(cfg.IdentityGCRateLimit, 1))
+	return &EtcdBackend{
+		log:         log,
+		kv:          kv,
+		cfg:         cfg,
+		cluster:     cluster,
+		node:        kv.NodeName(),
+		pool:        idpool.New(idpool.ID(cluster.MinID()), idpool.ID(cluster.MaxID())),
+		byID:        map[identity.NumericIdentity]*masterEntry{},
+		byKey:       map[string]identity.NumericIdentity{},
+		synced:      make(chan struct{}),
+		held:        map[string]identity.NumericIdentity{},
+		heldByID:    map[identity.NumericIdentity]string{},
+		leaseSeen:   make(chan struct{}, 1),
+		lostMasters: map[identity.NumericIdentity]struct{}{},
+		repairWake:  make(chan struct{}, 1),
+		// A burst of one keeps every window of the interval within the
+		// limit.
+		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),
+	}
+}
+
+func masterKey(id identity.NumericIdentity) string { return MasterKeyPrefix + id.String() }
+
+func referencePrefix(key string) string { return ReferenceKeyPrefix + key + "/" }
+
+func lockPrefix(key string) string { return LockKeyPrefix + key + "/" }
+
+// Start lists the master keys, then watches them in the background. It
+// waits for the first listing at most --allocator-list-timeout; when that
+// is not enough the listing goes on and WaitForInitialGlobalIdentities
+// callers wait for it.
+func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
+	if b.kv.Client() == nil {
+		return fmt.Errorf("%w: the kvstore client is not started", ErrKVStoreUnavailable)
+	}
+	b.events = events
+	runCtx, cancel := context.WithCancel(context.Background())
+	b.cancel = cancel
+	b.wg.Go(func() { b.cacheLoop(runCtx) })
+	b.wg.Go(func() { b.repairLoop(runCtx) })
+	if b.cfg.IdentityGCInterval > 0 {
+		b.wg.Go(func() { b.gcLoop(runCtx) })
+	}
+	timer := time.NewTimer(b.cfg.AllocatorListTimeout)
+	defer timer.Stop()
+	select {
+	case <-b.synced:
+	case <-timer.C:
+		b.log.Warn("Global identities not listed within --allocator-list-timeout; listing continues in the background",
+			"timeout", b.cfg.AllocatorListTimeout)
+	case <-ctx.Done():
+		b.log.Warn("Start ended before global identities were listed; listing continues in the background", "error", ctx.Err())
+	}
+	return nil
+}
+
+// Stop ends the cache and the background work, then revokes the node's
+// lease so that its reference keys vanish at once rather than after the
+// TTL. The kvstore client stops after the allocator, so it is still usable.
+func (b *EtcdBackend) Stop(ctx context.Context) error {
+	if b.cancel != nil {
+		b.cancel()
+	}
+	done := make(chan struct{})
+	go func() { b.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return fmt.Errorf("stopping the etcd identity backend: %w", ctx.Err())
+	}
+	b.writeMu.Lock()
+	defer b.writeMu.Unlock()
+	b.heldMu.Lock()
+	clear(b.held)
+	clear(b.heldByID)
+	b.heldMu.Unlock()
+	if err := b.kv.RevokeLease(ctx); err != nil {
+		return fmt.Errorf("revoking the node's lease: %w", err)
+	}
+	return nil
+}
+
+// LookupByID implements GlobalBackend from the cache.
+func (b *EtcdBackend) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
+	b.cacheMu.RLock()
+	defer b.cacheMu.RUnlock()
+	if e := b.byID[id]; e != nil {
+		return e.lbls, true
+	}
+	return nil, false
+}
+
+// LookupByLabels implements GlobalBackend from the cache.
+func (b *EtcdBackend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
+	return b.cachedID(lbls.Canonical())
+}
+
+func (b *EtcdBackend) cachedID(key string) (identity.NumericIdentity, bool) {
+	b.cacheMu.RLock()
+	defer b.cacheMu.RUnlock()
+	id, ok := b.byKey[key]
+	return id, ok
+}
+
+// Synced reports whether the first listing of master keys completed.
+func (b *EtcdBackend) Synced() bool {
+	select {
+	case <-b.synced:
+		return true
+	default:
+		return false
+	}
+}
+
+// outcome says what an allocation attempt found and what to try next.
+type outcome int
+
+const (
+	outDone   outcome = iota // this node references the identity now
+	outAdopt                 // the label set has an ID: reference it
+	outNewID                 // the candidate ID is taken: pick another
+	outLocked                // a Cilium agent holds the label set's lock
+	outWait                  // references point to an ID without master key
+)
+
+type attempt struct {
+	out     outcome
+	id      identity.NumericIdentity
+	created bool
+}
+
+// Allocate implements GlobalBackend.
+func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
+	key := lbls.Canonical()
+	// A label set the cache knows is adopted directly: one transaction.
+	hint, _ := b.cachedID(key)
+	var conflicts, transient, waits int
+	for {
+		if err := ctx.Err(); err != nil {
+			return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
+		}
+		var (
+			a   attempt
+			err error
+		)
+		if hint != 0 {
+			a, err = b.adopt(ctx, key, hint)
+		} else {
+			a, err = b.create(ctx, key)
+		}
+		if err != nil {
+			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) {
+				return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
+			}
+			if !retryable(err) || ctx.Err() != nil {
+				return 0, false, fmt.Errorf("%w: allocating global identity for %s: %w", ErrKVStoreUnavailable, key, err)
+			}
+			if transient++; transient > maxTransient {
+				return 0, false, fmt.Errorf("%w: allocating global identity for %s after %d attempts: %w", ErrKVStoreUnavailable, key, transient, err)
+			}
+			b.log.Debug("Retrying global identity allocation", "labels", key, "error", err)
+			if !isLeaseNotFound(err) {
+				sleep(ctx, backoff(transient))
+			}
+			continue
+		}
+		switch a.out {
+		case outDone:
+			return a.id, a.created, nil
+		case outAdopt:
+			hint = a.id
+			continue
+		case outLocked:
+			// Cilium's lock is held for one allocation; it is not a
+			// conflict with us, so only the context bounds the wait.
+			waits++
+			sleep(ctx, backoff(min(waits, 6)))
+			continue
+		case outWait:
+			hint = 0
+			sleep(ctx, backoff(conflicts+1))
+		case outNewID:
+			hint = 0
+		}
+		if conflicts++; conflicts > maxConflicts {
+			return 0, false, fmt.Errorf("%w: %s after %d attempts", ErrAllocationConflict, key, conflicts)
+		}
+	}
+}
+
+// create tries to create the label set with a random free ID in one
+// transaction that is safe against every other writer: the ID has no master
+// key, no node references the label set, no Cilium agent holds its lock. On
+// failure the same round trip reads why, so the next step needs no read.
+func (b *EtcdBackend) create(ctx context.Context, key string) (attempt, error) {
+	nid := b.pool.LeaseAvailableID()
+	if nid == idpool.NoID {
+		return attempt{}, ErrGlobalSpaceExhausted
+	}
+	id := identity.NumericIdentity(nid)
+	cli, lease, err := b.writer(ctx)
+	if err != nil {
+		b.pool.Release(nid)
+		return attempt{}, err
+	}
+	defer b.writeMu.RUnlock()
+
+	master, refs, locks := masterKey(id), referencePrefix(key), lockPrefix(key)
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Txn(rctx).If(
+		clientv3.Compare(clientv3.CreateRevision(master), "=", 0),
+		clientv3.Compare(clientv3.CreateRevision(refs), "=", 0).WithPrefix(),
+		clientv3.Compare(clientv3.CreateRevision(locks), "=", 0).WithPrefix(),
+	).Then(
+		clientv3.OpPut(master, key),
+		clientv3.OpPut(refs+b.node, id.String(), clientv3.WithLease(lease)),
+	).Else(
+		clientv3.OpGet(master),
+		clientv3.OpGet(refs, clientv3.WithPrefix(), clientv3.WithLimit(1)),
+		clientv3.OpGet(locks, clientv3.WithPrefix(), clientv3.WithCountOnly()),
+	).Commit()
+	if err != nil {
+		b.pool.Release(nid)
+		return attempt{}, err
+	}
+	if resp.Succeeded {
+		b.pool.Use(nid)
+		b.hold(key, id)
+		return attempt{out: outDone, id: id, created: true}, nil
+	}
+
+	masterKVs := resp.Responses[0].GetResponseRange().GetKvs()
+	refKVs := resp.Responses[1].GetResponseRange().GetKvs()
+	lockCount := resp.Responses[2].GetResponseRange().GetCount()
+	if len(masterKVs) > 0 {
+		b.pool.Remove(nid)
+	} else {
+		b.pool.Release(nid)
+	}
+	if len(refKVs) > 0 {
+		ref := refKVs[0]
+		if !isReferenceOf(ref.Key, refs) {
+			// Only a label set whose canonical string extends ours
+			// with "/" could own this key; look for one of ours.
+			var err error
+			if ref, err = b.findReference(ctx, cli, refs); err != nil {
+				return attempt{}, err
+			}
+		}
+		if ref != nil {
+			refID, err := identity.ParseNumericIdentity(string(ref.Value))
+			if err != nil || refID == identity.InvalidIdentity {
+				return attempt{}, fmt.Errorf("reference key %s holds %q, not a numeric identity", ref.Key, ref.Value)
+			}
+			return attempt{out: outAdopt, id: refID}, nil
+		}
+	}
+	if len(masterKVs) > 0 && string(masterKVs[0].Value) == key {
+		// A master key of this label set that nobody references (its
+		// holders left and GC has not run): take it over.
+		return attempt{out: outAdopt, id: id}, nil
+	}
+	if lockCount > 0 {
+		return attempt{out: outLocked}, nil
+	}
+	return attempt{out: outNewID}, nil
+}
+
+// isReferenceOf reports whether key is a reference key directly under
+// prefix: node names hold no "/", label strings may.
+func isReferenceOf(key []byte, prefix string) bool {
+	rest, ok := strings.CutPrefix(string(key), prefix)
+	return ok && rest != "" && !strings.Contains(rest, "/")
+}
+
+// findReference scans the label set's reference prefix for a key that
+// belongs to it. It is only needed when another label set's keys share the
+// prefix, which identityd's label validation rules out and Cilium's does
+// not.
+func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, prefix string) (*mvccpb.KeyValue, error) {
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Get(rctx, prefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, err
+	}
+	for _, kv := range resp.Kvs {
+		if isReferenceOf(kv.Key, prefix) {
+			return kv, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: keys of another label set under %s make the allocation's prefix compare fail", ErrAllocationConflict, prefix)
+}
+
+// adopt writes this node's reference to id, provided id's master key still
+// holds the label set.
+func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.NumericIdentity) (attempt, error) {
+	cli, lease, err := b.writer(ctx)
+	if err != nil {
+		return attempt{}, err
+	}
+	defer b.writeMu.RUnlock()
+	master := masterKey(id)
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Txn(rctx).
+		If(clientv3.Compare(clientv3.Value(master), "=", key)).
+		Then(clientv3.OpPut(referencePrefix(key)+b.node, id.String(), clientv3.WithLease(lease))).
+		Else(clientv3.OpGet(master, clientv3.WithKeysOnly())).
+		Commit()
+	if err != nil {
+		return attempt{}, err
+	}
+	if resp.Succeeded {
+		b.pool.Remove(idpool.ID(id))
+		b.hold(key, id)
+		return attempt{out: outDone, id: id}, nil
+	}
+	if len(resp.Responses[0].GetResponseRange().GetKvs()) == 0 {
+		// References name an ID whose master key is gone; their
+		// holders re-create it (master-key protection) or their lease
+		// expires. Either way the next create attempt tells.
+		return attempt{out: outWait}, nil
+	}
+	// The ID belongs to another label set now (a stale cache entry).
+	return attempt{out: outNewID}, nil
+}
+
+// writer returns the client and the lease to write with, holding
+// writeMu's read lock on success.
+func (b *EtcdBackend) writer(ctx context.Context) (*clientv3.Client, clientv3.LeaseID, error) {
+	cli := b.kv.Client()
+	if cli == nil {
+		return nil, 0, kvstore.ErrStopped
+	}
+	lease, err := b.kv.Lease(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	b.writeMu.RLock()
+	b.noteLease(lease)
+	return cli, lease, nil
+}
+
+func (b *EtcdBackend) noteLease(lease clientv3.LeaseID) {
+	if b.lease.Swap(int64(lease)) != int64(lease) {
+		select {
+		case b.leaseSeen <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// requestContext bounds one request by the kvstore's request timeout and
+// makes it fail at once on a member that lost its leader, so that the retry
+// reaches a member that has one.
+func (b *EtcdBackend) requestContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(clientv3.WithRequireLeader(ctx), b.kv.RequestTimeout())
+}
+
+func (b *EtcdBackend) hold(key string, id identity.NumericIdentity) {
+	b.heldMu.Lock()
+	defer b.heldMu.Unlock()
+	b.held[key] = id
+	b.heldByID[id] = key
+}
+
+// Release implements GlobalBackend: it deletes this node's reference key.
+func (b *EtcdBackend) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
+	key := lbls.Canonical()
+	b.writeMu.RLock()
+	defer b.writeMu.RUnlock()
+	// Forget the reference even if the delete fails: a lost reference
+	// key is harmless (it expires with the lease), a restored one would
+	// keep the identity alive forever.
+	b.heldMu.Lock()
+	if b.held[key] == id {
+		delete(b.held, key)
+		delete(b.heldByID, id)
+	}
+	b.heldMu.Unlock()
+	cli := b.kv.Client()
+	if cli == nil {
+		return fmt.Errorf("%w: %w", ErrKVStoreUnavailable, kvstore.ErrStopped)
+	}
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	if _, err := cli.Delete(rctx, referencePrefix(key)+b.node); err != nil {
+		return fmt.Errorf("%w: deleting reference key of %s: %w", ErrKVStoreUnavailable, key, err)
+	}
+	return nil
+}
+
+// Held returns the label sets this node references in etcd, by canonical
+// string.
+func (b *EtcdBackend) Held() map[string]identity.NumericIdentity {
+	b.heldMu.Lock()
+	defer b.heldMu.Unlock()
+	out := make(map[string]identity.NumericIdentity, len(b.held))
+	for k, v := range b.held {
+		out[k] = v
+	}
+	return out
+}
+
+// retryable tells transient failures (no leader, member down, timeout, lost
+// lease) from refusals that another attempt would meet again.
+func retryable(err error) bool {
+	if errors.Is(err, kvstore.ErrStopped) || errors.Is(err, kvstore.ErrNotStarted) || errors.Is(err, context.Canceled) {
+		return false
+	}
+	if isLeaseNotFound(err) || errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	if s, ok := status.FromError(err); ok {
+		switch s.Code() {
+		case codes.InvalidArgument, codes.PermissionDenied, codes.Unauthenticated,
+			codes.OutOfRange, codes.Unimplemented, codes.AlreadyExists:
+			return false
+		}
+	}
+	switch {
+	case errors.Is(err, rpctypes.ErrPermissionDenied), errors.Is(err, rpctypes.ErrRequestTooLarge),
+		errors.Is(err, rpctypes.ErrTooManyOps), errors.Is(err, rpctypes.ErrAuthFailed):
+		return false
+	}
+	return true
+}
+
+func isLeaseNotFound(err error) bool {
+	return errors.Is(err, rpctypes.ErrLeaseNotFound) ||
+		rpctypes.ErrorDesc(err) == rpctypes.ErrorDesc(rpctypes.ErrGRPCLeaseNotFound)
+}
+
+// backoff returns a jittered delay growing with n, from a few milliseconds
+// to a second.
+func backoff(n int) time.Duration {
+	d := 5 * time.Millisecond << min(n, 8)
+	d = min(d, time.Second)
+	return d/2 + rand.N(d/2+1)
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}
+
+// cacheLoop keeps the cache of master keys: list at one revision, watch
+// from the next, and list again when the watch breaks or falls behind a
+// compaction, reporting only what changed.
+func (b *EtcdBackend) cacheLoop(ctx context.Context) {
+	failures := 0
+	for ctx.Err() == nil {
+		rev, err := b.list(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			failures++
+			b.log.Warn("Listing global identities failed; retrying", "error", err, "attempt", failures)
+			sleep(ctx, backoff(failures))
+			continue
+		}
+		failures = 0
+		err = b.watch(ctx, rev+1)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, rpctypes.ErrCompacted) {
+			b.log.Info("Watch of global identities fell behind a compaction; listing again", "revision", rev)
+		} else {
+			b.log.Warn("Watch of global identities ended; listing again", "error", err)
+			sleep(ctx, backoff(1))
+		}
+	}
+}
+
+// list reads every master key at one revision, page by page, and replaces
+// the cache with it. It returns the revision read.
+func (b *EtcdBackend) list(ctx context.Context) (int64, error) {
+	cli := b.kv.Client()
+	if cli == nil {
+		return 0, kvstore.ErrStopped
+	}
+	end := clientv3.GetPrefixRangeEnd(MasterKeyPrefix)
+	fresh := map[identity.NumericIdentity]*masterEntry{}
+	from, rev := MasterKeyPrefix, int64(0)
+	for {
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(listPageSize)}
+		if rev != 0 {
+			// Later pages read the first page's revision, so the
+			// listing is one consistent snapshot.
+			opts = append(opts, clientv3.WithRev(rev))
+		}
+		rctx, cancel := b.requestContext(ctx)
+		resp, err := cli.Get(rctx, from, opts...)
+		cancel()
+		if err != nil {
+			return 0, fmt.Errorf("listing %s: %w", MasterKeyPrefix, err)
+		}
+		if rev == 0 {
+			rev = resp.Header.Revision
+		}
+		for _, kv := range resp.Kvs {
+			if id, e := b.parseMaster(kv); e != nil {
+				fresh[id] = e
+			}
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			break
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+	b.replace(fresh)
+	b.once.Do(func() {
+		close(b.synced)
+		b.events.Synced()
+	})
+	return rev, nil
+}
+
+// parseMaster validates a master key; it returns nil for keys that are
+// logged and skipped.
+func (b *EtcdBackend) parseMaster(kv *mvccpb.KeyValue) (identity.NumericIdentity, *masterEntry) {
+	suffix := strings.TrimPrefix(string(kv.Key), MasterKeyPrefix)
+	id, err := identity.ParseNumericIdentity(suffix)
+	if err != nil || id == identity.InvalidIdentity || id.Scope() != identity.ScopeGlobal || id.IsReserved() {
+		b.log.Warn("Skipping master key with an invalid numeric identity", "key", string(kv.Key))
+		return 0, nil
+	}
+	lbls, err := labels.ParseCanonical(string(kv.Value))
+	if err != nil {
+		b.log.Warn("Skipping master key with an unparsable label string", "key", string(kv.Key), "value", string(kv.Value), "error", err)
+		return 0, nil
+	}
+	// Master keys of other clusters' ranges (a shared etcd) are cached
+	// for lookups; the pool never hands them out.
+	return id, &masterEntry{key: string(kv.Value), lbls: lbls, modRev: kv.ModRevision}
+}
+
+type change struct {
+	upsert bool
+	id     identity.NumericIdentity
+	lbls   labels.Labels
+}
+
+// replace swaps the cache for a fresh listing and reports the differences.
+func (b *EtcdBackend) replace(fresh map[identity.NumericIdentity]*masterEntry) {
+	var changes []change
+	b.cacheMu.Lock()
+	for id, old := range b.byID {
+		if e := fresh[id]; e == nil || e.key != old.key {
+			changes = append(changes, b.removeLocked(id, old))
+		}
+	}
+	for id, e := range fresh {
+		if c, ok := b.upsertLocked(id, e); ok {
+			changes = append(changes, c)
+		}
+	}
+	b.cacheMu.Unlock()
+	b.emit(changes)
+}
+
+// upsertLocked stores e; it reports a change unless the cache had the same
+// label set under id already.
+func (b *EtcdBackend) upsertLocked(id identity.NumericIdentity, e *masterEntry) (change, bool) {
+	old := b.byID[id]
+	b.byID[id] = e
+	b.pool.Remove(idpool.ID(id))
+	if old != nil && old.key == e.key {
+		return change{}, false
+	}
+	if _, dup := b.byKey[e.key]; !dup {
+		b.byKey[e.key] = id
+	}
+	return change{upsert: true, id: id, lbls: e.lbls}, true
+}
+
+func (b *EtcdBackend) removeLocked(id identity.NumericIdentity, old *masterEntry) change {
+	delete(b.byID, id)
+	if b.byKey[old.key] == id {
+		delete(b.byKey, old.key)
+	}
+	b.pool.Insert(idpool.ID(id))
+	return change{id: id, lbls: old.lbls}
+}
+
+func (b *EtcdBackend) emit(changes []change) {
+	for _, c := range changes {
+		if c.upsert {
+			b.events.Upsert(c.id, c.lbls)
+			continue
+		}
+		b.events.Delete(c.id, c.lbls)
+		b.protect(c.id, c.lbls)
+	}
+}
+
+// watch applies master key events from rev on, until the watch fails.
+func (b *EtcdBackend) watch(ctx context.Context, rev int64) error {
+	cli := b.kv.Client()
+	if cli == nil {
+		return kvstore.ErrStopped
+	}
+	// Requiring a leader makes a watch on a member cut off from the
+	// others end, instead of silently serving nothing.
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	for resp := range cli.Watch(wctx, MasterKeyPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev)) {
+		if err := resp.Err(); err != nil {
+			return err
+		}
+		var changes []change
+		b.cacheMu.Lock()
+		for _, ev := range resp.Events {
+			switch ev.Type {
+			case clientv3.EventTypePut:
+				id, e := b.parseMaster(ev.Kv)
+				if e == nil {
+					continue
+				}
+				if old := b.byID[id]; old != nil && old.key != e.key {
+					changes = append(changes, b.removeLocked(id, old))
+				}
+				if c, ok := b.upsertLocked(id, e); ok {
+					changes = append(changes, c)
+				}
+			case clientv3.EventTypeDelete:
+				id, err := identity.ParseNumericIdentity(strings.TrimPrefix(string(ev.Kv.Key), MasterKeyPrefix))
+				if err != nil {
+					continue
+				}
+				if old := b.byID[id]; old != nil {
+					changes = append(changes, b.removeLocked(id, old))
+				}
+			}
+		}
+		b.cacheMu.Unlock()
+		b.emit(changes)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return errors.New("watch channel closed")
+}
+
+// protect queues the re-creation of a deleted master key whose label set
+// this node still references: its users would otherwise lose the identity
+// to the next allocation of the ID.
+func (b *EtcdBackend) protect(id identity.NumericIdentity, lbls labels.Labels) {
+	b.heldMu.Lock()
+	key, held := b.heldByID[id]
+	b.heldMu.Unlock()
+	if !held {
+		return
+	}
+	b.log.Warn("Master key of a global identity this node uses was deleted; re-creating it", "id", id, "labels", key)
+	b.lostMu.Lock()
+	b.lostMasters[id] = struct{}{}
+	b.lostMu.Unlock()
+	select {
+	case b.repairWake <- struct{}{}:
+	default:
+	}
+}
+
+// repairLoop re-creates this node's keys: all references after the lease
+// they lived on was lost, and master keys someone deleted.
+func (b *EtcdBackend) repairLoop(ctx context.Context) {
+	var cur clientv3.LeaseID
+	for {
+		var lost <-chan struct{}
+		if cur != 0 {
+			lost = b.kv.LeaseLost(cur)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-b.leaseSeen:
+			cur = clientv3.LeaseID(b.lease.Load())
+		case <-lost:
+			cur = b.restoreReferences(ctx)
+		case <-b.repairWake:
+			b.restoreMasters(ctx)
+		}
+	}
+}
+
+// restoreReferences writes every reference this node holds with a new
+// lease, re-creating master keys that vanished meanwhile. It returns the
+// lease used, or 0 when nothing is held (the next write grants one).
+func (b *EtcdBackend) restoreReferences(ctx context.Context) clientv3.LeaseID {
+	b.writeMu.Lock()
+	defer b.writeMu.Unlock()
+	for attempt := 1; ctx.Err() == nil; attempt++ {
+		held := b.Held()
+		if len(held) == 0 {
+			b.lease.Store(0)
+			return 0
+		}
+		lease, n, err := b.restoreOnce(ctx, held)
+		if err == nil {
+			b.lease.Store(int64(lease))
+			b.log.Info("Restored this node's identity references with a new lease", "references", n, "lease", fmt.Sprintf("%x", int64(lease)))
+			return lease
+		}
+		b.log.Warn("Restoring this node's identity references failed; retrying", "error", err, "attempt", attempt)
+		sleep(ctx, backoff(attempt))
+	}
+	return 0
+}
+
+func (b *EtcdBackend) restoreOnce(ctx context.Context, held map[string]identity.NumericIdentity) (clientv3.LeaseID, int, error) {
+	cli := b.kv.Client()
+	if cli == nil {
+		return 0, 0, kvstore.ErrStopped
+	}
+	lease, err := b.kv.Lease(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	type item struct {
+		key string
+		id  identity.NumericIdentity
+	}
+	work := make(chan item)
+	var (
+		errMu    sync.Mutex
+		firstErr error
+		wg       sync.WaitGroup
+	)
+	for range min(restoreWorkers, len(held)) {
+		wg.Go(func() {
+			for it := range work {
+				if err := b.restoreReference(ctx, cli, lease, it.key, it.id); err != nil {
+					errMu.Lock()
+					firstErr = cmpErr(firstErr, err)
+					errMu.Unlock()
+				}
+			}
+		})
+	}
+	for key, id := range held {
+		work <- item{key, id}
+	}
+	close(work)
+	wg.Wait()
+	return lease, len(held), firstErr
+}
+
+func cmpErr(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
+}
+
+// restoreReference writes one reference: if the master key still holds
+// the label set, the reference alone; if the master key is gone, both.
+func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity) error {
+	master := masterKey(id)
+	ref := clientv3.OpPut(referencePrefix(key)+b.node, id.String(), clientv3.WithLease(lease))
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Txn(rctx).
+		If(clientv3.Compare(clientv3.Value(master), "=", key)).
+		Then(ref).
+		Else(clientv3.OpTxn(
+			[]clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(master), "=", 0)},
+			[]clientv3.Op{clientv3.OpPut(master, key), ref},
+			nil,
+		)).Commit()
+	if err != nil {
+		return fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
+	}
+	if !resp.Succeeded && !resp.Responses[0].GetResponseTxn().GetSucceeded() {
+		// The ID was given to another label set while this node's
+		// keys were gone. Nothing can make both right; the node keeps
+		// using the ID until its users release it.
+		b.log.Error("Global identity this node uses now belongs to another label set", "id", id, "labels", key)
+	}
+	return nil
+}
+
+// restoreMasters re-creates deleted master keys of label sets this node
+// references, unless someone re-created the ID meanwhile.
+func (b *EtcdBackend) restoreMasters(ctx context.Context) {
+	b.lostMu.Lock()
+	ids := make([]identity.NumericIdentity, 0, len(b.lostMasters))
+	for id := range b.lostMasters {
+		ids = append(ids, id)
+	}
+	clear(b.lostMasters)
+	b.lostMu.Unlock()
+
+	b.writeMu.RLock()
+	defer b.writeMu.RUnlock()
+	cli := b.kv.Client()
+	for _, id := range ids {
+		b.heldMu.Lock()
+		key, held := b.heldByID[id]
+		b.heldMu.Unlock()
+		if !held || cli == nil {
+			continue
+		}
+		master := masterKey(id)
+		rctx, cancel := b.requestContext(ctx)
+		_, err := cli.Txn(rctx).
+			If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0)).
+			Then(clientv3.OpPut(master, key)).
+			Commit()
+		cancel()
+		if err != nil && ctx.Err() == nil {
+			b.log.Warn("Re-creating a deleted master key failed; retrying", "id", id, "error", err)
+			b.lostMu.Lock()
+			b.lostMasters[id] = struct{}{}
+			b.lostMu.Unlock()
+			time.AfterFunc(time.Second, func() {
+				select {
+				case b.repairWake <- struct{}{}:
+				default:
+				}
+			})
+		}
+	}
+}

@@ -1,0 +1,709 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/labels"
+)
+
+// etcdBackendCell adds the etcd backend's provider to test hives. Cell does
+// not provide it yet, because hives of other tests provide their own
+// GlobalBackend beside Cell; once Cell lists newEtcdBackend, this becomes
+// cell.Group().
+var etcdBackendCell = cell.Provide(newEtcdBackend)
+
+// etcdNode is one agent: a hive with the allocator and kvstore cells
+// talking to a test etcd.
+type etcdNode struct {
+	t       testing.TB
+	name    string
+	h       *hive.Hive
+	alloc   Allocator
+	kv      *kvstore.Client
+	backend *EtcdBackend
+	once    sync.Once
+}
+
+type nodeOpt func(kv *kvstore.Config, e *EtcdConfig)
+
+func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...nodeOpt) *etcdNode {
+	tb.Helper()
+	n := &etcdNode{t: tb, name: name}
+	n.h = hive.New(
+		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell, etcdBackendCell,
+		cell.Invoke(func(a Allocator, kv *kvstore.Client, b GlobalBackend) {
+			n.alloc, n.kv = a, kv
+			n.backend, _ = b.(*EtcdBackend)
+		}),
+	)
+	stateDir := tb.TempDir()
+	hive.AddConfigOverride(n.h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
+	hive.AddConfigOverride(n.h, func(cfg *kvstore.Config) {
+		cfg.KVStoreEndpoints = c.Endpoints()
+		cfg.NodeName = name
+		cfg.KVStoreDialTimeout = 10 * time.Second
+		cfg.KVStoreRequestTimeout = 5 * time.Second
+		for _, o := range opts {
+			o(cfg, new(EtcdConfig))
+		}
+	})
+	hive.AddConfigOverride(n.h, func(cfg *EtcdConfig) {
+		// Tests run the GC themselves unless they ask for the job.
+		cfg.IdentityGCInterval = 0
+		for _, o := range opts {
+			o(new(kvstore.Config), cfg)
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := n.h.Start(hivetest.Logger(tb), ctx); err != nil {
+		tb.Fatalf("starting node %s: %v", name, err)
+	}
+	tb.Cleanup(n.stop)
+	if n.backend == nil {
+		tb.Fatalf("node %s has no etcd backend", name)
+	}
+	return n
+}
+
+func (n *etcdNode) stop() {
+	n.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := n.h.Stop(hivetest.Logger(n.t), ctx); err != nil {
+			n.t.Errorf("stopping node %s: %v", n.name, err)
+		}
+	})
+}
+
+func (n *etcdNode) txns() uint64 { return n.kv.RequestCounts()["Txn"] }
+
+func testCtx(tb testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	tb.Cleanup(cancel)
+	return ctx
+}
+
+func getValue(tb testing.TB, cli *clientv3.Client, key string) (string, int64, bool) {
+	tb.Helper()
+	resp, err := cli.Get(testCtx(tb, 10*time.Second), key)
+	if err != nil {
+		tb.Fatalf("get %s: %v", key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return "", 0, false
+	}
+	return string(resp.Kvs[0].Value), resp.Kvs[0].Lease, true
+}
+
+func countKeys(tb testing.TB, cli *clientv3.Client, prefix string) int64 {
+	tb.Helper()
+	resp, err := cli.Get(testCtx(tb, 30*time.Second), prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		tb.Fatalf("count %s: %v", prefix, err)
+	}
+	return resp.Count
+}
+
+func eventually(tb testing.TB, what string, cond func() bool) {
+	tb.Helper()
+	eventuallyWithin(tb, 20*time.Second, what, cond)
+}
+
+func eventuallyWithin(tb testing.TB, d time.Duration, what string, cond func() bool) {
+	tb.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			tb.Fatalf("timed out: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func refKey(lbls labels.Labels, node string) string {
+	return referencePrefix(lbls.Canonical()) + node
+}
+
+func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	ctx := testCtx(t, time.Minute)
+
+	// node2 observes what node1 creates.
+	seen := make(chan Change, 64)
+	octx, ocancel := context.WithCancel(ctx)
+	defer ocancel()
+	n2.alloc.Observe(octx, func(ch Change) {
+		if ch.Kind != ChangeSync && !ch.ID.IsReserved() {
+			seen <- ch
+		}
+	}, func(error) {})
+
+	web := labels.MustParse("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default")
+	before := n1.txns()
+	id, allocated, err := n1.alloc.Allocate(ctx, web)
+	if err != nil || !allocated {
+		t.Fatalf("new identity: allocated %v, err %v", allocated, err)
+	}
+	if got := n1.txns() - before; got != 1 {
+		t.Fatalf("new identity cost %d transactions, want 1", got)
+	}
+	if id.ID < 256 || id.ID > 65535 {
+		t.Fatalf("ID %d outside cluster 0's range", id.ID)
+	}
+	if v, _, ok := getValue(t, cli, masterKey(id.ID)); !ok || v != web.Canonical() {
+		t.Fatalf("master key = %q %v, want %q", v, ok, web.Canonical())
+	}
+	if v, lease, ok := getValue(t, cli, refKey(web, "node1")); !ok || v != id.ID.String() || lease == 0 {
+		t.Fatalf("reference key = %q lease %x %v", v, lease, ok)
+	}
+
+	// A held label set costs nothing.
+	before = n1.txns()
+	reqs := n1.kv.RequestCounts()
+	for range 100 {
+		if got, _, err := n1.alloc.Allocate(ctx, web); err != nil || got.ID != id.ID {
+			t.Fatalf("held label set: %v %v", got, err)
+		}
+	}
+	after := n1.kv.RequestCounts()
+	for _, m := range []string{"Txn", "Range", "Put", "DeleteRange"} {
+		if after[m] != reqs[m] {
+			t.Fatalf("held label set cost %d %s requests", after[m]-reqs[m], m)
+		}
+	}
+
+	// Watch: node2 learns of it by ID and through Observe.
+	eventually(t, "node2 sees the identity", func() bool { return n2.alloc.LookupByID(id.ID) != nil })
+	select {
+	case ch := <-seen:
+		if ch.Kind != ChangeUpsert || ch.ID != id.ID || !ch.Labels.Equal(web) {
+			t.Fatalf("node2 observed %+v", ch)
+		}
+	case <-ctx.Done():
+		t.Fatal("node2 observed nothing")
+	}
+
+	// Adoption of an identity node2's cache knows: one transaction.
+	before = n2.txns()
+	id2, allocated, err := n2.alloc.Allocate(ctx, web)
+	if err != nil || allocated || id2.ID != id.ID {
+		t.Fatalf("adoption: %v allocated %v err %v", id2, allocated, err)
+	}
+	if got := n2.txns() - before; got != 1 {
+		t.Fatalf("adopting a known identity cost %d transactions, want 1", got)
+	}
+
+	// Adoption of one the cache does not know yet: at most two. The
+	// identity is written behind node2's back, as a Cilium agent would.
+	db := labels.MustParse("k8s:app=db")
+	if _, err := cli.Txn(ctx).Then(
+		clientv3.OpPut(masterKey(4242), db.Canonical()),
+		clientv3.OpPut(refKey(db, "cilium-node"), "4242"),
+	).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	before = n2.txns()
+	id3, allocated, err := n2.alloc.Allocate(ctx, db)
+	if err != nil || allocated || id3.ID != 4242 {
+		t.Fatalf("adopting a foreign identity: %v allocated %v err %v", id3, allocated, err)
+	}
+	if got := n2.txns() - before; got > 2 {
+		t.Fatalf("adopting an unknown identity cost %d transactions, want at most 2", got)
+	}
+
+	// Release: only the last local reference deletes the node's
+	// reference key.
+	before = n1.txns()
+	for range 100 {
+		if released, err := n1.alloc.Release(ctx, id); err != nil || released {
+			t.Fatalf("non-final release: %v %v", released, err)
+		}
+	}
+	dels := n1.kv.RequestCounts()["DeleteRange"]
+	if released, err := n1.alloc.Release(ctx, id); err != nil || !released {
+		t.Fatalf("release: %v %v", released, err)
+	}
+	if got := n1.kv.RequestCounts()["DeleteRange"] - dels; got != 1 || n1.txns() != before {
+		t.Fatalf("releases cost %d deletes and %d transactions, want 1 and 0", got, n1.txns()-before)
+	}
+	if _, _, ok := getValue(t, cli, refKey(web, "node1")); ok {
+		t.Fatal("node1's reference key survived its release")
+	}
+	if _, _, ok := getValue(t, cli, masterKey(id.ID)); !ok {
+		t.Fatal("master key deleted by a release")
+	}
+
+	// GC keeps what someone references.
+	if deleted, _, err := n1.backend.RunGC(ctx); err != nil || deleted != 0 {
+		t.Fatalf("GC with every identity referenced: deleted %d, err %v", deleted, err)
+	}
+	if _, err := n2.alloc.Release(ctx, id2); err != nil {
+		t.Fatal(err)
+	}
+	deleted, _, err := n1.backend.RunGC(ctx)
+	if err != nil || deleted != 1 {
+		t.Fatalf("GC: deleted %d, err %v; want 1", deleted, err)
+	}
+	if _, _, ok := getValue(t, cli, masterKey(id.ID)); ok {
+		t.Fatal("GC left the unused master key")
+	}
+	if _, _, ok := getValue(t, cli, masterKey(4242)); !ok {
+		t.Fatal("GC deleted a referenced master key")
+	}
+	if s := n1.backend.GCStats(); s.Deleted != 1 || s.Runs != 2 {
+		t.Fatalf("GC stats %+v", s)
+	}
+	eventually(t, "the delete reaches node2", func() bool { return n2.alloc.LookupByID(id.ID) == nil })
+	for {
+		select {
+		case ch := <-seen:
+			if ch.Kind == ChangeDelete && ch.ID == id.ID {
+				return
+			}
+		case <-ctx.Done():
+			t.Fatal("node2 did not observe the delete")
+		}
+	}
+}
+
+// GC must not delete a master key that gains a reference after the
+// candidates were chosen: the transaction's compares prove it unused.
+func TestEtcdGCRace(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) {
+		e.IdentityGCInterval = 50 * time.Millisecond
+		e.IdentityGCRateLimit = 1_000_000
+	})
+	ctx := testCtx(t, time.Minute)
+	lbls := labels.MustParse("k8s:app=gc")
+	id, _, err := n1.alloc.Allocate(ctx, lbls)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n1.alloc.Release(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	// The periodic GC collects it.
+	eventually(t, "periodic GC", func() bool {
+		_, _, ok := getValue(t, cli, masterKey(id.ID))
+		return !ok
+	})
+	if s := n1.backend.GCStats(); s.Deleted < 1 {
+		t.Fatalf("GC stats %+v", s)
+	}
+}
+
+func TestEtcdRelistAfterCompaction(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	ctx := testCtx(t, time.Minute)
+
+	put := func(id int, l string) {
+		t.Helper()
+		if _, err := cli.Put(ctx, masterKey(identity.NumericIdentity(id)), labels.MustParse(l).Canonical()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(1000, "k8s:app=a")
+	put(1001, "k8s:app=b")
+	put(1002, "k8s:app=c")
+
+	// A second backend on node1's client whose cache is a listing that
+	// falls behind: changes happen and etcd compacts them away before its
+	// watch starts.
+	rec := &recorder{}
+	b := NewEtcdBackend(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, DefaultEtcdConfig)
+	b.events = rec
+	rev, err := b.list(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rec.take(); len(got) != 3 {
+		t.Fatalf("first listing reported %v", got)
+	}
+	if _, err := cli.Delete(ctx, masterKey(1000)); err != nil {
+		t.Fatal(err)
+	}
+	put(1003, "k8s:app=d")
+	put(1001, "k8s:app=b") // rewritten, unchanged
+	put(1002, "k8s:app=c2")
+	resp, err := cli.Put(ctx, "unrelated", "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.watch(ctx, rev+1); !errors.Is(err, rpctypes.ErrCompacted) {
+		t.Fatalf("watch behind a compaction: %v, want ErrCompacted", err)
+	}
+	if _, err := b.list(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got := rec.take()
+	want := []string{"delete 1000 k8s:app=a", "delete 1002 k8s:app=c", "upsert 1002 k8s:app=c2", "upsert 1003 k8s:app=d"}
+	if strings.Join(got, ",") != strings.Join(want, ",") {
+		t.Fatalf("re-list reported %v, want only the differences %v", got, want)
+	}
+	if l, ok := b.LookupByID(1002); !ok || l.Canonical() != labels.MustParse("k8s:app=c2").Canonical() {
+		t.Fatalf("cache has %v for 1002", l)
+	}
+
+	// Unparsable values and IDs are skipped; other clusters' IDs kept.
+	if _, err := cli.Put(ctx, MasterKeyPrefix+"notanumber", "k8s:x=y;"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, masterKey(1004), "garbage"); err != nil {
+		t.Fatal(err)
+	}
+	put(70000, "k8s:app=othercluster")
+	if _, err := b.list(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := rec.take(); strings.Join(got, ",") != "upsert 70000 k8s:app=othercluster" {
+		t.Fatalf("listing with invalid keys reported %v", got)
+	}
+	if b.pool.InRange(70000) {
+		t.Fatal("another cluster's ID is in this cluster's pool")
+	}
+
+	// The node's own cache, behind nothing, followed all of it by watch.
+	eventually(t, "node1's watch", func() bool {
+		_, ok1 := n1.backend.LookupByID(1003)
+		_, ok2 := n1.backend.LookupByID(1000)
+		return ok1 && !ok2
+	})
+}
+
+type recorder struct {
+	mu     sync.Mutex
+	events []string
+}
+
+func (r *recorder) Upsert(id identity.NumericIdentity, l labels.Labels) { r.add("upsert", id, l) }
+func (r *recorder) Delete(id identity.NumericIdentity, l labels.Labels) { r.add("delete", id, l) }
+func (r *recorder) Synced()                                             {}
+func (r *recorder) add(kind string, id identity.NumericIdentity, l labels.Labels) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, fmt.Sprintf("%s %d %s", kind, id, strings.Join(l.Strings(), "+")))
+}
+
+func (r *recorder) take() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := r.events
+	r.events = nil
+	sortStrings(out)
+	return out
+}
+
+func sortStrings(s []string) {
+	for i := 1; i < len(s); i++ {
+		for j := i; j > 0 && s[j] < s[j-1]; j-- {
+			s[j], s[j-1] = s[j-1], s[j]
+		}
+	}
+}
+
+func TestEtcdLeaseLossRecovery(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	// The shortest TTL makes the keepalive notice a revocation within
+	// seconds.
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
+	ctx := testCtx(t, 2*time.Minute)
+
+	var sets []labels.Labels
+	var ids []*identity.Identity
+	for i := range 20 {
+		l := labels.MustParse("k8s:app=lease" + strconv.Itoa(i))
+		id, _, err := n1.alloc.Allocate(ctx, l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sets, ids = append(sets, l), append(ids, id)
+	}
+	_, lease, ok := getValue(t, cli, refKey(sets[0], "node1"))
+	if !ok {
+		t.Fatal("no reference key")
+	}
+	// Someone else revokes the node's lease: its references vanish.
+	if _, err := cli.Revoke(ctx, clientv3.LeaseID(lease)); err != nil {
+		t.Fatal(err)
+	}
+	// And deletes a master key meanwhile, as a GC seeing no reference
+	// would.
+	if _, err := cli.Delete(ctx, masterKey(ids[1].ID)); err != nil {
+		t.Fatal(err)
+	}
+	restored := func() bool {
+		for i, l := range sets {
+			v, newLease, ok := getValue(t, cli, refKey(l, "node1"))
+			if !ok || v != ids[i].ID.String() || newLease == lease {
+				return false
+			}
+			if m, _, ok := getValue(t, cli, masterKey(ids[i].ID)); !ok || m != l.Canonical() {
+				return false
+			}
+		}
+		return true
+	}
+	// Nothing writes: the keepalive notices the loss.
+	eventuallyWithin(t, time.Minute, "references restored with a new lease", restored)
+
+	// Revoked again, and this time a write notices: etcd refuses the
+	// lease, the allocation retries with a new one, and the references
+	// come back.
+	_, lease, _ = getValue(t, cli, refKey(sets[0], "node1"))
+	if _, err := cli.Revoke(ctx, clientv3.LeaseID(lease)); err != nil {
+		t.Fatal(err)
+	}
+	if _, allocated, err := n1.alloc.Allocate(ctx, labels.MustParse("k8s:app=after-loss")); err != nil || !allocated {
+		t.Fatalf("allocation after lease loss: %v %v", allocated, err)
+	}
+	eventually(t, "references restored after a refused write", restored)
+}
+
+func TestEtcdMasterKeyProtection(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=protected")
+	id, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Delete(ctx, masterKey(id.ID)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "master key re-created", func() bool {
+		v, _, ok := getValue(t, cli, masterKey(id.ID))
+		return ok && v == l.Canonical()
+	})
+	// A master key of a label set the node released is not protected.
+	if _, err := n1.alloc.Release(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Delete(ctx, masterKey(id.ID)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if _, _, ok := getValue(t, cli, masterKey(id.ID)); ok {
+		t.Fatal("master key of a released label set was re-created")
+	}
+}
+
+func TestEtcdCiliumLock(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=locked")
+	lock := lockPrefix(l.Canonical()) + "694d7a4c1e2b3c4d"
+	if _, err := cli.Put(ctx, lock, ""); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := n1.alloc.Allocate(ctx, l)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("allocation went through a held lock: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	if n := countKeys(t, cli, referencePrefix(l.Canonical())); n != 0 {
+		t.Fatalf("%d reference keys written under a held lock", n)
+	}
+	if _, err := cli.Delete(ctx, lock); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-ctx.Done():
+		t.Fatal("allocation did not resume after the lock was released")
+	}
+	if n := countKeys(t, cli, referencePrefix(l.Canonical())); n != 1 {
+		t.Fatalf("%d reference keys, want 1", n)
+	}
+}
+
+func TestEtcdTLS(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithTLS(nil), etcdtest.WithUnsafeNoFsync())
+	certs := c.Certs()
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) {
+		kv.KVStoreCAFile = certs.CAFile
+		kv.KVStoreCertFile = certs.ClientCertFile
+		kv.KVStoreKeyFile = certs.ClientKeyFile
+	})
+	id, allocated, err := n1.alloc.Allocate(testCtx(t, 30*time.Second), labels.MustParse("k8s:app=tls"))
+	if err != nil || !allocated {
+		t.Fatalf("allocation over TLS: %v %v", allocated, err)
+	}
+	if v, _, ok := getValue(t, c.Client(t), masterKey(id.ID)); !ok || v != "k8s:app=tls;" {
+		t.Fatalf("master key over TLS: %q %v", v, ok)
+	}
+}
+
+func TestEtcdNoKVStore(t *testing.T) {
+	var a Allocator
+	var b GlobalBackend
+	h := hive.New(job.Cell, statedb.Cell, Cell, etcdBackendCell, cell.Invoke(func(x Allocator, y GlobalBackend) { a, b = x, y }))
+	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	if b != nil {
+		t.Fatalf("backend without a kvstore: %v", b)
+	}
+	if _, _, err := a.Allocate(t.Context(), labels.MustParse("k8s:app=x")); !errors.Is(err, ErrNoGlobalBackend) {
+		t.Fatalf("allocation without a kvstore: %v", err)
+	}
+}
+
+// multiNode has three nodes allocate the same label sets at once and checks
+// that etcd ends up exact: one ID per label set and one label set per ID,
+// the same on every node, one reference key per node and label set.
+func multiNode(t *testing.T, c *etcdtest.Cluster, sets int, during func()) {
+	cli := c.Client(t)
+	var nodes []*etcdNode
+	for i := range 3 {
+		nodes = append(nodes, startEtcdNode(t, c, "node"+strconv.Itoa(i)))
+	}
+	all := make([]labels.Labels, sets)
+	for i := range all {
+		all[i] = labels.MustParse("k8s:app=multi"+strconv.Itoa(i), "k8s:io.kubernetes.pod.namespace=ns"+strconv.Itoa(i%7))
+	}
+	ctx := testCtx(t, 5*time.Minute)
+	got := make([][]identity.NumericIdentity, len(nodes))
+	var wg sync.WaitGroup
+	errs := make(chan error, len(nodes)*8)
+	start := time.Now()
+	for ni, n := range nodes {
+		got[ni] = make([]identity.NumericIdentity, sets)
+		for g := range 8 {
+			wg.Go(func() {
+				// Each node walks the sets in its own order so that
+				// creations and adoptions interleave.
+				for k := g; k < sets; k += 8 {
+					i := (k + ni*sets/3) % sets
+					var id *identity.Identity
+					var err error
+					for range 20 {
+						if id, _, err = n.alloc.Allocate(ctx, all[i]); err == nil {
+							break
+						}
+						time.Sleep(50 * time.Millisecond)
+					}
+					if err != nil {
+						errs <- fmt.Errorf("%s: %s: %w", n.name, all[i], err)
+						return
+					}
+					got[ni][i] = id.ID
+				}
+			})
+		}
+	}
+	if during != nil {
+		during()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	t.Logf("%d label sets on 3 nodes: %.0f identities/s", sets, float64(sets)/time.Since(start).Seconds())
+
+	seen := map[identity.NumericIdentity]int{}
+	for i := range all {
+		if got[0][i] != got[1][i] || got[0][i] != got[2][i] {
+			t.Fatalf("nodes disagree on %s: %d %d %d", all[i], got[0][i], got[1][i], got[2][i])
+		}
+		if j, dup := seen[got[0][i]]; dup {
+			t.Fatalf("ID %d has two label sets: %s and %s", got[0][i], all[j], all[i])
+		}
+		seen[got[0][i]] = i
+	}
+	if n := countKeys(t, cli, MasterKeyPrefix); n != int64(sets) {
+		t.Fatalf("%d master keys, want %d", n, sets)
+	}
+	if n := countKeys(t, cli, ReferenceKeyPrefix); n != int64(3*sets) {
+		t.Fatalf("%d reference keys, want %d", n, 3*sets)
+	}
+	resp, err := cli.Get(ctx, MasterKeyPrefix, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		id, _ := identity.ParseNumericIdentity(strings.TrimPrefix(string(kv.Key), MasterKeyPrefix))
+		i, ok := seen[id]
+		if !ok || all[i].Canonical() != string(kv.Value) {
+			t.Fatalf("master key %s = %s, allocated to nothing or to another label set", kv.Key, kv.Value)
+		}
+	}
+	for _, n := range nodes {
+		eventually(t, n.name+"'s cache has every identity", func() bool {
+			for i := range all {
+				if id, ok := n.backend.LookupByLabels(all[i]); !ok || id != got[0][i] {
+					return false
+				}
+			}
+			return true
+		})
+	}
+}
+
+func multiNodeSets(t *testing.T) int {
+	if testing.Short() {
+		return 200
+	}
+	return 2000
+}
+
+func TestEtcdMultiNode(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	multiNode(t, c, multiNodeSets(t), nil)
+}
+
+func TestEtcdMultiNodeMemberRestart(t *testing.T) {
+	c := etcdtest.StartCluster(t, 3, etcdtest.WithUnsafeNoFsync())
+	multiNode(t, c, multiNodeSets(t), func() {
+		time.Sleep(300 * time.Millisecond)
+		m := c.Member(c.Leader(t))
+		m.Kill()
+		time.Sleep(time.Second)
+		m.Restart()
+	})
+	c.WaitLeader(t)
+}
