@@ -12,6 +12,7 @@ import (
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
 )
@@ -28,10 +29,12 @@ var agentCells = []cell.Cell{
 	allocator.Cell,
 	checkpoint.Cell,
 	ipcache.Cell,
+	restoration.Cell,
 
 	// The agent exists to serve its cells; force the ones nothing else
 	// depends on to be constructed.
-	cell.Invoke(func(allocator.Allocator, *checkpoint.Checkpoint, *kvstore.Client, *ipcache.IPCache) {}),
+	cell.Invoke(func(allocator.Allocator, *checkpoint.Checkpoint, *kvstore.Client, *ipcache.IPCache, *restoration.Restorer) {
+	}),
 }
 
 // newHive returns the agent's hive. Every call builds a fresh one, so tests

@@ -1,0 +1,79 @@
+// Package restoration is the cell that keeps local security identities and
+// the datapath's prefix → identity pairs stable across agent restarts.
+//
+// # What it does
+//
+// The Restorer's start hook runs, in this order:
+//
+//  1. Load the checkpoint (checkpoint.Checkpoint.Load). A missing file means
+//     nothing to restore; a corrupt file was set aside by the loader and
+//     restoration goes on with the ipcache map alone; invalid entries are
+//     skipped.
+//  2. Withhold every old numeric ID, so that no identity the next step has
+//     to create anew takes the number of another one.
+//  3. Allocate each old label set asking for its old ID, as one
+//     allocator batch marked restored (so identity handlers hear of them
+//     in one batch). Entries whose label set now has another scope, or
+//     needs a global identity, are skipped with a warning.
+//  4. Unwithhold those IDs: the restored identities hold them now.
+//  5. Take the snapshot of the old ipcache map and, for every prefix of
+//     this cluster whose identity was node-local (or ingress) without a
+//     tunnel endpoint, contribute metadata under the ipcache owner
+//     "restored": the restored label set when the checkpoint had the
+//     identity (the ipcache's merge with the prefix's CIDR labels gives the
+//     same set, and so the same identity); otherwise a requested ID, which
+//     is withheld until the release. When several prefixes shared an
+//     unknown ID, or the label set does not derive from the prefix, the old
+//     number is kept as a direct identity instead, because per-prefix CIDR
+//     label sets could keep it for one prefix only.
+//  6. Mark restoration's ipcache initializer done: the ipcache reconciler
+//     may now prune stale entries of the datapath map.
+//
+// Nothing of this fails the start: each problem is logged and counted
+// (Counters) and restoration continues with what it can use.
+//
+// A job then waits for the grace period and calls Release: the "restored"
+// metadata is removed, each restored identity loses the restorer's
+// reference and the withheld IDs are unwithheld. Identities and prefixes
+// taken up in the meantime keep their numbers; the others are freed. An
+// agent stopped before the grace period ends keeps everything held, so
+// that its final checkpoint still lists the restored identities.
+//
+// # Ordering
+//
+// The ipcache reconciler writes nothing to the datapath map before every
+// start hook has run, and prunes nothing before the table is initialized,
+// which waits for restoration's initializer (registered in the Restorer's
+// constructor). So the map cannot change before restoration has read it.
+//
+// Restoration depends on the allocator, the checkpoint and the ipcache, so
+// its start hook runs after theirs. Cell constructs the Restorer at the
+// cell's place in the hive, so its hook also runs before those of cells
+// listed after it. Cells that allocate local identities at start should
+// depend on *restoration.Restorer (or be listed after restoration.Cell):
+// an identity allocated before the restoration could take a restored
+// identity's number. Work that allocates later can wait for
+// Restorer.Done.
+//
+// # Cell
+//
+// Cell provides *Restorer and the identity/restore-status shell command.
+// It depends on allocator.Allocator, *checkpoint.Checkpoint,
+// *ipcache.IPCache (and its Config, for dual-stack world labels), job and
+// health; *kvstore.Client is optional and only chooses the default grace
+// period.
+//
+// # Flags
+//
+//	--identity-restore-grace-period=DURATION   how long restored state is held
+//	                                           (default 0: automatic, 30s with the
+//	                                           embedded etcd or no kvstore, 10m with
+//	                                           external kvstore endpoints)
+//
+// # Commands
+//
+//	identity/restore-status [-o table|json|yaml] [--held]
+//
+// prints the state (pending, holding, released), the counters, what is still
+// held and when the release runs; --held lists the held identities.
+package restoration
