@@ -10,8 +10,11 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/checkpoint"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/cells/metrics/scrape"
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
@@ -20,7 +23,9 @@ import (
 // agentCells are the cells of the identityd agent, in the order of
 // DESIGN.md's flow; hive orders their start hooks by dependency.
 var agentCells = []cell.Cell{
-	cell.SimpleHealthCell,
+	health.Cell,
+	metrics.Cell,
+	scrape.Cell,
 	job.Cell,
 	statedb.Cell,
 	statedir.Cell,
@@ -44,5 +49,8 @@ func newHive() *hive.Hive {
 	// Hooks and invokes that take longer than this are logged at info
 	// level, the others at debug, so that a normal start is a few lines.
 	opts.LogThreshold = 100 * time.Millisecond
+	// Every module reports health in its own scope, so /healthz and the
+	// health command name the module at fault.
+	opts.ModuleDecorators = health.ModuleDecorators
 	return hive.NewWithOptions(opts, agentCells...)
 }

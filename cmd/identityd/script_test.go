@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
 
+	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/statedir"
 )
 
@@ -23,6 +24,8 @@ func TestScript(t *testing.T) {
 			h := newHive()
 			stateDir := t.TempDir()
 			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = stateDir })
+			// Scripts run in parallel: a fixed metrics port would clash.
+			hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 			log := hivetest.Logger(t)
 			cmds, err := h.ScriptCommands(log)
 			if err != nil {

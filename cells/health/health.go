@@ -1,0 +1,327 @@
+// Package health is the agent's cell.Health provider. Unlike hive's
+// SimpleHealth it can list every scope's last report, which the /healthz
+// endpoint (cells/metrics) and the `health` shell command need.
+//
+// Scopes form a tree: the root cell.Health, one scope per module when the
+// hive is built with ModuleDecorators, and below them the scopes hive's job
+// groups create for each job ("job-<name>", "timer-job-<name>", ...). A scope
+// that has never reported takes the state of the scopes below it; one with
+// nothing below it that has never reported is Unknown, so a module counts as
+// healthy only once it (or every job it runs) said OK.
+//
+// Use it in place of cell.SimpleHealthCell:
+//
+//	opts := hive.DefaultOptions()
+//	opts.ModuleDecorators = health.ModuleDecorators
+//	h := hive.NewWithOptions(opts, health.Cell, job.Cell, ...)
+package health
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/script"
+)
+
+// Cell provides cell.Health, *Provider and the `health` script command.
+var Cell = cell.Module(
+	"health",
+	"Module health reporting",
+
+	cell.Provide(
+		newProvider,
+		func(p *Provider) cell.Health { return p.Root() },
+		newCommands,
+	),
+)
+
+// ModuleDecorators gives every module of the hive its own health scope,
+// named by its module ID, so that reports say which module they come from.
+// Set it as hive.Options.ModuleDecorators.
+var ModuleDecorators = cell.ModuleDecorators{decorateModule}
+
+// decorateModule takes the Provider rather than the cell.Health in scope so
+// that nested modules get their full path whatever the parent passed down.
+func decorateModule(_ cell.Health, p *Provider, id cell.FullModuleID) cell.Health {
+	return p.scopeAt(id)
+}
+
+// Status is the state of one health scope.
+type Status struct {
+	// Name is the scope's dotted path, e.g. "ipcache.job-ipcache-map-sync";
+	// the root scope is "(root)".
+	Name string
+	// Level is the effective level: the scope's own report combined with
+	// the scopes below it (the worst wins; see the package doc).
+	Level cell.Level
+	// Message is the scope's own last message (empty if it never
+	// reported).
+	Message string
+	// Error is the error of the last Degraded report, "" otherwise.
+	Error string
+	// Updated is when the scope last reported (zero if never).
+	Updated time.Time
+}
+
+// OK reports whether the level counts as healthy: OK or Stopped (a job that
+// finished its work is not a fault).
+func (s Status) OK() bool { return s.Level == cell.StatusOK || s.Level == cell.StatusStopped }
+
+// Provider keeps the health tree of a hive. One per hive: there is no
+// process-wide state.
+type Provider struct {
+	mu   sync.Mutex
+	root *scope
+	now  func() time.Time
+}
+
+func newProvider() *Provider {
+	p := &Provider{now: time.Now}
+	p.root = &scope{p: p}
+	return p
+}
+
+// NewProvider returns an empty health tree, for hives and tests that do not
+// use Cell.
+func NewProvider() *Provider { return newProvider() }
+
+// Root returns the root scope.
+func (p *Provider) Root() cell.Health { return p.root }
+
+// scopeAt returns the scope of a module path, creating the missing ones.
+// Module scopes are shared: a module asking twice gets the same scope.
+func (p *Provider) scopeAt(path cell.FullModuleID) *scope {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	s := p.root
+	for _, name := range path {
+		c, ok := s.children[name]
+		if !ok {
+			c = &scope{p: p, parent: s, name: name}
+			s.addChild(c)
+		}
+		s = c
+	}
+	return s
+}
+
+// All returns the status of every scope, parents before their children,
+// sorted by name. The root appears only when something reported to it
+// directly.
+func (p *Provider) All() []Status {
+	all, _ := p.walk()
+	return all
+}
+
+// Healthy reports whether every scope is OK (or Stopped), and returns the
+// statuses of the scopes that cause it not to be: the ones an operator must
+// look at (not their parents). An empty tree is healthy.
+func (p *Provider) Healthy() (bool, []Status) {
+	_, bad := p.walk()
+	return len(bad) == 0, bad
+}
+
+// walk lists every scope, and apart the ones whose own state is bad.
+func (p *Provider) walk() (all, bad []Status) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var visit func(s *scope, name string)
+	visit = func(s *scope, name string) {
+		if s.parent != nil || s.reported {
+			st := Status{
+				Name:    name,
+				Level:   s.effective(),
+				Message: s.message,
+				Error:   s.err,
+				Updated: s.updated,
+			}
+			if st.Name == "" {
+				st.Name = "(root)"
+			}
+			all = append(all, st)
+			if s.ownBad() {
+				bad = append(bad, st)
+			}
+		}
+		kids := make([]*scope, 0, len(s.children))
+		for _, c := range s.children {
+			kids = append(kids, c)
+		}
+		slices.SortFunc(kids, func(a, b *scope) int { return cmp.Compare(a.name, b.name) })
+		for _, c := range kids {
+			if name == "" {
+				visit(c, c.name)
+			} else {
+				visit(c, name+"."+c.name)
+			}
+		}
+	}
+	visit(p.root, "")
+	return all, bad
+}
+
+// scope is one node of the tree. All fields are guarded by p.mu.
+type scope struct {
+	p        *Provider
+	parent   *scope
+	name     string
+	children map[string]*scope
+
+	reported bool
+	level    cell.Level
+	message  string
+	err      string
+	updated  time.Time
+	closed   bool
+}
+
+var _ cell.Health = (*scope)(nil)
+
+func (s *scope) addChild(c *scope) {
+	if s.children == nil {
+		s.children = map[string]*scope{}
+	}
+	s.children[c.name] = c
+}
+
+// effective combines the scope's own level with its children's: Degraded
+// beats Unknown beats OK and Stopped. Without an own report and without
+// children the scope is Unknown: it has not said it is ready.
+func (s *scope) effective() cell.Level {
+	lvl := cell.StatusUnknown
+	if s.reported {
+		lvl = s.level
+	} else if len(s.children) > 0 {
+		lvl = cell.StatusOK
+	}
+	for _, c := range s.children {
+		lvl = worse(lvl, c.effective())
+	}
+	return lvl
+}
+
+// ownBad reports whether the scope itself, not one below it, is the reason
+// for a bad effective level.
+func (s *scope) ownBad() bool {
+	if s.reported {
+		return rank(s.level) > rank(cell.StatusOK)
+	}
+	return len(s.children) == 0 && s.parent != nil
+}
+
+func rank(l cell.Level) int {
+	switch l {
+	case cell.StatusDegraded:
+		return 3
+	case cell.StatusUnknown:
+		return 2
+	case cell.StatusOK:
+		return 1
+	}
+	return 0 // Stopped
+}
+
+func worse(a, b cell.Level) cell.Level {
+	if rank(b) > rank(a) {
+		return b
+	}
+	return a
+}
+
+func (s *scope) report(level cell.Level, msg string, err error) {
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	// A closed scope is gone from the tree; a late report from a job
+	// that is winding down must not resurrect it.
+	if s.closed {
+		return
+	}
+	s.reported = true
+	s.level = level
+	s.message = msg
+	s.err = ""
+	if err != nil {
+		s.err = err.Error()
+	}
+	s.updated = s.p.now()
+}
+
+// OK implements cell.Health.
+func (s *scope) OK(status string) { s.report(cell.StatusOK, status, nil) }
+
+// Stopped implements cell.Health.
+func (s *scope) Stopped(reason string) { s.report(cell.StatusStopped, reason, nil) }
+
+// Degraded implements cell.Health.
+func (s *scope) Degraded(reason string, err error) { s.report(cell.StatusDegraded, reason, err) }
+
+// NewScope implements cell.Health. A scope of the same name replaces the
+// previous one, as a restarted job's does.
+func (s *scope) NewScope(name string) cell.Health {
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	c := &scope{p: s.p, parent: s, name: name}
+	s.addChild(c)
+	return c
+}
+
+// Close implements cell.Health: the scope and everything below it vanish.
+func (s *scope) Close() {
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	s.closed = true
+	if s.parent != nil && s.parent.children[s.name] == s {
+		delete(s.parent.children, s.name)
+	}
+}
+
+// Format writes one line per scope: name, level, message and error.
+func Format(statuses []Status) string {
+	var b strings.Builder
+	for _, st := range statuses {
+		fmt.Fprintf(&b, "%s: level=%s message=%q", st.Name, st.Level, st.Message)
+		if st.Error != "" {
+			fmt.Fprintf(&b, " error=%q", st.Error)
+		}
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+func newCommands(p *Provider) hive.ScriptCmdsOut {
+	return hive.NewScriptCmds(map[string]script.Cmd{"health": healthCmd(p)})
+}
+
+func healthCmd(p *Provider) script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "Show every module's health: level, message and error",
+			Detail: []string{
+				"Prints one line per health scope (modules and their jobs),",
+				"parents first. The level of a scope includes the scopes",
+				"below it. Fails when a scope is not OK, so that scripts can",
+				"wait for health with '* health' or expect '! health'.",
+			},
+		},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) > 0 {
+				return nil, script.ErrUsage
+			}
+			all := p.All()
+			ok, bad := p.Healthy()
+			return func(*script.State) (string, string, error) {
+				out := Format(all)
+				if !ok {
+					return out, "", fmt.Errorf("%d health scopes not OK: %s", len(bad), strings.TrimSpace(Format(bad[:1])))
+				}
+				return out, "", nil
+			}, nil
+		},
+	)
+}

@@ -1,0 +1,187 @@
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/identityd/identityd/cells/health"
+)
+
+// Paths served by Server.
+const (
+	MetricsPath = "/metrics"
+	HealthPath  = "/healthz"
+)
+
+// readHeaderTimeout bounds how long a client may take to send its request
+// headers, so idle or malicious connections cannot pile up.
+const readHeaderTimeout = 10 * time.Second
+
+// Server serves /metrics and /healthz. It listens in its start hook and
+// shuts down in its stop hook.
+type Server struct {
+	log    *slog.Logger
+	cfg    Config
+	health *health.Provider
+
+	mu      sync.Mutex
+	handler http.Handler // nil until serveRegistry
+	srv     *http.Server
+	addr    net.Addr
+	done    chan struct{}
+}
+
+type serverParams struct {
+	cell.In
+
+	Config    Config
+	Log       *slog.Logger
+	Lifecycle cell.Lifecycle
+	// Health is optional: a hive with another cell.Health provider still
+	// gets /metrics, and /healthz then only says the process is up.
+	Health *health.Provider `optional:"true"`
+}
+
+func newServer(p serverParams) (*Server, error) {
+	if err := p.Config.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{log: p.Log, cfg: p.Config, health: p.Health}
+	if p.Config.PrometheusServeAddr != "" {
+		p.Lifecycle.Append(s)
+	}
+	return s, nil
+}
+
+// serveRegistry sets the registry to serve. It is called once, before the
+// hive starts.
+func (s *Server) serveRegistry(reg *prometheus.Registry) {
+	if s.cfg.PrometheusServeAddr == "" {
+		return
+	}
+	h := NewHandler(reg, s.health, s.log)
+	s.mu.Lock()
+	s.handler = h
+	s.mu.Unlock()
+}
+
+// ServeHTTP serves the endpoint's paths.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s.mu.Lock()
+	h := s.handler
+	s.mu.Unlock()
+	if h == nil {
+		http.Error(w, "metrics: no registry to serve", http.StatusServiceUnavailable)
+		return
+	}
+	h.ServeHTTP(w, r)
+}
+
+// NewHandler returns the HTTP handler of the endpoint: reg on MetricsPath,
+// the health of h on HealthPath (h may be nil). The promhttp handler's own
+// metrics are registered in reg, so call it once per registry.
+func NewHandler(reg *prometheus.Registry, h *health.Provider, log *slog.Logger) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET "+MetricsPath, promhttp.InstrumentMetricHandler(reg,
+		promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+			ErrorLog: slogPrinter{log},
+			// A failing collector must not hide every other metric.
+			ErrorHandling: promhttp.ContinueOnError,
+		})))
+	mux.Handle("GET "+HealthPath, healthHandler(h))
+	return mux
+}
+
+// healthHandler answers 200 when every health scope is OK (or Stopped) and
+// 503 otherwise, with one line per scope, so that a probe and a human read
+// the same thing.
+func healthHandler(h *health.Provider) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("Cache-Control", "no-store")
+		if h == nil {
+			fmt.Fprintln(w, "ok: no health provider in this hive, only liveness is reported")
+			return
+		}
+		ok, bad := h.Healthy()
+		if !ok {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			fmt.Fprintf(w, "unhealthy: %d health scopes not OK\n%s", len(bad), health.Format(bad))
+			return
+		}
+		fmt.Fprintf(w, "ok\n%s", health.Format(h.All()))
+	})
+}
+
+// Start implements cell.HookInterface. It listens before returning so that
+// an address in use fails the agent's start with a clear error instead of
+// a log line nobody reads.
+func (s *Server) Start(cell.HookContext) error {
+	ln, err := net.Listen("tcp", s.cfg.PrometheusServeAddr)
+	if err != nil {
+		return fmt.Errorf("metrics: listening on --prometheus-serve-addr %s: %w", s.cfg.PrometheusServeAddr, err)
+	}
+	srv := &http.Server{
+		Handler:           s,
+		ReadHeaderTimeout: readHeaderTimeout,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	done := make(chan struct{})
+	s.mu.Lock()
+	s.srv, s.addr, s.done = srv, ln.Addr(), done
+	s.mu.Unlock()
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			s.log.Error("Metrics server failed", "address", ln.Addr().String(), "error", err)
+		}
+	}()
+	s.log.Info("Serving metrics and health", "address", ln.Addr().String(),
+		"metrics", MetricsPath, "health", HealthPath)
+	return nil
+}
+
+// Stop implements cell.HookInterface: it lets scrapes in flight finish
+// until the stop context ends, then closes what is left.
+func (s *Server) Stop(ctx cell.HookContext) error {
+	s.mu.Lock()
+	srv, done := s.srv, s.done
+	s.srv, s.addr = nil, nil
+	s.mu.Unlock()
+	if srv == nil {
+		return nil
+	}
+	err := srv.Shutdown(ctx)
+	if err != nil {
+		err = errors.Join(fmt.Errorf("metrics: shutting down: %w", err), srv.Close())
+	}
+	<-done
+	return err
+}
+
+// Addr returns the address the server listens on (with the actual port
+// when the configured one was 0), or "" when it is not serving.
+func (s *Server) Addr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.addr == nil {
+		return ""
+	}
+	return s.addr.String()
+}
+
+// slogPrinter adapts a logger to promhttp's error log.
+type slogPrinter struct{ log *slog.Logger }
+
+func (p slogPrinter) Println(v ...any) {
+	p.log.Warn("Metrics collection failed", "error", fmt.Sprint(v...))
+}

@@ -1,0 +1,141 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestMain lets the test binary act as identityd when IDENTITYD_AS_MAIN is
+// set, so process tests run the real main without a separate build.
+func TestMain(m *testing.M) {
+	if os.Getenv("IDENTITYD_AS_MAIN") == "1" {
+		os.Args = append([]string{"identityd"}, strings.Fields(os.Getenv("IDENTITYD_ARGS"))...)
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func agentCmd(t *testing.T, args ...string) *exec.Cmd {
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), "IDENTITYD_AS_MAIN=1", "IDENTITYD_ARGS="+strings.Join(args, " "))
+	return cmd
+}
+
+func run(t *testing.T, args ...string) (string, error) {
+	var out bytes.Buffer
+	cmd := agentCmd(t, args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	return out.String(), err
+}
+
+func TestHelpListsEveryCellsFlags(t *testing.T) {
+	var out bytes.Buffer
+	root := newRootCmd(newHive(), &out, &out)
+	root.SetOut(&out)
+	root.SetArgs([]string{"--help"})
+	if err := root.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	for _, flag := range []string{"--state-dir", "--cluster-id", "--cluster-name", "--max-connected-clusters",
+		"--identity-allocation-timeout", "--kvstore-endpoints", "--kvstore-lease-ttl", "--node-name",
+		"--identity-checkpoint-interval", "--ipcache-map", "--log-format", "--log-level"} {
+		if !strings.Contains(out.String(), flag) {
+			t.Errorf("--help does not list %s", flag)
+		}
+	}
+}
+
+func TestHiveAndVersionCommands(t *testing.T) {
+	out, err := run(t, "hive")
+	if err != nil || !strings.Contains(out, "allocator (Security identity allocator)") || !strings.Contains(out, "Start hooks:") {
+		t.Fatalf("hive: %v\n%s", err, out)
+	}
+	out, err = run(t, "hive", "dot-graph")
+	if err != nil || !strings.Contains(out, "digraph") {
+		t.Fatalf("hive dot-graph: %v\n%.300s", err, out)
+	}
+	out, err = run(t, "version")
+	if err != nil || !strings.HasPrefix(out, "identityd ") {
+		t.Fatalf("version: %v %q", err, out)
+	}
+}
+
+func TestStartErrorIsOneLine(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o600)
+	out, err := run(t, "--state-dir", file, "--log-level", "error")
+	if err == nil {
+		t.Fatal("start on a file as state directory succeeded")
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	last := lines[len(lines)-1]
+	if !strings.HasPrefix(last, "identityd: ") || !strings.Contains(last, "not a directory") {
+		t.Fatalf("last line %q, want one readable error line; output:\n%s", last, out)
+	}
+	out, err = run(t, "--log-format", "xml")
+	if err == nil || !strings.Contains(out, `invalid --log-format "xml"`) {
+		t.Fatalf("bad log format: %v %q", err, out)
+	}
+}
+
+// TestSignalStopsCleanly runs the agent as a process on the embedded etcd,
+// reaches it through the shell, and stops it with SIGTERM.
+func TestSignalStopsCleanly(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts an agent process")
+	}
+	dir := t.TempDir()
+	var logs bytes.Buffer
+	cmd := agentCmd(t, "--state-dir", dir, "--ipcache-map", "file", "--log-format", "json", "--prometheus-serve-addr", "127.0.0.1:0")
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	var out string
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		o, err := run(t, "shell", "--state-dir", dir, "--", "identity/allocate", "cidr:10.0.0.0/8", "reserved:world")
+		if err == nil {
+			out = o
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent did not answer: %v\n%s\nlogs:\n%s", err, o, logs.String())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if !strings.Contains(out, "16777217") {
+		t.Fatalf("allocate through the shell: %q", out)
+	}
+	// A second agent on the same state directory fails clearly.
+	o, err := run(t, "--state-dir", dir, "--ipcache-map", "file", "--log-level", "error", "--prometheus-serve-addr", "127.0.0.1:0")
+	if err == nil || !strings.Contains(o, "state directory is in use") {
+		t.Fatalf("second agent: %v %q", err, o)
+	}
+	cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("agent exited with %v\n%s", err, logs.String())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatalf("agent did not stop on SIGTERM\n%s", logs.String())
+	}
+	if !strings.Contains(logs.String(), `"msg":"Stopped hive"`) {
+		t.Fatalf("no clean stop in the JSON logs:\n%s", logs.String())
+	}
+	if _, err := os.Stat(filepath.Join(dir, "identityd.sock")); !os.IsNotExist(err) {
+		t.Fatal("shell socket left behind after stop")
+	}
+}
