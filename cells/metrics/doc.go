@@ -1,0 +1,114 @@
+// Package metrics is identityd's Prometheus registry and its HTTP endpoint,
+// with the metric definitions the cells share.
+//
+// # What it provides
+//
+// Cell provides a *prometheus.Registry owned by the hive (never
+// prometheus.DefaultRegisterer, so two hives in one process do not
+// interfere), holding the Go and process collectors and every collector
+// the cells contribute through the "identityd-metrics" value group:
+//
+//	cell.Provide(func() metrics.CollectorOut {
+//		return metrics.NewCollector(myVec)
+//	})
+//
+// It serves the registry on --prometheus-serve-addr (default
+// 127.0.0.1:9963, loopback only; empty disables the endpoint; port 0 picks
+// a free port, reported by (*Server).Addr and logged):
+//
+//   - /metrics: the Prometheus text format.
+//   - /healthz: 200 when every health scope of the hive is OK (or Stopped),
+//     503 otherwise, with one line per scope at fault. The scopes come from
+//     the cells/health provider (optional: without it /healthz only tells
+//     that the process is up).
+//
+// The server listens in its start hook, so an address in use fails the
+// start with an error naming the flag, and it is the first hook to start
+// and the last to stop: metrics and health are served while the other
+// cells start and stop.
+//
+// The metrics derived from the allocator, checkpoint, kvstore and ipcache
+// are collected at scrape time by the cells/metrics/scrape package, which
+// reads those cells' public APIs (it is separate because those cells import
+// this package).
+//
+// # Metrics
+//
+// All identityd metrics carry the namespace "identityd"; names follow
+// Cilium's where Cilium has the metric.
+//
+// Identities (scrape, from allocator.Allocator):
+//
+//   - identityd_identity{type} gauge: identities this node knows, by type:
+//     reserved, well_known (always 0: identityd has no well-known set),
+//     cluster_local (global identities of this cluster's ID range),
+//     node_local, remote_node.
+//   - identityd_identity_label_sources{source} gauge: identities with at
+//     least one label of the source.
+//   - identityd_identity_space_usage_ratio{scope} gauge: the fraction of
+//     the ID space in use: node_local and remote_node of 2^24-1 IDs each,
+//     global of this cluster's range (--cluster-id, --max-connected-clusters).
+//     Alert on it well before 1.
+//   - identityd_identity_withheld gauge: local IDs withheld for restoration.
+//   - identityd_identity_remote_cluster gauge: global identities of other
+//     clusters of the mesh, watched read-only.
+//   - identityd_identity_restored gauge: identities held only by
+//     restoration, released after the grace period unless used again.
+//
+// Checkpoint (scrape, from *checkpoint.Checkpoint):
+//
+//   - identityd_checkpoint_write_duration_seconds gauge: the last
+//     successful write (snapshot, encoding, atomic write with fsyncs).
+//   - identityd_checkpoint_size_bytes, identityd_checkpoint_entries gauges:
+//     the file after that write.
+//   - identityd_checkpoint_last_success_timestamp_seconds gauge: start of
+//     the last successful write, 0 if none.
+//   - identityd_checkpoint_last_write_failed gauge: 1 when the last write
+//     failed.
+//   - identityd_checkpoint_pending gauge: 1 when a change waits for the
+//     next write.
+//   - identityd_checkpoint_writes_total, identityd_checkpoint_write_failures_total,
+//     identityd_checkpoint_loads_total, identityd_checkpoint_corrupt_files_total,
+//     identityd_checkpoint_invalid_entries_total counters.
+//
+// kvstore (scrape, from *kvstore.Client):
+//
+//   - identityd_kvstore_requests_total{method} counter: etcd requests by
+//     gRPC method (Range, Txn, Put, DeleteRange, LeaseGrant, Status, Watch,
+//     ...). LeaseGrant counts lease creations, re-creations after a lost
+//     lease included. Each scrape adds one Status per endpoint.
+//   - identityd_kvstore_connected gauge: 1 when an endpoint answered a
+//     status request during the scrape.
+//   - identityd_kvstore_endpoints{state} gauge: endpoints connected and
+//     unreachable.
+//   - identityd_kvstore_lease_held gauge: 1 while this node holds a lease.
+//
+// ipcache (scrape, from *ipcache.IPCache and its statedb table):
+//
+//   - identityd_ipcache_entries gauge: prefixes in the table.
+//   - identityd_ipcache_reconciliation_errors gauge: prefixes whose write
+//     to the datapath map failed (being retried).
+//   - identityd_ipcache_reconciliation_pending gauge: prefixes waiting to
+//     be written.
+//
+// Shared definitions, created and recorded by the cell that owns the event
+// and contributed with NewCollector:
+//
+//   - identityd_identity_allocation_duration_seconds{scope,outcome}
+//     histogram (NewIdentityAllocationDuration): allocation latency, 1µs to
+//     4s buckets. Cilium has no such metric.
+//   - identityd_kvstore_operations_duration_seconds{scope,kind,action,outcome}
+//     histogram (NewKVStoreOperationsDuration).
+//   - identityd_kvstore_quorum_errors_total{error} counter
+//     (NewKVStoreQuorumErrors).
+//   - identityd_identity_gc_entries{status} gauge (NewIdentityGCEntries):
+//     alive and deleted master keys of the last GC run.
+//   - identityd_identity_gc_runs{outcome} gauge (NewIdentityGCRuns): GC
+//     runs by outcome (a gauge, as in Cilium).
+//   - identityd_identity_restoration{result} gauge (NewIdentityRestoration):
+//     checkpointed identities restored, skipped and released_after_grace at
+//     this start.
+//
+// Process: the standard go_* and process_* metrics, and promhttp_* for the
+// endpoint itself.
+package metrics
