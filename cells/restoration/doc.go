@@ -29,6 +29,15 @@
 //  6. Mark restoration's ipcache initializer done: the ipcache reconciler
 //     may now prune stale entries of the datapath map.
 //
+// Steps 1 to 5 run in the start hook, except that the prefixes of restored
+// identities are added to the ipcache by a job right after the start
+// hooks, followed by step 6: their identities already hold their old
+// numbers, so any owner upserting such a prefix meanwhile resolves it to
+// the same identity, and the map keeps the old entries until step 6. The
+// prefixes of unknown label sets (requested IDs) are added in the hook, as
+// an early upsert by another owner would give them a fresh number.
+// Restorer.Done is closed after the hook, Restorer.Ready after step 6.
+//
 // Nothing of this fails the start: each problem is logged and counted
 // (Counters) and restoration continues with what it can use.
 //

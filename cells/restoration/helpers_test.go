@@ -65,6 +65,11 @@ func (a *agent) start(tb testing.TB) {
 	if err := a.h.Start(a.log, ctx); err != nil {
 		tb.Fatalf("start: %s", err)
 	}
+	select {
+	case <-a.r.Ready():
+	case <-ctx.Done():
+		tb.Fatalf("restoration not ready: %+v", a.r.Status())
+	}
 }
 
 func (a *agent) stop(tb testing.TB) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,6 +44,9 @@ type State string
 const (
 	// StatePending: the start hook has not run yet.
 	StatePending State = "pending"
+	// StateRestoring: the identities are restored, the prefixes of
+	// restored identities are on their way into the ipcache.
+	StateRestoring State = "restoring"
 	// StateHolding: restored identities and prefixes are held until the
 	// grace period ends.
 	StateHolding State = "holding"
@@ -92,13 +96,23 @@ type Status struct {
 	// GracePeriod is the time between the end of restoration and the
 	// release.
 	GracePeriod time.Duration `json:"grace-period"`
-	// RestoreDuration is how long the start hook's restoration took.
-	RestoreDuration time.Duration `json:"restore-duration"`
+	// RestoreDuration is how long the start hook's restoration took;
+	// CheckpointDuration is its first part (load and re-allocation),
+	// PrefixesDuration its second (the ipcache, for prefixes of unknown
+	// label sets). BulkDuration is the time the job took to add the
+	// prefixes of restored identities to the ipcache after the start.
+	RestoreDuration    time.Duration `json:"restore-duration"`
+	CheckpointDuration time.Duration `json:"checkpoint-duration"`
+	PrefixesDuration   time.Duration `json:"prefixes-duration"`
+	BulkDuration       time.Duration `json:"bulk-duration"`
 	// ReleaseAt is when the release runs (zero before restoration).
 	ReleaseAt time.Time `json:"release-at,omitzero"`
-	// ReleaseDuration is how long the release took (zero before).
-	ReleaseDuration time.Duration `json:"release-duration,omitempty"`
-	Counters        Counters      `json:"counters"`
+	// ReleaseDuration is how long the release took (zero before), and
+	// ReleaseIdentitiesDuration the part of it spent releasing the
+	// identities and unwithholding (the rest is the ipcache's).
+	ReleaseDuration           time.Duration `json:"release-duration,omitempty"`
+	ReleaseIdentitiesDuration time.Duration `json:"release-identities-duration,omitempty"`
+	Counters                  Counters      `json:"counters"`
 }
 
 // Restorer restores the local identities of the checkpoint and the
@@ -114,11 +128,15 @@ type Restorer struct {
 
 	// initDone marks restoration's ipcache initializer done.
 	initDone func()
-	// done is closed when the start hook has restored what it could.
-	done chan struct{}
+	// done is closed when the start hook has restored what it could;
+	// ready when the prefixes are in the ipcache too.
+	done, ready chan struct{}
+	// bulk holds the prefixes of restored identities between the start
+	// hook and restoreBulk.
+	bulk []ipcachemap.Entry
 
-	// mu guards the fields below. The start hook and the release never
-	// overlap: the release waits for done.
+	// mu guards the fields below. The start hook, the bulk job and the
+	// release never overlap: each waits for the one before.
 	mu              sync.Mutex
 	state           State
 	held            []*identity.Identity
@@ -128,8 +146,14 @@ type Restorer struct {
 	found           bool
 	checkpointErr   string
 	restoreDuration time.Duration
+	cpDuration      time.Duration
+	bulkDuration    time.Duration
+	pfxDuration     time.Duration
 	releaseAt       time.Time
 	releaseDuration time.Duration
+	// releaseIDsDuration is the identities' part of releaseDuration.
+	releaseIDsDuration time.Duration
+	releasing          bool
 
 	restored, skipped, renumbered, prefixesRestored, prefixesFailed, releasedAfterGrace atomic.Uint64
 }
@@ -162,6 +186,7 @@ func newRestorer(p params) (*Restorer, error) {
 		dualStack: p.IPCacheConfig.IPCacheDualStack,
 		grace:     p.Config.gracePeriod(external),
 		done:      make(chan struct{}),
+		ready:     make(chan struct{}),
 		state:     StatePending,
 	}
 	// Registered before any hook runs, so that the ipcache never counts
@@ -171,14 +196,22 @@ func newRestorer(p params) (*Restorer, error) {
 	// The hook is appended before the job's, so the job starts after the
 	// restoration and stops before anything the release needs.
 	p.Lifecycle.Append(r)
-	p.Jobs.NewGroup(p.Health).Add(job.OneShot("restore-grace-period", r.releaseAfterGrace))
+	p.Jobs.NewGroup(p.Health).Add(
+		job.OneShot("restore-prefixes", r.restoreBulk),
+		job.OneShot("restore-grace-period", r.releaseAfterGrace),
+	)
 	return r, nil
 }
 
-// Done returns a channel closed once the start hook has restored what it
-// could. Cells that allocate local identities after start but outside a
-// start hook that depends on the Restorer can wait on it.
+// Done returns a channel closed once the start hook has restored the
+// identities and protected the old numbers. Cells that allocate local
+// identities after start but outside a start hook that depends on the
+// Restorer can wait on it.
 func (r *Restorer) Done() <-chan struct{} { return r.done }
+
+// Ready returns a channel closed once the old map's prefixes are back in
+// the ipcache table as well, and the ipcache may prune the map.
+func (r *Restorer) Ready() <-chan struct{} { return r.ready }
 
 // GracePeriod returns the grace period in effect (the automatic choice
 // resolved).
@@ -201,18 +234,22 @@ func (r *Restorer) Status() Status {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return Status{
-		State:           r.state,
-		CheckpointFound: r.found,
-		CheckpointError: r.checkpointErr,
-		OldMapEntries:   r.oldMapEntries,
-		HeldIdentities:  len(r.held),
-		WithheldIDs:     len(r.withheld),
-		HeldPrefixes:    r.heldPrefixes,
-		GracePeriod:     r.grace,
-		RestoreDuration: r.restoreDuration,
-		ReleaseAt:       r.releaseAt,
-		ReleaseDuration: r.releaseDuration,
-		Counters:        r.Counters(),
+		State:                     r.state,
+		CheckpointFound:           r.found,
+		CheckpointError:           r.checkpointErr,
+		OldMapEntries:             r.oldMapEntries,
+		HeldIdentities:            len(r.held),
+		WithheldIDs:               len(r.withheld),
+		HeldPrefixes:              r.heldPrefixes,
+		GracePeriod:               r.grace,
+		RestoreDuration:           r.restoreDuration,
+		CheckpointDuration:        r.cpDuration,
+		PrefixesDuration:          r.pfxDuration,
+		BulkDuration:              r.bulkDuration,
+		ReleaseAt:                 r.releaseAt,
+		ReleaseDuration:           r.releaseDuration,
+		ReleaseIdentitiesDuration: r.releaseIDsDuration,
+		Counters:                  r.Counters(),
 	}
 }
 
@@ -228,10 +265,21 @@ func (r *Restorer) Held() []identity.Identity {
 	return out
 }
 
-// Start restores. It never fails: whatever cannot be restored is logged
-// and counted, and the agent starts with the rest.
+// Start restores the identities and protects the old numbers (see the
+// package documentation); the bulk of the prefixes follows in a job. It
+// never fails: whatever cannot be restored is logged and counted, and the
+// agent starts with the rest.
 func (r *Restorer) Start(ctx cell.HookContext) error {
-	r.restore(ctx)
+	start := time.Now()
+	r.restoreCheckpoint(ctx)
+	mid := time.Now()
+	r.bulk = r.restorePrefixes(ctx)
+	d := time.Since(start)
+	r.mu.Lock()
+	r.state = StateRestoring
+	r.restoreDuration, r.cpDuration, r.pfxDuration = d, mid.Sub(start), time.Since(mid)
+	r.mu.Unlock()
+	close(r.done)
 	return nil
 }
 
@@ -240,33 +288,52 @@ func (r *Restorer) Start(ctx cell.HookContext) error {
 // restart loses none of them.
 func (r *Restorer) Stop(cell.HookContext) error { return nil }
 
-func (r *Restorer) restore(ctx context.Context) {
+// restoreBulk is the job that contributes the prefixes of restored
+// identities to the ipcache, after the start hooks. Their identities
+// already hold their old numbers, so any owner that upserts one of these
+// prefixes meanwhile resolves it to the same identity; and the map keeps
+// the old entries, as the ipcache prunes nothing before restoration's
+// initializer is done, which happens here.
+func (r *Restorer) restoreBulk(ctx context.Context, health cell.Health) error {
+	select {
+	case <-r.done:
+	case <-ctx.Done():
+		return nil
+	}
 	start := time.Now()
-	// Whatever happens, the ipcache must become initialized, or stale map
+	bulk := r.bulkUpdates(r.bulk)
+	r.bulk = nil
+	failed := countErrors(r.ipc.UpsertBatch(ctx, Owner, bulk), r.log)
+	// Whatever happened, the ipcache must become initialized, or stale map
 	// entries would never be pruned.
-	defer func() {
-		r.initDone()
-		d := time.Since(start)
-		r.mu.Lock()
-		r.state = StateHolding
-		r.restoreDuration = d
-		r.releaseAt = time.Now().Add(r.grace)
-		r.mu.Unlock()
-		close(r.done)
-		c := r.Counters()
-		r.log.Info("Restored local identities and ipcache prefixes",
-			"restored", c.Restored, "skipped", c.Skipped, "renumbered", c.Renumbered,
-			"prefixes", c.PrefixesRestored, "prefixes-failed", c.PrefixesFailed,
-			"duration", d, "grace-period", r.grace)
-	}()
-
-	restoredLabels := r.restoreCheckpoint(ctx)
-	r.restorePrefixes(ctx, restoredLabels)
+	r.initDone()
+	r.prefixesRestored.Add(uint64(len(bulk) - failed))
+	r.prefixesFailed.Add(uint64(failed))
+	d := time.Since(start)
+	r.mu.Lock()
+	r.heldPrefixes += len(bulk) - failed
+	r.bulkDuration = d
+	r.state = StateHolding
+	r.releaseAt = time.Now().Add(r.grace)
+	restore := r.restoreDuration
+	r.mu.Unlock()
+	close(r.ready)
+	c := r.Counters()
+	r.log.Info("Restored local identities and ipcache prefixes",
+		"restored", c.Restored, "skipped", c.Skipped, "renumbered", c.Renumbered,
+		"prefixes", c.PrefixesRestored, "prefixes-failed", c.PrefixesFailed,
+		"start-hook", restore, "prefixes-duration", d, "grace-period", r.grace)
+	if failed > 0 {
+		health.Degraded("Some old ipcache prefixes could not be restored", fmt.Errorf("%d prefixes failed", failed))
+	} else {
+		health.OK("Restored")
+	}
+	return nil
 }
 
 // restoreCheckpoint re-allocates the checkpoint's identities with their old
-// numbers and returns the labels of those that got them, by ID.
-func (r *Restorer) restoreCheckpoint(ctx context.Context) map[identity.NumericIdentity]labels.Labels {
+// numbers.
+func (r *Restorer) restoreCheckpoint(ctx context.Context) {
 	res, err := r.cp.Load()
 	r.mu.Lock()
 	r.found = res.Report.Found
@@ -292,7 +359,7 @@ func (r *Restorer) restoreCheckpoint(ctx context.Context) map[identity.NumericId
 			"invalid", n, "kept-as", res.Report.SetAside)
 	}
 	if len(res.Identities) == 0 {
-		return nil
+		return
 	}
 
 	reqs := make([]allocator.Request, 0, len(res.Identities))
@@ -322,7 +389,7 @@ func (r *Restorer) restoreCheckpoint(ctx context.Context) map[identity.NumericId
 	results := r.alloc.AllocateBatch(ctx, reqs)
 	r.alloc.Unwithhold(old)
 
-	byID := make(map[identity.NumericIdentity]labels.Labels, len(reqs))
+	var restored int
 	held := make([]*identity.Identity, 0, len(reqs))
 	var renumbered int
 	for i, res := range results {
@@ -344,101 +411,97 @@ func (r *Restorer) restoreCheckpoint(ctx context.Context) map[identity.NumericId
 			}
 			continue
 		}
-		byID[req.OldID] = res.Identity.Labels
+		restored++
 	}
 	if skipped > maxLoggedSkips || renumbered > maxLoggedSkips {
 		r.log.Warn("Checkpoint identities not restored as they were", "skipped", skipped, "renumbered", renumbered)
 	}
 	r.skipped.Add(uint64(skipped))
 	r.renumbered.Add(uint64(renumbered))
-	r.restored.Add(uint64(len(byID)))
+	r.restored.Add(uint64(restored))
 
 	r.mu.Lock()
 	r.held = held
 	r.mu.Unlock()
-	return byID
 }
 
 // restorePrefixes re-creates ipcache metadata for the prefixes of the old
 // map whose identity was node-local, so that they get the same identity
-// and the reconciler neither prunes nor changes their entries.
-func (r *Restorer) restorePrefixes(ctx context.Context, byID map[identity.NumericIdentity]labels.Labels) {
+// and the reconciler neither prunes nor changes their entries. Prefixes of
+// unknown label sets are done here, before any other cell could upsert
+// them with a fresh identity; those of restored identities are returned
+// for restoreBulk.
+func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcachemap.Entry) {
 	snap := r.ipc.TakeSnapshot()
 	r.mu.Lock()
 	r.oldMapEntries = len(snap)
 	r.mu.Unlock()
-	if len(snap) == 0 {
-		return
-	}
 
 	// Other entries (global identities, tunnelled endpoints, remote
 	// clusters) are re-created by their owners, which know them better.
-	keep := make([]ipcachemap.Entry, 0, len(snap))
-	// shared counts the kept prefixes of IDs not restored from the
-	// checkpoint; other IDs need no count.
+	// The allocator holds only restored local identities at this point,
+	// so a local number it knows is one the checkpoint restored.
+	bulk = snap[:0]
+	var unknown []ipcachemap.Entry
 	shared := map[identity.NumericIdentity]int{}
 	for _, e := range snap {
 		if !restorable(e) {
 			continue
 		}
-		keep = append(keep, e)
-		if _, ok := byID[e.Value.Identity]; !ok {
-			shared[e.Value.Identity]++
+		id := e.Value.Identity
+		if id != identity.ReservedIdentityIngress && r.alloc.LookupByID(id) != nil {
+			bulk = append(bulk, e)
+			continue
+		}
+		unknown = append(unknown, e)
+		if id != identity.ReservedIdentityIngress {
+			shared[id]++
 		}
 	}
+	if len(unknown) == 0 {
+		return bulk
+	}
 
-	updates := make([]ipcache.Update, len(keep))
-	var withheld []identity.NumericIdentity
-	var requested []int
-	for i, e := range keep {
-		id, p := e.Value.Identity, e.Key.Prefix
-		u := &updates[i]
-		u.Prefix = p
-		lbls, known := byID[id]
+	now := make([]ipcache.Update, len(unknown))
+	for i, e := range unknown {
+		id := e.Value.Identity
+		now[i].Prefix = e.Key.Prefix
 		switch {
 		case id == identity.ReservedIdentityIngress:
 			// Ingress is reserved: only a direct identity keeps it.
-			u.Info.Identity = id
-		case known && r.mergesTo(p, lbls):
-			// The ipcache adds the prefix's CIDR labels to these, which
-			// gives back the restored label set and so its identity.
-			u.Info.Labels = lbls
-		case known:
-			// The label set does not derive from the prefix (e.g. FQDN
-			// labels): keep the number as is. The restorer's reference
-			// keeps the identity alive.
-			u.Info.Identity = id
+			now[i].Info.Identity = id
+		case shared[id] > 1:
+			// Several prefixes shared the ID: each would get its own
+			// CIDR label set, so only one could have the number. A
+			// direct identity keeps it for all.
+			now[i].Info.Identity = id
 		default:
 			// The labels are unknown (the checkpoint is older than the
-			// map, or gone). Withhold the number so that nothing else
-			// takes it, and ask for it.
-			if n := shared[id]; n > 0 {
-				withheld = append(withheld, id)
-				shared[id] = -n // withheld once
-			}
-			if shared[id] < -1 {
-				// Several prefixes shared it: each would get its own
-				// CIDR label set, so only one could have the number.
-				// A direct identity keeps it for all.
-				u.Info.Identity = id
-			} else {
-				u.Info.RequestedID = id
-				requested = append(requested, i)
-			}
+			// map, or gone): ask for the old number.
+			now[i].Info.RequestedID = id
 		}
 	}
+	// Unknown numbers are withheld until the release, so that nothing
+	// else takes them while their prefixes may still use them.
+	withheld := make([]identity.NumericIdentity, 0, len(shared))
+	for id := range shared {
+		withheld = append(withheld, id)
+	}
+	slices.Sort(withheld)
 	r.alloc.Withhold(withheld)
 	r.mu.Lock()
 	r.withheld = withheld
 	r.mu.Unlock()
 
-	failed := countErrors(r.ipc.UpsertBatch(ctx, Owner, updates), r.log)
+	failed := countErrors(r.ipc.UpsertBatch(ctx, Owner, now), r.log)
 
 	// A requested ID is not honoured when the prefix's CIDR label set
 	// already has another identity; pin those prefixes to their number.
 	var fix []ipcache.Update
-	for _, i := range requested {
-		u := updates[i]
+	for _, u := range now {
+		if u.Info.RequestedID == 0 {
+			continue
+		}
 		if e, ok := r.ipc.LookupPrefix(u.Prefix); ok && e.Identity != u.Info.RequestedID {
 			fix = append(fix, ipcache.Update{Prefix: u.Prefix, Info: ipcache.Info{Identity: u.Info.RequestedID}})
 		}
@@ -448,11 +511,34 @@ func (r *Restorer) restorePrefixes(ctx context.Context, byID map[identity.Numeri
 		failed += countErrors(r.ipc.UpsertBatch(ctx, Owner, fix), r.log)
 	}
 
-	r.prefixesRestored.Add(uint64(len(updates) - failed))
+	r.prefixesRestored.Add(uint64(len(now) - failed))
 	r.prefixesFailed.Add(uint64(failed))
 	r.mu.Lock()
-	r.heldPrefixes = len(updates) - failed
+	r.heldPrefixes = len(now) - failed
 	r.mu.Unlock()
+	return bulk
+}
+
+// bulkUpdates turns the prefixes of restored identities into ipcache
+// contributions.
+func (r *Restorer) bulkUpdates(entries []ipcachemap.Entry) []ipcache.Update {
+	out := make([]ipcache.Update, len(entries))
+	for i, e := range entries {
+		id := e.Value.Identity
+		out[i].Prefix = e.Key.Prefix
+		ident := r.alloc.LookupByID(id)
+		if ident != nil && r.mergesTo(e.Key.Prefix, ident.Labels) {
+			// The ipcache adds the prefix's CIDR labels to these, which
+			// gives back the restored label set and so its identity.
+			out[i].Info.Labels = ident.Labels
+			continue
+		}
+		// The label set does not derive from the prefix (e.g. FQDN
+		// labels): keep the number as is. The restorer's reference keeps
+		// the identity alive.
+		out[i].Info.Identity = id
+	}
+	return out
 }
 
 // restorable tells whether an old map entry is restoration's business: a
@@ -517,7 +603,7 @@ func countErrors(err error, log *slog.Logger) int {
 // everything held (see Stop).
 func (r *Restorer) releaseAfterGrace(ctx context.Context, health cell.Health) error {
 	select {
-	case <-r.done:
+	case <-r.ready:
 	case <-ctx.Done():
 		return nil
 	}
@@ -548,17 +634,17 @@ func (r *Restorer) releaseAfterGrace(ctx context.Context, health cell.Health) er
 // restoration to finish; later calls do nothing.
 func (r *Restorer) Release(ctx context.Context) error {
 	select {
-	case <-r.done:
+	case <-r.ready:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
 	start := time.Now()
 	r.mu.Lock()
-	if r.state == StateReleased {
+	if r.releasing {
 		r.mu.Unlock()
 		return nil
 	}
-	r.state = StateReleased
+	r.releasing = true
 	held, withheld := r.held, r.withheld
 	r.held, r.withheld, r.heldPrefixes = nil, nil, 0
 	r.mu.Unlock()
@@ -572,6 +658,7 @@ func (r *Restorer) Release(ctx context.Context) error {
 		errs = append(errs, fmt.Errorf("remove restored ipcache metadata: %w", err))
 	}
 	var freed uint64
+	idStart := time.Now()
 	for _, id := range held {
 		released, err := r.alloc.Release(ctx, id)
 		if err != nil {
@@ -583,10 +670,12 @@ func (r *Restorer) Release(ctx context.Context) error {
 		}
 	}
 	r.alloc.Unwithhold(withheld)
+	idDuration := time.Since(idStart)
 	r.releasedAfterGrace.Add(freed)
 	d := time.Since(start)
 	r.mu.Lock()
-	r.releaseDuration = d
+	r.state = StateReleased
+	r.releaseDuration, r.releaseIDsDuration = d, idDuration
 	r.mu.Unlock()
 	err = errors.Join(errs...)
 	r.log.Info("Released restored identities and ipcache prefixes",
