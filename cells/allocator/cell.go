@@ -19,6 +19,7 @@ var Cell = cell.Module(
 	cell.Provide(
 		statedb.RWTable[Entry].ToTable,
 		newAllocator,
+		newEtcdBackend,
 		newCommands,
 	),
 )

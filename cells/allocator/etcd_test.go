@@ -25,12 +25,6 @@ import (
 	"github.com/identityd/identityd/labels"
 )
 
-// etcdBackendCell adds the etcd backend's provider to test hives. Cell does
-// not provide it yet, because hives of other tests provide their own
-// GlobalBackend beside Cell; once Cell lists newEtcdBackend, this becomes
-// cell.Group().
-var etcdBackendCell = cell.Provide(newEtcdBackend)
-
 // etcdNode is one agent: a hive with the allocator and kvstore cells
 // talking to a test etcd.
 type etcdNode struct {
@@ -49,7 +43,7 @@ func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...node
 	tb.Helper()
 	n := &etcdNode{t: tb, name: name}
 	n.h = hive.New(
-		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell, etcdBackendCell,
+		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
 		cell.Invoke(func(a Allocator, kv *kvstore.Client, b GlobalBackend) {
 			n.alloc, n.kv = a, kv
 			n.backend, _ = b.(*EtcdBackend)
@@ -579,7 +573,7 @@ func TestEtcdTLS(t *testing.T) {
 func TestEtcdNoKVStore(t *testing.T) {
 	var a Allocator
 	var b GlobalBackend
-	h := hive.New(job.Cell, statedb.Cell, Cell, etcdBackendCell, cell.Invoke(func(x Allocator, y GlobalBackend) { a, b = x, y }))
+	h := hive.New(job.Cell, statedb.Cell, Cell, cell.Invoke(func(x Allocator, y GlobalBackend) { a, b = x, y }))
 	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
 		t.Fatal(err)
 	}

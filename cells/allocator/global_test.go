@@ -32,7 +32,7 @@ func node(t *testing.T, backend allocator.GlobalBackend, cfg func(*allocator.Con
 		cell.Invoke(func(x allocator.Allocator) { a = x }),
 	}
 	if backend != nil {
-		cells = append(cells, cell.Provide(func() allocator.GlobalBackend { return backend }))
+		cells = append(cells, cell.DecorateAll(func(allocator.GlobalBackend) allocator.GlobalBackend { return backend }))
 	}
 	h := hive.New(cells...)
 	if cfg != nil {
@@ -220,7 +220,7 @@ func TestScript(t *testing.T) {
 			store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
 			h := hive.New(
 				job.Cell, statedb.Cell, allocator.Cell,
-				cell.Provide(func() allocator.GlobalBackend { return store.NewBackend("node1") }),
+				cell.DecorateAll(func(allocator.GlobalBackend) allocator.GlobalBackend { return store.NewBackend("node1") }),
 			)
 			log := hivetest.Logger(t)
 			cmds, err := h.ScriptCommands(log)
