@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -366,5 +367,31 @@ func TestSkipScopeChanged(t *testing.T) {
 	}
 	if id := a.alloc.LookupByLabels(mustLabels("cidr:10.0.0.0/8", "reserved:world")); id == nil || id.ID != 16777218 {
 		t.Fatalf("restored identity: %v", id)
+	}
+}
+
+// TestCiliumCheckpoint restores a checkpoint as Cilium v1.16 writes it,
+// with elements and keys in another order than identityd writes them.
+func TestCiliumCheckpoint(t *testing.T) {
+	dir := t.TempDir()
+	data := `[{"labels":{"remote-node":{"source":"reserved","key":"remote-node"},"192.168.1.10/32":{"source":"cidr","key":"192.168.1.10/32"}},"id":33554433},` +
+		`{"labels":{"world":{"source":"reserved","key":"world"},"10.0.0.0/8":{"source":"cidr","key":"10.0.0.0/8"}},"id":16777217}]` + "\n"
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.FileName), []byte(data), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := newAgent(t, dir, time.Hour, nil)
+	a.start(t)
+	defer a.stop(t)
+	for lbls, want := range map[string]identity.NumericIdentity{
+		"cidr:10.0.0.0/8 reserved:world":            16777217,
+		"cidr:192.168.1.10/32 reserved:remote-node": 33554433,
+	} {
+		id := a.alloc.LookupByLabels(mustLabels(strings.Fields(lbls)...))
+		if id == nil || id.ID != want {
+			t.Fatalf("%s: restored as %v, want %d", lbls, id, want)
+		}
+	}
+	if c := a.r.Counters(); c.Restored != 2 || c.Skipped != 0 {
+		t.Fatalf("counters: %+v", c)
 	}
 }
