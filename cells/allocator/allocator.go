@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
@@ -24,7 +25,8 @@ type params struct {
 	DB        *statedb.DB
 	Table     statedb.RWTable[Entry]
 	Backend   GlobalBackend `optional:"true"`
-	Handlers  []Handler     `group:"identity-handlers"`
+	Metrics   *allocationMetrics
+	Handlers  []Handler `group:"identity-handlers"`
 }
 
 // identityAllocator implements Allocator.
@@ -39,6 +41,7 @@ type identityAllocator struct {
 	global *globalRefs
 
 	backend GlobalBackend
+	metrics *allocationMetrics
 	synced  chan struct{}
 	once    sync.Once
 
@@ -53,6 +56,7 @@ func newAllocator(p params) (Allocator, error) {
 		return nil, err
 	}
 	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, p.Handlers, identity.MaxLocalIdentity)
+	a.metrics = p.Metrics
 	p.Lifecycle.Append(a)
 	return a, nil
 }
@@ -160,13 +164,22 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 	if r := identity.LookupReserved(lbls); r != nil {
 		return r, false, nil
 	}
+	start := time.Now()
 	scope := identity.ScopeForLabels(lbls)
+	var (
+		id        *identity.Identity
+		allocated bool
+		err       error
+	)
 	if s := a.scopeOf(scope); s != nil {
-		return s.acquire(lbls, o)
+		id, allocated, err = s.acquire(lbls, o)
+	} else {
+		ctx, cancel := context.WithTimeout(ctx, a.cfg.IdentityAllocationTimeout)
+		id, allocated, err = a.global.acquire(ctx, lbls, o)
+		cancel()
 	}
-	ctx, cancel := context.WithTimeout(ctx, a.cfg.IdentityAllocationTimeout)
-	defer cancel()
-	return a.global.acquire(ctx, lbls, o)
+	a.metrics.observe(scope, err, time.Since(start))
+	return id, allocated, err
 }
 
 func (a *identityAllocator) AllocateBatch(ctx context.Context, reqs []Request) []Result {

@@ -15,7 +15,7 @@ var Cell = cell.Module(
 
 	cell.Config(DefaultConfig),
 	cell.Config(DefaultEtcdConfig),
-	cell.ProvidePrivate(NewTable),
+	cell.ProvidePrivate(NewTable, newAllocationMetrics),
 	cell.Provide(
 		statedb.RWTable[Entry].ToTable,
 		newAllocator,

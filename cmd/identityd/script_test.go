@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
 
+	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/statedir"
 )
@@ -26,6 +27,8 @@ func TestScript(t *testing.T) {
 			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = stateDir })
 			// Scripts run in parallel: a fixed metrics port would clash.
 			hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
+			// Never the host's pinned map: scripts run in parallel.
+			hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = "file" })
 			log := hivetest.Logger(t)
 			cmds, err := h.ScriptCommands(log)
 			if err != nil {
