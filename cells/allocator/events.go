@@ -26,8 +26,10 @@ type event struct {
 // or the identities table: the dispatcher and the table writer deliver to
 // those on their own goroutines.
 type eventQueue struct {
-	mu      sync.Mutex
-	pending []event
+	mu sync.Mutex
+	// pending is a list of fixed-size chunks: appending never copies the
+	// events already queued, however far the dispatcher lags behind.
+	pending [][]event
 	holds   int
 	wake    chan struct{}
 
@@ -38,9 +40,16 @@ func newEventQueue(table *tableWriter) *eventQueue {
 	return &eventQueue{wake: make(chan struct{}, 1), table: table}
 }
 
+// eventChunk is the number of events per chunk of the queue.
+const eventChunk = 512
+
 func (q *eventQueue) pushEvent(ev event) {
 	q.mu.Lock()
-	q.pending = append(q.pending, ev)
+	if n := len(q.pending); n == 0 || len(q.pending[n-1]) == eventChunk {
+		q.pending = append(q.pending, make([]event, 0, eventChunk))
+	}
+	last := &q.pending[len(q.pending)-1]
+	*last = append(*last, ev)
 	q.mu.Unlock()
 	select {
 	case q.wake <- struct{}{}:
@@ -69,7 +78,7 @@ func (q *eventQueue) release() {
 	}
 }
 
-func (q *eventQueue) take() []event {
+func (q *eventQueue) take() [][]event {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.holds > 0 {
@@ -78,6 +87,21 @@ func (q *eventQueue) take() []event {
 	evs := q.pending
 	q.pending = nil
 	return evs
+}
+
+// allEvents iterates over the events of a list of chunks.
+func allEvents(chunks [][]event) func(func(int, event) bool) {
+	return func(yield func(int, event) bool) {
+		i := 0
+		for _, c := range chunks {
+			for _, ev := range c {
+				if !yield(i, ev) {
+					return
+				}
+				i++
+			}
+		}
+	}
 }
 
 // dispatcher turns queued changes into Observe events and handler batches,
@@ -122,8 +146,8 @@ func (d *dispatcher) run(ctx context.Context) {
 
 // drain delivers everything queued. It reports whether anything was taken.
 func (d *dispatcher) drain() bool {
-	evs := d.queue.take()
-	if len(evs) == 0 {
+	chunks := d.queue.take()
+	if len(chunks) == 0 {
 		return false
 	}
 	d.mu.Lock()
@@ -136,9 +160,9 @@ func (d *dispatcher) drain() bool {
 	}
 	var out []Change
 	if wantOut {
-		out = make([]Change, 0, len(evs))
+		out = make([]Change, 0, len(chunks)*eventChunk)
 	}
-	for _, ev := range evs {
+	for _, ev := range allEvents(chunks) {
 		switch ev.kind {
 		case ChangeSync:
 			if d.synced {
@@ -322,7 +346,8 @@ func (s *subscriber) run(ctx context.Context, next func(Change)) error {
 
 // tableWriterInterval is the least time between two writes of the
 // identities table. The table is for operators and other cells to read;
-// coalescing keeps a busy allocator from spending a core on it.
+// coalescing keeps a busy allocator from spending a core on it: an entry
+// that changes many times between two writes is written once.
 const tableWriterInterval = 10 * time.Millisecond
 
 // tableWriter keeps the identities table in step with the allocator. Held
@@ -380,11 +405,18 @@ func (w *tableWriter) run(ctx context.Context) {
 			w.flush()
 			return
 		case <-w.wake:
-			w.flush()
 		}
+		start := time.Now()
+		w.flush()
+		// Rest at least as long as the flush took: under a sustained
+		// burst the mirror lags further behind instead of taking more
+		// than half a core from the allocations it mirrors.
+		rest := max(w.interval, time.Since(start))
 		select {
 		case <-ctx.Done():
-		case <-time.After(w.interval):
+			w.flush()
+			return
+		case <-time.After(rest):
 		}
 	}
 }

@@ -51,6 +51,10 @@ type localScope struct {
 	mu     sync.RWMutex
 	byHash map[uint64]*refEntry
 	byID   idTable
+	// version counts changes of byHash, so that an allocation that found
+	// nothing under the read lock need not look again under the write
+	// lock when nothing changed in between.
+	version uint64
 	// next is the counter value tried first by the next allocation.
 	next     identity.NumericIdentity
 	withheld map[identity.NumericIdentity]struct{}
@@ -103,6 +107,7 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 		s.mu.RUnlock()
 		return &e.ident, false, nil
 	}
+	seen := s.version
 	s.mu.RUnlock()
 
 	// Only a new identity needs validation: a held set was validated
@@ -112,10 +117,12 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if e := s.find(h, lbls); e != nil {
-		e.refs.Add(1)
-		s.touch(e, o)
-		return &e.ident, false, nil
+	if s.version != seen {
+		if e := s.find(h, lbls); e != nil {
+			e.refs.Add(1)
+			s.touch(e, o)
+			return &e.ident, false, nil
+		}
 	}
 	id, err := s.pickID(o.oldID)
 	if err != nil {
@@ -126,6 +133,7 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	e.restored.Store(o.restored)
 	s.byHash[h] = e
 	s.byID.set(id, e)
+	s.version++
 	// The dispatcher passes the entry on to the identities table.
 	s.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: e})
 	return &e.ident, true, nil
@@ -218,6 +226,7 @@ func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 	}
 	s.byID.set(id, nil)
 	s.unlink(e)
+	s.version++
 	s.events.pushEvent(event{kind: ChangeDelete, ident: &e.ident, ref: e})
 	return true, nil
 }
