@@ -355,6 +355,9 @@ func (c *Client) keepAlive(l *nodeLease, ch <-chan *clientv3.LeaseKeepAliveRespo
 	c.leaseLost(l, "keepalive ended")
 }
 
+// reasonRevoked marks a lease this node revoked itself.
+const reasonRevoked = "revoked by this node"
+
 // leaseLost forgets l if it is current and wakes everyone waiting on it.
 func (c *Client) leaseLost(l *nodeLease, why string) {
 	c.mu.Lock()
@@ -367,7 +370,11 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 	l.cancel()
 	l.lostOnce.Do(func() {
 		close(l.lost)
-		if current && !stopped {
+		switch {
+		case why == reasonRevoked:
+			// Asked for by this node (at stop): not a loss to warn of.
+			c.log.Debug("Revoked this node's etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)))
+		case current && !stopped:
 			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
 				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
 		}
@@ -403,7 +410,7 @@ func (c *Client) RevokeLease(ctx context.Context) error {
 	if l == nil || cli == nil {
 		return nil
 	}
-	c.leaseLost(l, "revoked")
+	c.leaseLost(l, reasonRevoked)
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreRequestTimeout)
 	defer cancel()
 	if _, err := cli.Revoke(rctx, l.id); err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
