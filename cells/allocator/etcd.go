@@ -144,12 +144,11 @@ type EtcdBackend struct {
 	node    string
 	pool    *idpool.Pool
 
-	cacheMu sync.RWMutex
-	byID    map[identity.NumericIdentity]*masterEntry
-	byKey   map[string]identity.NumericIdentity
-	events  GlobalEvents
-	synced  chan struct{}
-	once    sync.Once
+	// masterCache is the list+watch cache of all master keys; the
+	// backend keeps its ID pool in step with it and reports its changes
+	// to events.
+	masterCache
+	events GlobalEvents
 
 	// writeMu orders this node's reference writes against the
 	// re-creation of all of them after a lost lease: each write holds
@@ -177,28 +176,19 @@ type EtcdBackend struct {
 	wg     sync.WaitGroup
 }
 
-type masterEntry struct {
-	key    string
-	lbls   labels.Labels
-	modRev int64
-}
-
 var _ GlobalBackend = (*EtcdBackend)(nil)
 
 // NewEtcdBackend returns the backend for the cluster's ID range, writing
 // through kv (which must be started before Start is called).
 func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg EtcdConfig) *EtcdBackend {
 	perDeletion := cfg.IdentityGCRateInterval / time.Duration(max(cfg.IdentityGCRateLimit, 1))
-	return &EtcdBackend{
+	b := &EtcdBackend{
 		log:         log,
 		kv:          kv,
 		cfg:         cfg,
 		cluster:     cluster,
 		node:        kv.NodeName(),
 		pool:        idpool.New(idpool.ID(cluster.MinID()), idpool.ID(cluster.MaxID())),
-		byID:        map[identity.NumericIdentity]*masterEntry{},
-		byKey:       map[string]identity.NumericIdentity{},
-		synced:      make(chan struct{}),
 		held:        map[string]identity.NumericIdentity{},
 		heldByID:    map[identity.NumericIdentity]string{},
 		leaseSeen:   make(chan struct{}, 1),
@@ -208,6 +198,15 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 		// limit.
 		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),
 	}
+	// Master keys of other clusters' ranges (a shared etcd) are cached
+	// for lookups; the pool never hands them out.
+	b.masterCache = newMasterCache(log, kv, "global identities", cacheHooks{
+		stored:  func(id identity.NumericIdentity) { b.pool.Remove(idpool.ID(id)) },
+		removed: func(id identity.NumericIdentity) { b.pool.Insert(idpool.ID(id)) },
+		emit:    b.emit,
+		synced:  func() { b.events.Synced() },
+	})
+	return b
 }
 
 func masterKey(id identity.NumericIdentity) string { return MasterKeyPrefix + id.String() }
@@ -273,34 +272,12 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 
 // LookupByID implements GlobalBackend from the cache.
 func (b *EtcdBackend) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
-	b.cacheMu.RLock()
-	defer b.cacheMu.RUnlock()
-	if e := b.byID[id]; e != nil {
-		return e.lbls, true
-	}
-	return nil, false
+	return b.lookupLabels(id)
 }
 
 // LookupByLabels implements GlobalBackend from the cache.
 func (b *EtcdBackend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
 	return b.cachedID(lbls.Canonical())
-}
-
-func (b *EtcdBackend) cachedID(key string) (identity.NumericIdentity, bool) {
-	b.cacheMu.RLock()
-	defer b.cacheMu.RUnlock()
-	id, ok := b.byKey[key]
-	return id, ok
-}
-
-// Synced reports whether the first listing of master keys completed.
-func (b *EtcdBackend) Synced() bool {
-	select {
-	case <-b.synced:
-		return true
-	default:
-		return false
-	}
 }
 
 // outcome says what an allocation attempt found and what to try next.
@@ -641,147 +618,8 @@ func sleep(ctx context.Context, d time.Duration) {
 	}
 }
 
-// cacheLoop keeps the cache of master keys: list at one revision, watch
-// from the next, and list again when the watch breaks or falls behind a
-// compaction, reporting only what changed.
-func (b *EtcdBackend) cacheLoop(ctx context.Context) {
-	failures := 0
-	for ctx.Err() == nil {
-		rev, err := b.list(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
-				return
-			}
-			failures++
-			b.log.Warn("Listing global identities failed; retrying", "error", err, "attempt", failures)
-			sleep(ctx, backoff(failures))
-			continue
-		}
-		failures = 0
-		err = b.watch(ctx, rev+1)
-		if ctx.Err() != nil {
-			return
-		}
-		if errors.Is(err, rpctypes.ErrCompacted) {
-			b.log.Info("Watch of global identities fell behind a compaction; listing again", "revision", rev)
-		} else {
-			b.log.Warn("Watch of global identities ended; listing again", "error", err)
-			sleep(ctx, backoff(1))
-		}
-	}
-}
-
-// list reads every master key at one revision, page by page, and replaces
-// the cache with it. It returns the revision read.
-func (b *EtcdBackend) list(ctx context.Context) (int64, error) {
-	cli := b.kv.Client()
-	if cli == nil {
-		return 0, kvstore.ErrStopped
-	}
-	end := clientv3.GetPrefixRangeEnd(MasterKeyPrefix)
-	fresh := map[identity.NumericIdentity]*masterEntry{}
-	from, rev := MasterKeyPrefix, int64(0)
-	for {
-		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(listPageSize)}
-		if rev != 0 {
-			// Later pages read the first page's revision, so the
-			// listing is one consistent snapshot.
-			opts = append(opts, clientv3.WithRev(rev))
-		}
-		rctx, cancel := b.requestContext(ctx)
-		resp, err := cli.Get(rctx, from, opts...)
-		cancel()
-		if err != nil {
-			return 0, fmt.Errorf("listing %s: %w", MasterKeyPrefix, err)
-		}
-		if rev == 0 {
-			rev = resp.Header.Revision
-		}
-		for _, kv := range resp.Kvs {
-			if id, e := b.parseMaster(kv); e != nil {
-				fresh[id] = e
-			}
-		}
-		if !resp.More || len(resp.Kvs) == 0 {
-			break
-		}
-		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
-	}
-	b.replace(fresh)
-	b.once.Do(func() {
-		close(b.synced)
-		b.events.Synced()
-	})
-	return rev, nil
-}
-
-// parseMaster validates a master key; it returns nil for keys that are
-// logged and skipped.
-func (b *EtcdBackend) parseMaster(kv *mvccpb.KeyValue) (identity.NumericIdentity, *masterEntry) {
-	suffix := strings.TrimPrefix(string(kv.Key), MasterKeyPrefix)
-	id, err := identity.ParseNumericIdentity(suffix)
-	if err != nil || id == identity.InvalidIdentity || id.Scope() != identity.ScopeGlobal || id.IsReserved() {
-		b.log.Warn("Skipping master key with an invalid numeric identity", "key", string(kv.Key))
-		return 0, nil
-	}
-	lbls, err := labels.ParseCanonical(string(kv.Value))
-	if err != nil {
-		b.log.Warn("Skipping master key with an unparsable label string", "key", string(kv.Key), "value", string(kv.Value), "error", err)
-		return 0, nil
-	}
-	// Master keys of other clusters' ranges (a shared etcd) are cached
-	// for lookups; the pool never hands them out.
-	return id, &masterEntry{key: string(kv.Value), lbls: lbls, modRev: kv.ModRevision}
-}
-
-type change struct {
-	upsert bool
-	id     identity.NumericIdentity
-	lbls   labels.Labels
-}
-
-// replace swaps the cache for a fresh listing and reports the differences.
-func (b *EtcdBackend) replace(fresh map[identity.NumericIdentity]*masterEntry) {
-	var changes []change
-	b.cacheMu.Lock()
-	for id, old := range b.byID {
-		if e := fresh[id]; e == nil || e.key != old.key {
-			changes = append(changes, b.removeLocked(id, old))
-		}
-	}
-	for id, e := range fresh {
-		if c, ok := b.upsertLocked(id, e); ok {
-			changes = append(changes, c)
-		}
-	}
-	b.cacheMu.Unlock()
-	b.emit(changes)
-}
-
-// upsertLocked stores e; it reports a change unless the cache had the same
-// label set under id already.
-func (b *EtcdBackend) upsertLocked(id identity.NumericIdentity, e *masterEntry) (change, bool) {
-	old := b.byID[id]
-	b.byID[id] = e
-	b.pool.Remove(idpool.ID(id))
-	if old != nil && old.key == e.key {
-		return change{}, false
-	}
-	if _, dup := b.byKey[e.key]; !dup {
-		b.byKey[e.key] = id
-	}
-	return change{upsert: true, id: id, lbls: e.lbls}, true
-}
-
-func (b *EtcdBackend) removeLocked(id identity.NumericIdentity, old *masterEntry) change {
-	delete(b.byID, id)
-	if b.byKey[old.key] == id {
-		delete(b.byKey, old.key)
-	}
-	b.pool.Insert(idpool.ID(id))
-	return change{id: id, lbls: old.lbls}
-}
-
+// emit reports the cache's changes to the allocator, and protects master
+// keys this node still uses from deletion.
 func (b *EtcdBackend) emit(changes []change) {
 	for _, c := range changes {
 		if c.upsert {
@@ -791,54 +629,6 @@ func (b *EtcdBackend) emit(changes []change) {
 		b.events.Delete(c.id, c.lbls)
 		b.protect(c.id, c.lbls)
 	}
-}
-
-// watch applies master key events from rev on, until the watch fails.
-func (b *EtcdBackend) watch(ctx context.Context, rev int64) error {
-	cli := b.kv.Client()
-	if cli == nil {
-		return kvstore.ErrStopped
-	}
-	// Requiring a leader makes a watch on a member cut off from the
-	// others end, instead of silently serving nothing.
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-	defer cancel()
-	for resp := range cli.Watch(wctx, MasterKeyPrefix, clientv3.WithPrefix(), clientv3.WithRev(rev)) {
-		if err := resp.Err(); err != nil {
-			return err
-		}
-		var changes []change
-		b.cacheMu.Lock()
-		for _, ev := range resp.Events {
-			switch ev.Type {
-			case clientv3.EventTypePut:
-				id, e := b.parseMaster(ev.Kv)
-				if e == nil {
-					continue
-				}
-				if old := b.byID[id]; old != nil && old.key != e.key {
-					changes = append(changes, b.removeLocked(id, old))
-				}
-				if c, ok := b.upsertLocked(id, e); ok {
-					changes = append(changes, c)
-				}
-			case clientv3.EventTypeDelete:
-				id, err := identity.ParseNumericIdentity(strings.TrimPrefix(string(ev.Kv.Key), MasterKeyPrefix))
-				if err != nil {
-					continue
-				}
-				if old := b.byID[id]; old != nil {
-					changes = append(changes, b.removeLocked(id, old))
-				}
-			}
-		}
-		b.cacheMu.Unlock()
-		b.emit(changes)
-	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	return errors.New("watch channel closed")
 }
 
 // protect queues the re-creation of a deleted master key whose label set
