@@ -18,12 +18,12 @@ import (
 
 // Store is the shared state: master entries and per-node references.
 type Store struct {
-	mu      sync.Mutex
-	pool    *idpool.Pool
-	byID    map[identity.NumericIdentity]labels.Labels
-	byKey   map[string]identity.NumericIdentity
-	refs    map[string]map[string]struct{} // label key -> nodes
-	nodes   []*Backend
+	mu    sync.Mutex
+	pool  *idpool.Pool
+	byID  map[identity.NumericIdentity]labels.Labels
+	byKey map[string]identity.NumericIdentity
+	refs  map[string]map[string]struct{} // label key -> nodes
+	nodes []*Backend
 	// Down makes every request fail, as an unreachable store would.
 	Down atomic.Bool
 }
