@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/hive/script"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/shellfmt"
 )
 
 func newCommands(c *Checkpoint) hive.ScriptCmdsOut {
@@ -45,6 +46,25 @@ func writeCmd(c *Checkpoint) script.Cmd {
 	)
 }
 
+// showRow is one entry of the checkpoint file as checkpoint/show prints it
+// with -o json or yaml. An entry that would not be restored has Invalid set
+// (and no scope or labels), so that machine readers see it in the same list
+// as the valid ones.
+type showRow struct {
+	ID      identity.NumericIdentity `json:"id"`
+	Scope   string                   `json:"scope,omitempty"`
+	Labels  []string                 `json:"labels,omitempty"`
+	Invalid string                   `json:"invalid,omitempty"`
+}
+
+// TableHeader implements shellfmt.Tabular.
+func (showRow) TableHeader() []string { return []string{"ID", "Scope", "Labels"} }
+
+// TableRow implements shellfmt.Tabular.
+func (r showRow) TableRow() []string {
+	return []string{r.ID.String(), r.Scope, strings.Join(r.Labels, ",")}
+}
+
 func showCmd(c *Checkpoint) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
@@ -54,10 +74,16 @@ func showCmd(c *Checkpoint) script.Cmd {
 				"Prints the identities of the checkpoint file as a table,",
 				"followed by the entries that would not be restored. The file",
 				"is read, never modified. Without an argument it is the agent's",
-				"checkpoint.",
+				"checkpoint. With -o json or yaml, entries that would not be",
+				"restored are in the list with their reason in \"invalid\".",
 			},
+			Flags: shellfmt.AddFlag,
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			format, err := shellfmt.Format(s.Flags)
+			if err != nil {
+				return nil, err
+			}
 			path := c.Path()
 			switch len(args) {
 			case 0:
@@ -68,6 +94,12 @@ func showCmd(c *Checkpoint) script.Cmd {
 			}
 			data, _, err := readBounded(path, MaxFileSize)
 			if errors.Is(err, fs.ErrNotExist) {
+				if format != shellfmt.Table {
+					// An empty list keeps the output parseable.
+					s.Logf("no checkpoint at %s\n", path)
+					out, err := shellfmt.Render(format, []showRow{})
+					return stdout(out), err
+				}
 				return stdout(fmt.Sprintf("no checkpoint at %s\n", path)), nil
 			}
 			if err != nil {
@@ -79,6 +111,19 @@ func showCmd(c *Checkpoint) script.Cmd {
 			}
 			// Files written by other agents may be in any order.
 			slices.SortFunc(ids, func(a, b identity.Identity) int { return cmp.Compare(a.ID, b.ID) })
+			if format != shellfmt.Table {
+				rows := make([]showRow, 0, len(ids)+len(invalid))
+				for _, id := range ids {
+					rows = append(rows, showRow{ID: id.ID, Scope: id.ID.Scope().String(), Labels: id.Labels.Strings()})
+				}
+				for _, e := range invalid {
+					rows = append(rows, showRow{ID: e.ID, Invalid: e.String()})
+				}
+				out, err := shellfmt.Render(format, rows)
+				return stdout(out), err
+			}
+			// The table keeps its own layout, which other tools and tests
+			// compare byte for byte.
 			var b strings.Builder
 			tw := tabwriter.NewWriter(&b, 5, 0, 3, ' ', 0)
 			fmt.Fprintln(tw, "ID\tScope\tLabels")

@@ -24,9 +24,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/script"
 )
 
 // Cell provides cell.Health, *Provider and the `health` script command.
@@ -292,36 +290,4 @@ func Format(statuses []Status) string {
 		b.WriteByte('\n')
 	}
 	return b.String()
-}
-
-func newCommands(p *Provider) hive.ScriptCmdsOut {
-	return hive.NewScriptCmds(map[string]script.Cmd{"health": healthCmd(p)})
-}
-
-func healthCmd(p *Provider) script.Cmd {
-	return script.Command(
-		script.CmdUsage{
-			Summary: "Show every module's health: level, message and error",
-			Detail: []string{
-				"Prints one line per health scope (modules and their jobs),",
-				"parents first. The level of a scope includes the scopes",
-				"below it. Fails when a scope is not OK, so that scripts can",
-				"wait for health with '* health' or expect '! health'.",
-			},
-		},
-		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			if len(args) > 0 {
-				return nil, script.ErrUsage
-			}
-			all := p.All()
-			ok, bad := p.Healthy()
-			return func(*script.State) (string, string, error) {
-				out := Format(all)
-				if !ok {
-					return out, "", fmt.Errorf("%d health scopes not OK: %s", len(bad), strings.TrimSpace(Format(bad[:1])))
-				}
-				return out, "", nil
-			}, nil
-		},
-	)
 }

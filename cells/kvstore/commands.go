@@ -10,6 +10,8 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/script"
+
+	"github.com/identityd/identityd/internal/shellfmt"
 )
 
 func scriptCommands(c *Client) hive.ScriptCmdsOut {
@@ -24,19 +26,89 @@ func statusCmd(c *Client) script.Cmd {
 			Summary: "Show the etcd connection: mode, endpoints, leader, revision, lease, last error",
 			Detail: []string{
 				"Asks every endpoint for its status (2s timeout each) and prints",
-				"a summary followed by one row per endpoint.",
+				"a summary followed by one row per endpoint. With -o json or",
+				"yaml, prints the same as one object with its endpoints.",
 			},
+			Flags: shellfmt.AddFlag,
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			if len(args) > 0 {
 				return nil, script.ErrUsage
 			}
+			format, err := shellfmt.Format(s.Flags)
+			if err != nil {
+				return nil, err
+			}
 			ctx, cancel := context.WithTimeout(s.Context(), 10*time.Second)
 			defer cancel()
-			out := FormatStatus(c.Status(ctx))
+			st := c.Status(ctx)
+			out := ""
+			if format == shellfmt.Table {
+				out = FormatStatus(st)
+			} else if out, err = shellfmt.Render(format, []statusView{viewOf(st)}); err != nil {
+				return nil, err
+			}
 			return func(*script.State) (string, string, error) { return out, "", nil }, nil
 		},
 	)
+}
+
+// statusView is Status as kvstore/status prints it with -o json or yaml:
+// the same fields as the table, with the same kebab-case names as the
+// other commands' objects. Status itself has no JSON tags because it is Go
+// API, not a format.
+type statusView struct {
+	Mode      string         `json:"mode"`
+	Node      string         `json:"node"`
+	Connected int            `json:"connected"`
+	Leader    string         `json:"leader,omitempty"`
+	Revision  int64          `json:"revision"`
+	Lease     string         `json:"lease,omitempty"`
+	LeaseTTL  string         `json:"lease-ttl"`
+	LastError string         `json:"last-error,omitempty"`
+	Endpoints []endpointView `json:"endpoints"`
+}
+
+type endpointView struct {
+	Endpoint  string `json:"endpoint"`
+	Connected bool   `json:"connected"`
+	Member    string `json:"member,omitempty"`
+	Leader    bool   `json:"leader"`
+	Version   string `json:"version,omitempty"`
+	Revision  int64  `json:"revision,omitempty"`
+	DBSize    int64  `json:"db-size,omitempty"`
+	Error     string `json:"error,omitempty"`
+}
+
+func viewOf(st Status) statusView {
+	v := statusView{
+		Mode: st.Mode(), Node: st.NodeName, Connected: st.Connected(), Leader: st.Leader,
+		Revision: st.Revision, LeaseTTL: st.LeaseTTL.String(), LastError: st.LastError,
+		Endpoints: make([]endpointView, len(st.Endpoints)),
+	}
+	if st.LeaseID != 0 {
+		// Hexadecimal, as etcdctl prints lease IDs.
+		v.Lease = fmt.Sprintf("%x", int64(st.LeaseID))
+	}
+	for i, ep := range st.Endpoints {
+		e := endpointView{Endpoint: ep.Endpoint, Connected: ep.Connected, Leader: ep.IsLeader, Version: ep.Version, Error: ep.Error}
+		if ep.Connected {
+			e.Member, e.Revision, e.DBSize = fmt.Sprintf("%x", ep.MemberID), ep.Revision, ep.DBSize
+		}
+		v.Endpoints[i] = e
+	}
+	return v
+}
+
+// TableHeader implements shellfmt.Tabular; the table itself is FormatStatus.
+func (statusView) TableHeader() []string {
+	return []string{"Mode", "Node", "Connected", "Leader", "Revision", "Lease"}
+}
+
+// TableRow implements shellfmt.Tabular.
+func (v statusView) TableRow() []string {
+	return []string{v.Mode, v.Node, fmt.Sprintf("%d/%d", v.Connected, len(v.Endpoints)), v.Leader,
+		strconv.FormatInt(v.Revision, 10), v.Lease}
 }
 
 // FormatStatus renders st as the tables kvstore/status prints.

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -60,10 +61,15 @@ func Render[T Tabular](format string, objs []T) (string, error) {
 		if err != nil {
 			return "", err
 		}
+		// Numbers stay json.Number: decoded into float64, IDs above 2^20
+		// would print as 1.6777217e+07.
+		dec := json.NewDecoder(bytes.NewReader(b))
+		dec.UseNumber()
 		var v any
-		if err := json.Unmarshal(b, &v); err != nil {
+		if err := dec.Decode(&v); err != nil {
 			return "", err
 		}
+		v = yamlNumbers(v)
 		var out bytes.Buffer
 		enc := yaml.NewEncoder(&out)
 		enc.SetIndent(2)
@@ -82,4 +88,32 @@ func Render[T Tabular](format string, objs []T) (string, error) {
 		tw.Flush()
 		return out.String(), nil
 	}
+}
+
+// yamlNumbers replaces the json.Numbers in v by integers (or floats when
+// they have a fraction or exponent), which YAML prints as plain numbers;
+// json.Number itself is a string to the YAML encoder and would be quoted.
+func yamlNumbers(v any) any {
+	switch v := v.(type) {
+	case json.Number:
+		if i, err := strconv.ParseInt(string(v), 10, 64); err == nil {
+			return i
+		}
+		if u, err := strconv.ParseUint(string(v), 10, 64); err == nil {
+			return u
+		}
+		if f, err := v.Float64(); err == nil {
+			return f
+		}
+		return string(v)
+	case map[string]any:
+		for k, e := range v {
+			v[k] = yamlNumbers(e)
+		}
+	case []any:
+		for i, e := range v {
+			v[i] = yamlNumbers(e)
+		}
+	}
+	return v
 }
