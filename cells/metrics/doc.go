@@ -27,10 +27,10 @@
 // and the last to stop: metrics and health are served while the other
 // cells start and stop.
 //
-// The metrics derived from the allocator, checkpoint, kvstore and ipcache
-// are collected at scrape time by the cells/metrics/scrape package, which
-// reads those cells' public APIs (it is separate because those cells import
-// this package).
+// The metrics derived from the allocator (and its etcd backend), checkpoint,
+// kvstore, ipcache and restoration are collected at scrape time by the
+// cells/metrics/scrape package, which reads those cells' public APIs (it is
+// separate because those cells import this package).
 //
 // # Metrics
 //
@@ -91,6 +91,30 @@
 //   - identityd_ipcache_reconciliation_pending gauge: prefixes waiting to
 //     be written.
 //
+// Identity GC (scrape, from the etcd backend's GCStats; only with a
+// kvstore):
+//
+//   - identityd_identity_gc_entries{status} gauge: master keys the GC
+//     deleted (status "deleted") and unreferenced candidates it kept
+//     because its delete transaction found them referenced or changed
+//     ("skipped"), since the agent started. Cilium's gauge of the same name
+//     holds the last run's alive and deleted keys; the backend counts
+//     totals, not runs, so there is no "alive" series.
+//   - identityd_identity_gc_runs{outcome} gauge: GC runs since the agent
+//     started that succeeded or failed (a gauge, as in Cilium). A run in
+//     progress counts as a success until it fails.
+//
+// Restoration (scrape, from *restoration.Restorer):
+//
+//   - identityd_identity_restoration{result} gauge: checkpointed
+//     identities restored (got their old ID back), skipped (invalid, scope
+//     changed, or the allocation failed) and released_after_grace (freed at
+//     the end of the grace period because nobody took them up) at this
+//     start.
+//   - identityd_identity_restoration_prefixes{result} gauge: prefixes of
+//     the old datapath map re-created in the ipcache (restored) or refused
+//     by it (failed) at this start.
+//
 // Shared definitions, created and recorded by the cell that owns the event
 // and contributed with NewCollector:
 //
@@ -101,13 +125,12 @@
 //     histogram (NewKVStoreOperationsDuration).
 //   - identityd_kvstore_quorum_errors_total{error} counter
 //     (NewKVStoreQuorumErrors).
-//   - identityd_identity_gc_entries{status} gauge (NewIdentityGCEntries):
-//     alive and deleted master keys of the last GC run.
-//   - identityd_identity_gc_runs{outcome} gauge (NewIdentityGCRuns): GC
-//     runs by outcome (a gauge, as in Cilium).
-//   - identityd_identity_restoration{result} gauge (NewIdentityRestoration):
-//     checkpointed identities restored, skipped and released_after_grace at
-//     this start.
+//
+// NewIdentityGCEntries, NewIdentityGCRuns and NewIdentityRestoration define
+// the GC and restoration series for a cell that records them as events
+// happen (per GC run, as Cilium does). The identityd agent exports those
+// names from the scrape collectors above instead; a hive must not register
+// both, as the registry refuses two definitions of one name.
 //
 // Process: the standard go_* and process_* metrics, and promhttp_* for the
 // endpoint itself.

@@ -1,5 +1,6 @@
 // Package scrape derives identityd's state metrics at scrape time from the
-// public APIs of the allocator, checkpoint, kvstore and ipcache cells. Every
+// public APIs of the allocator (and its etcd backend), checkpoint, kvstore,
+// ipcache and restoration cells. Every
 // dependency is optional: a hive without the ipcache simply has no ipcache
 // metrics, and none of those cells has to know about metrics.
 //
@@ -17,6 +18,7 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/cells/restoration"
 )
 
 // Cell contributes the scrape-time collectors to the metrics registry. Use
@@ -30,6 +32,8 @@ var Cell = cell.Module(
 		checkpointCollectorOut,
 		kvstoreCollectorOut,
 		ipcacheCollectorOut,
+		gcCollectorOut,
+		restorationCollectorOut,
 	),
 )
 
@@ -90,4 +94,33 @@ func ipcacheCollectorOut(p ipcacheParams) metrics.CollectorOut {
 		return metrics.CollectorOut{}
 	}
 	return metrics.NewCollector(NewIPCacheCollector(p.DB, p.IPCache.Table()))
+}
+
+type gcParams struct {
+	cell.In
+
+	Backend allocator.GlobalBackend `optional:"true"`
+}
+
+// gcCollectorOut reports the GC only of a backend that has one (the etcd
+// backend); the allocator cell provides a nil backend without a kvstore.
+func gcCollectorOut(p gcParams) metrics.CollectorOut {
+	b, ok := p.Backend.(GCStatser)
+	if !ok {
+		return metrics.CollectorOut{}
+	}
+	return metrics.NewCollector(NewGCCollector(b))
+}
+
+type restorationParams struct {
+	cell.In
+
+	Restorer *restoration.Restorer `optional:"true"`
+}
+
+func restorationCollectorOut(p restorationParams) metrics.CollectorOut {
+	if p.Restorer == nil {
+		return metrics.CollectorOut{}
+	}
+	return metrics.NewCollector(NewRestorationCollector(p.Restorer))
 }

@@ -6,6 +6,8 @@ import (
 	"io"
 	"net/http"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -25,6 +27,7 @@ import (
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/metrics/scrape"
+	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/ipcachemap"
@@ -250,5 +253,183 @@ func TestScrapeKVStore(t *testing.T) {
 		`identityd_kvstore_requests_total{method="LeaseGrant"}`: float64(before["LeaseGrant"]),
 		// The scrape's own status request is counted.
 		`identityd_kvstore_requests_total{method="Status"}`: float64(before["Status"] + 1),
+	})
+}
+
+func TestScrapeGC(t *testing.T) {
+	var (
+		alloc   allocator.Allocator
+		backend allocator.GlobalBackend
+		server  *metrics.Server
+	)
+	h := hive.New(
+		health.Cell, metrics.Cell, scrape.Cell, job.Cell, statedb.Cell, statedir.Cell,
+		kvstore.Cell, allocator.Cell,
+		cell.Invoke(func(a allocator.Allocator, b allocator.GlobalBackend, s *metrics.Server) {
+			alloc, backend, server = a, b, s
+		}),
+	)
+	dir := t.TempDir()
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
+	// The test runs the GC itself, so that the counts are exact.
+	hive.AddConfigOverride(h, func(c *allocator.EtcdConfig) { c.IdentityGCInterval = 0 })
+	log := hivetest.Logger(t)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(log, context.Background())
+	etcd, ok := backend.(*allocator.EtcdBackend)
+	if !ok {
+		t.Fatalf("global backend is %T, want the etcd backend", backend)
+	}
+
+	expect(t, scrapeMetrics(t, server.Addr()), map[string]float64{
+		`identityd_identity_gc_entries{status="deleted"}`: 0,
+		`identityd_identity_gc_entries{status="skipped"}`: 0,
+		`identityd_identity_gc_runs{outcome="success"}`:   0,
+		`identityd_identity_gc_runs{outcome="failure"}`:   0,
+	})
+
+	// Two global identities nobody holds any more, one still held.
+	var unused []*identity.Identity
+	for _, app := range []string{"a", "b", "c"} {
+		id, _, err := alloc.Allocate(t.Context(), labels.MustParse("k8s:app="+app))
+		if err != nil {
+			t.Fatal(err)
+		}
+		unused = append(unused, id)
+	}
+	for _, id := range unused[:2] {
+		if _, err := alloc.Release(t.Context(), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if deleted, _, err := etcd.RunGC(t.Context()); err != nil || deleted != 2 {
+		t.Fatalf("GC deleted %d, err %v; want 2", deleted, err)
+	}
+	// A run that cannot reach etcd counts as a failure.
+	cancelled, cancel := context.WithCancel(t.Context())
+	cancel()
+	if _, _, err := etcd.RunGC(cancelled); err == nil {
+		t.Fatal("GC with a cancelled context succeeded")
+	}
+	expect(t, scrapeMetrics(t, server.Addr()), map[string]float64{
+		`identityd_identity_gc_entries{status="deleted"}`: 2,
+		`identityd_identity_gc_entries{status="skipped"}`: 0,
+		`identityd_identity_gc_runs{outcome="success"}`:   1,
+		`identityd_identity_gc_runs{outcome="failure"}`:   1,
+	})
+}
+
+// Without a kvstore there is no GC, and no GC series rather than zeros.
+func TestScrapeNoGCWithoutKVStore(t *testing.T) {
+	a := startAgent(t)
+	for name := range scrapeMetrics(t, a.server.Addr()) {
+		if strings.HasPrefix(name, "identityd_identity_gc_") {
+			t.Errorf("unexpected %s without a kvstore", name)
+		}
+	}
+}
+
+// restoringAgent is startAgent's hive with restoration, on a state
+// directory that outlives it, so that a second one restores the first's.
+type restoringAgent struct {
+	h   *hive.Hive
+	ipc *ipcache.IPCache
+	r   *restoration.Restorer
+	srv *metrics.Server
+}
+
+func startRestoringAgent(t *testing.T, dir string, grace time.Duration) *restoringAgent {
+	t.Helper()
+	var a restoringAgent
+	opts := hive.DefaultOptions()
+	opts.ModuleDecorators = health.ModuleDecorators
+	a.h = hive.NewWithOptions(opts,
+		health.Cell, metrics.Cell, scrape.Cell,
+		job.Cell, statedb.Cell, statedir.Cell,
+		allocator.Cell, checkpoint.Cell, ipcache.Cell, restoration.Cell,
+		cell.Invoke(func(ipc *ipcache.IPCache, r *restoration.Restorer, s *metrics.Server) {
+			a.ipc, a.r, a.srv = ipc, r, s
+		}),
+	)
+	hive.AddConfigOverride(a.h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(a.h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
+	hive.AddConfigOverride(a.h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
+	hive.AddConfigOverride(a.h, func(c *restoration.Config) { c.IdentityRestoreGracePeriod = grace })
+	if err := a.h.Start(hivetest.Logger(t), t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-a.r.Ready():
+	case <-time.After(time.Minute):
+		t.Fatalf("restoration not ready: %+v", a.r.Status())
+	}
+	return &a
+}
+
+func (a *restoringAgent) stop(t *testing.T) {
+	t.Helper()
+	if err := a.h.Stop(hivetest.Logger(t), context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestScrapeRestoration(t *testing.T) {
+	dir := t.TempDir()
+
+	// The first run leaves two CIDR identities in the checkpoint and
+	// their prefixes in the map file.
+	a := startRestoringAgent(t, dir, time.Hour)
+	expect(t, scrapeMetrics(t, a.srv.Addr()), map[string]float64{
+		`identityd_identity_restoration{result="restored"}`:             0,
+		`identityd_identity_restoration{result="skipped"}`:              0,
+		`identityd_identity_restoration{result="released_after_grace"}`: 0,
+		`identityd_identity_restoration_prefixes{result="restored"}`:    0,
+		`identityd_identity_restoration_prefixes{result="failed"}`:      0,
+	})
+	for _, p := range []string{"10.1.0.0/16", "10.2.0.0/16"} {
+		if err := a.ipc.Upsert(t.Context(), "test", netip.MustParsePrefix(p), ipcache.Info{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.ipc.WaitForMap(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	a.stop(t)
+
+	// An entry another agent's rules would accept but this one's would
+	// not (a local checkpoint holds no global IDs) is skipped.
+	cpFile := filepath.Join(dir, checkpoint.FileName)
+	data, err := os.ReadFile(cpFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := strings.TrimSuffix(strings.TrimSpace(string(data)), "]")
+	data = []byte(body + `,{"id":256,"labels":{"app":"k8s:app=web"}}]`)
+	if err := os.WriteFile(cpFile, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	// Nobody takes the restored identities up again: after the grace
+	// period they are released.
+	b := startRestoringAgent(t, dir, 100*time.Millisecond)
+	defer b.stop(t)
+	expect(t, scrapeMetrics(t, b.srv.Addr()), map[string]float64{
+		`identityd_identity_restoration{result="restored"}`:          2,
+		`identityd_identity_restoration{result="skipped"}`:           1,
+		`identityd_identity_restoration_prefixes{result="restored"}`: 2,
+		`identityd_identity_restoration_prefixes{result="failed"}`:   0,
+	})
+	deadline := time.Now().Add(30 * time.Second)
+	for b.r.Status().State != restoration.StateReleased {
+		if time.Now().After(deadline) {
+			t.Fatalf("restorer did not release: %+v", b.r.Status())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	expect(t, scrapeMetrics(t, b.srv.Addr()), map[string]float64{
+		`identityd_identity_restoration{result="released_after_grace"}`: 2,
 	})
 }
