@@ -72,7 +72,6 @@ type AllocateOption func(*allocateOptions)
 type allocateOptions struct {
 	oldID    identity.NumericIdentity
 	restored bool
-	noNotify bool
 }
 
 // WithOldID asks for a specific numeric ID, as restoration does to keep a

@@ -175,7 +175,6 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	}
 
 	// A held label set costs nothing.
-	before = n1.txns()
 	reqs := n1.kv.RequestCounts()
 	for range 100 {
 		if got, _, err := n1.alloc.Allocate(ctx, web); err != nil || got.ID != id.ID {

@@ -184,7 +184,7 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 			if timerC != nil {
 				continue
 			}
-			if wait := c.nextWrite().Sub(time.Now()); wait > 0 {
+			if wait := time.Until(c.nextWrite()); wait > 0 {
 				timer = time.NewTimer(wait)
 				timerC = timer.C
 				continue

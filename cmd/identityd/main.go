@@ -52,7 +52,7 @@ func (o logOptions) logger(w io.Writer) (*slog.Logger, error) {
 	case "text":
 		f, isFile := w.(*os.File)
 		color := isFile && term.IsTerminal(int(f.Fd()))
-		return slog.New(tint.NewHandler(w, &tint.Options{Level: level, NoColor: !color})), nil
+		return slog.New(tint.NewTextHandler(w, &tint.Options{Level: level, NoColor: !color})), nil
 	case "json":
 		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level})), nil
 	}
