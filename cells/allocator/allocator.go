@@ -25,6 +25,7 @@ type params struct {
 	DB        *statedb.DB
 	Table     statedb.RWTable[Entry]
 	Backend   GlobalBackend `optional:"true"`
+	Mesh      *ClusterMesh  `optional:"true"`
 	Metrics   *allocationMetrics
 	Handlers  []Handler `group:"identity-handlers"`
 }
@@ -41,6 +42,7 @@ type identityAllocator struct {
 	global *globalRefs
 
 	backend GlobalBackend
+	mesh    *ClusterMesh
 	metrics *allocationMetrics
 	synced  chan struct{}
 	once    sync.Once
@@ -57,6 +59,7 @@ func newAllocator(p params) (Allocator, error) {
 	}
 	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, p.Handlers, identity.MaxLocalIdentity)
 	a.metrics = p.Metrics
+	a.mesh = p.Mesh
 	p.Lifecycle.Append(a)
 	return a, nil
 }
@@ -108,11 +111,15 @@ func (a *identityAllocator) Start(ctx cell.HookContext) error {
 			return fmt.Errorf("starting global identity backend: %w", err)
 		}
 	}
+	// Remote clusters connect in the background; their identities reach
+	// the dispatcher like the global ones, marked as remote.
+	a.mesh.start(a.queue.pushEvent)
 	return nil
 }
 
 // Stop stops the backend and the dispatcher, after delivering what is queued.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
+	a.mesh.stop()
 	var err error
 	if a.backend != nil {
 		err = a.backend.Stop(ctx)
@@ -229,6 +236,9 @@ func (a *identityAllocator) LookupByLabels(lbls labels.Labels) *identity.Identit
 			return &identity.Identity{ID: id, Labels: lbls}
 		}
 	}
+	if id, ok := a.mesh.LookupByLabels(lbls); ok {
+		return &identity.Identity{ID: id, Labels: lbls}
+	}
 	return nil
 }
 
@@ -250,6 +260,9 @@ func (a *identityAllocator) LookupByID(id identity.NumericIdentity) *identity.Id
 			return &identity.Identity{ID: id, Labels: lbls}
 		}
 	}
+	if lbls, ok := a.mesh.LookupByID(id); ok {
+		return &identity.Identity{ID: id, Labels: lbls}
+	}
 	return nil
 }
 
@@ -266,12 +279,17 @@ func (a *identityAllocator) List() []Entry {
 	a.local.entries(collect)
 	a.remote.entries(collect)
 	a.global.entries(collect)
-	// Global identities other nodes hold, as far as the dispatcher knows.
+	// Global identities other nodes hold, and remote clusters' ones, as
+	// far as the dispatcher knows.
 	for _, id := range a.disp.snapshot() {
 		if id.ID.IsReserved() || id.ID.HasLocalScope() || held[id.ID] {
 			continue
 		}
-		out = append(out, Entry{Identity: id, Source: SourceGlobal})
+		source := SourceGlobal
+		if _, remote := a.mesh.LookupByID(id.ID); remote {
+			source = SourceRemote
+		}
+		out = append(out, Entry{Identity: id, Source: source})
 	}
 	slices.SortFunc(out, func(x, y Entry) int { return cmp.Compare(x.Identity.ID, y.Identity.ID) })
 	return out

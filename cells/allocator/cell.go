@@ -9,17 +9,24 @@ import (
 // (statedb.Table[Entry]) and the identity/* shell commands. A GlobalBackend
 // in the hive (the kvstore cell's etcd backend) enables global identities;
 // without one, allocating a global label set fails with ErrNoGlobalBackend.
+// It also provides the *ClusterMesh that follows remote clusters'
+// identities (--clustermesh-config), its clustermesh/status command and
+// metrics.
 var Cell = cell.Module(
 	"allocator",
 	"Security identity allocator",
 
 	cell.Config(DefaultConfig),
 	cell.Config(DefaultEtcdConfig),
+	cell.Config(DefaultClusterMeshConfig),
 	cell.ProvidePrivate(NewTable, newAllocationMetrics),
 	cell.Provide(
 		statedb.RWTable[Entry].ToTable,
 		newAllocator,
 		newEtcdBackend,
 		newCommands,
+		newClusterMesh,
+		newClusterMeshCommands,
+		newClusterMeshMetrics,
 	),
 )
