@@ -54,6 +54,11 @@ func allocateCmd(a Allocator) script.Cmd {
 			if len(args) == 0 {
 				return nil, script.ErrUsage
 			}
+			// A bad -o must fail before the allocation, or the command
+			// would fail holding a reference nobody knows of.
+			if _, err := shellfmt.Format(s.Flags); err != nil {
+				return nil, err
+			}
 			lbls, err := labels.Parse(args...)
 			if err != nil {
 				return nil, err

@@ -97,6 +97,10 @@ func upsertCmd(c *IPCache) script.Cmd {
 			if len(args) == 0 {
 				return nil, script.ErrUsage
 			}
+			// A bad -o must fail before the upsert, not after it.
+			if _, err := shellfmt.Format(s.Flags); err != nil {
+				return nil, err
+			}
 			prefixes, err := parsePrefixes(args)
 			if err != nil {
 				return nil, err

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"maps"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
+	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/metrics"
@@ -18,11 +21,17 @@ import (
 )
 
 // TestScript runs testdata/*.txtar, each against a fresh agent hive with its
-// own state directory, through the same commands the shell offers.
+// own state directory, through the same commands the shell offers. A
+// script's first line may set agent flags: "#! --identity-restore-grace-period=1s".
 func TestScript(t *testing.T) {
 	scripttest.Test(t, context.Background(),
 		func(t testing.TB, args []string) *script.Engine {
 			h := newHive()
+			flags := pflag.NewFlagSet("script", pflag.ContinueOnError)
+			h.RegisterFlags(flags)
+			if err := flags.Parse(args); err != nil {
+				t.Fatalf("flags of the #! line: %s", err)
+			}
 			stateDir := t.TempDir()
 			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = stateDir })
 			// Scripts run in parallel: a fixed metrics port would clash.
@@ -43,6 +52,29 @@ func TestScript(t *testing.T) {
 					var b strings.Builder
 					err := h.PrintObjects(&b, log)
 					return func(*script.State) (string, string, error) { return b.String(), "", err }, nil
+				})
+			// Scripts cannot name the state directory (it is not their
+			// work directory), yet restoration reads what a previous run
+			// left there.
+			cmds["statedir/put"] = script.Command(
+				script.CmdUsage{
+					Summary: "copy files of the script's work directory into the agent's state directory",
+					Args:    "file...",
+				},
+				func(s *script.State, args ...string) (script.WaitFunc, error) {
+					if len(args) == 0 {
+						return nil, script.ErrUsage
+					}
+					for _, name := range args {
+						data, err := os.ReadFile(s.Path(name))
+						if err != nil {
+							return nil, err
+						}
+						if err := os.WriteFile(filepath.Join(stateDir, filepath.Base(name)), data, 0o600); err != nil {
+							return nil, err
+						}
+					}
+					return nil, nil
 				})
 			t.Cleanup(func() {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

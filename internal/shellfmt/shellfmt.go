@@ -48,6 +48,10 @@ type Tabular interface {
 // Render prints objs in the format: a table with one row per object, or the
 // objects (as given, so their JSON tags apply) in JSON or YAML.
 func Render[T Tabular](format string, objs []T) (string, error) {
+	if objs == nil {
+		// No objects is an empty list, not JSON's null.
+		objs = []T{}
+	}
 	switch format {
 	case JSON:
 		b, err := json.MarshalIndent(objs, "", "  ")
