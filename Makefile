@@ -13,7 +13,7 @@ BENCH     ?= .
 BENCHCOUNT ?= 6
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build run shell test vet fmt-check test-unit compose-example bench fuzz lint clean
+.PHONY: all build run shell test vet fmt-check test-unit compose-example bench fuzz lint docs-graph clean
 
 all: build
 
@@ -65,6 +65,12 @@ fuzz:
 
 lint: fmt-check vet .bin/staticcheck
 	./.bin/staticcheck ./...
+
+# Regenerates docs/cells.svg, the cell graph of docs/architecture.md, from
+# the agent's own hive. Needs Graphviz (dot), which nothing else needs, so
+# no other target depends on this one.
+docs-graph: build
+	./$(BIN) hive dot-graph | $(GO) run ./internal/cellgraph | dot -Tsvg -o docs/cells.svg
 
 clean:
 	rm -rf bin .bin
