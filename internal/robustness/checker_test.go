@@ -10,7 +10,7 @@ import (
 
 // builder writes hand-made histories on a clock of whole seconds.
 type builder struct {
-	h *History
+	h  *History
 	t0 time.Time
 }
 

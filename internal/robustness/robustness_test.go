@@ -1,0 +1,388 @@
+package robustness
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/labels"
+)
+
+// defaultDuration is the workload's length in a plain `go test` run: long
+// enough for every kind of fault, short enough for `make test` on two
+// cores. ROBUSTNESS_DURATION sets another (e.g. 20m).
+const defaultDuration = 45 * time.Second
+
+const (
+	nodes          = 3
+	workersPerNode = 2
+	globalSets     = 24
+	localSets      = 24
+	// quiet is the end of the workload without faults, so that the last
+	// operations run on a healthy cluster.
+	quiet = 5 * time.Second
+)
+
+func runDuration(t *testing.T) time.Duration {
+	s := os.Getenv("ROBUSTNESS_DURATION")
+	if s == "" {
+		return defaultDuration
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d < 20*time.Second {
+		t.Fatalf("ROBUSTNESS_DURATION=%q: want a duration of at least 20s", s)
+	}
+	return d
+}
+
+func runSeed(t *testing.T) uint64 {
+	if s := os.Getenv("ROBUSTNESS_SEED"); s != "" {
+		n, err := strconv.ParseUint(s, 10, 64)
+		if err != nil {
+			t.Fatalf("ROBUSTNESS_SEED=%q: %v", s, err)
+		}
+		return n
+	}
+	return uint64(time.Now().UnixNano())
+}
+
+// labelSet is one label set of the workload: its shell arguments and its
+// canonical form, which names it in the history and in etcd keys.
+type labelSet struct {
+	args      string
+	canonical string
+	global    bool
+}
+
+func workloadSets(t *testing.T) []labelSet {
+	var sets []labelSet
+	add := func(global bool, args ...string) {
+		lbls, err := labels.Parse(args...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if identity.ScopeForLabels(lbls).IsLocal() == global {
+			t.Fatalf("%v: unexpected scope", args)
+		}
+		sets = append(sets, labelSet{args: strings.Join(args, " "), canonical: lbls.Canonical(), global: global})
+	}
+	for i := range globalSets {
+		add(true, fmt.Sprintf("k8s:app=app%d", i), "k8s:io.kubernetes.pod.namespace=robustness")
+	}
+	for i := range localSets {
+		add(false, fmt.Sprintf("cidr:10.%d.0.0/16", i), "reserved:world")
+	}
+	return sets
+}
+
+// TestRobustness runs 3 etcd members and 3 identityd agents as processes,
+// drives a random workload through the agents' shells while faults hit
+// etcd and the agents, then checks the history and the final state.
+func TestRobustness(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs etcd and identityd processes with faults for a minute or more")
+	}
+	dur, seed := runDuration(t), runSeed(t)
+	t.Logf("duration %s, seed %d (ROBUSTNESS_SEED=%d repeats the choices)", dur, seed, seed)
+	setupStart := time.Now()
+
+	bin := buildAgent(t)
+	// A process crash loses no page cache, so fsync buys nothing here.
+	c := etcdtest.StartCluster(t, 3, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	agents := make([]*agent, nodes)
+	for i := range agents {
+		agents[i] = newAgent(t, bin, fmt.Sprintf("node%d", i+1), c.Endpoints())
+		if err := agents[i].start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, a := range agents {
+			a.kill()
+		}
+		if t.Failed() {
+			for _, a := range agents {
+				t.Logf("log of %s:\n%s", a.name, tail(a.logPath, 16<<10))
+			}
+		}
+	})
+	t.Logf("setup took %s", time.Since(setupStart).Round(time.Millisecond))
+
+	h := NewHistory()
+	sets := workloadSets(t)
+	workStart := time.Now()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var wg sync.WaitGroup
+	for i, a := range agents {
+		for j := range workersPerNode {
+			w := &worker{a: a, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, uint64(i*workersPerNode+j+1)))}
+			wg.Go(func() { w.run(ctx) })
+		}
+	}
+	// Faults run on the test's goroutine, so that a failed repair can end
+	// the test.
+	inj := &injector{t: t, c: c, agents: agents, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, 0))}
+	inj.run(workStart.Add(dur - quiet))
+	end := later(workStart.Add(dur), inj.lastFault.Add(quiet))
+	time.Sleep(time.Until(end))
+	cancel()
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	stats := h.Stats()
+	t.Logf("workload: %s", stats)
+
+	// Keys of killed agents live until their lease expires, and every
+	// leader election gives leases a full TTL again: wait for that after
+	// the last fault.
+	final, finalViolations := converge(t, cli, agents, h, inj.lastFault.Add(leaseTTL+15*time.Second))
+
+	checker := Checker{Settle: settle, Grace: restoreGrace}
+	res := checker.Check(h)
+	violations := append(res.Violations, finalViolations...)
+	t.Logf("checked: %d holds, %d local label sets across restarts, %d references in etcd",
+		res.Holds, res.LocalChecks, countRefs(final))
+	for _, v := range violations {
+		t.Errorf("%s", v.Format(h.Begin))
+	}
+	if len(violations) > 0 {
+		path := filepath.Join(os.TempDir(), fmt.Sprintf("identityd-robustness-%d.json", seed))
+		if f, err := os.Create(path); err == nil {
+			h.WriteJSON(f)
+			f.Close()
+			t.Logf("history written to %s", path)
+		}
+	}
+	for _, kind := range []EventKind{EtcdKill, EtcdPause, NodeKill, EtcdRestartAll} {
+		if stats.Faults[kind] == 0 {
+			t.Errorf("no %s fault was injected", kind)
+		}
+	}
+	if res.LocalChecks == 0 {
+		t.Errorf("no local label set was checked across an agent restart")
+	}
+	if stats.OK < 100 {
+		t.Errorf("only %d operations succeeded", stats.OK)
+	}
+	t.Logf("total %s, %d violations", time.Since(setupStart).Round(time.Second), len(violations))
+}
+
+func countRefs(f FinalState) int {
+	n := 0
+	for _, refs := range f.RefKeys {
+		n += len(refs)
+	}
+	return n
+}
+
+// converge reads the final state until the agents and etcd agree or the
+// deadline passes, and returns the last state with its violations.
+func converge(t *testing.T, cli *clientv3.Client, agents []*agent, h *History, deadline time.Time) (FinalState, []Violation) {
+	start := time.Now()
+	deadline = later(deadline, start.Add(10*time.Second))
+	for {
+		f, err := finalState(cli, agents)
+		var vs []Violation
+		if err == nil {
+			vs = CheckFinal(h, f)
+			if len(vs) == 0 {
+				t.Logf("agents and etcd agree after %s", time.Since(start).Round(time.Millisecond))
+				return f, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			if err != nil {
+				t.Fatalf("reading the final state: %v", err)
+			}
+			return f, vs
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+func finalState(cli *clientv3.Client, agents []*agent) (FinalState, error) {
+	f := FinalState{
+		Held:    map[string]map[string]identity.NumericIdentity{},
+		RefKeys: map[string]map[string]identity.NumericIdentity{},
+		Masters: map[identity.NumericIdentity]string{},
+	}
+	for _, a := range agents {
+		if up, _ := a.state(); !up {
+			continue
+		}
+		held, err := a.heldGlobal()
+		if err != nil {
+			return f, fmt.Errorf("%s: %w", a.name, err)
+		}
+		f.Held[a.name] = held
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := cli.Get(ctx, allocator.IdentitiesPrefix+"/", clientv3.WithPrefix())
+	if err != nil {
+		return f, err
+	}
+	for _, kv := range resp.Kvs {
+		key := string(kv.Key)
+		switch {
+		case strings.HasPrefix(key, allocator.MasterKeyPrefix):
+			id, err := identity.ParseNumericIdentity(strings.TrimPrefix(key, allocator.MasterKeyPrefix))
+			if err != nil {
+				return f, fmt.Errorf("master key %s: %w", key, err)
+			}
+			f.Masters[id] = string(kv.Value)
+		case strings.HasPrefix(key, allocator.ReferenceKeyPrefix):
+			rest := strings.TrimPrefix(key, allocator.ReferenceKeyPrefix)
+			i := strings.LastIndexByte(rest, '/')
+			if i < 0 {
+				return f, fmt.Errorf("reference key %s has no node", key)
+			}
+			id, err := identity.ParseNumericIdentity(string(kv.Value))
+			if err != nil {
+				return f, fmt.Errorf("reference key %s: %w", key, err)
+			}
+			lbls, node := rest[:i], rest[i+1:]
+			if f.RefKeys[node] == nil {
+				f.RefKeys[node] = map[string]identity.NumericIdentity{}
+			}
+			f.RefKeys[node][lbls] = id
+		}
+	}
+	return f, nil
+}
+
+// held is a reference a worker took and has not released yet.
+type held struct {
+	set labelSet
+	id  identity.NumericIdentity
+}
+
+// worker drives one shell connection to one agent: random allocations and
+// releases of its own references.
+type worker struct {
+	a     *agent
+	h     *History
+	sets  []labelSet
+	rng   *rand.Rand
+	sh    *Shell
+	gen   int
+	holds []held
+}
+
+func (w *worker) run(ctx context.Context) {
+	defer func() {
+		if w.sh != nil {
+			w.sh.Close()
+		}
+	}()
+	for ctx.Err() == nil {
+		up, gen := w.a.state()
+		if gen != w.gen {
+			// A new process: the references of the old one died with it.
+			w.holds, w.gen = nil, gen
+			w.closeShell()
+		}
+		if !up {
+			time.Sleep(50 * time.Millisecond)
+			continue
+		}
+		if w.sh == nil {
+			sh, err := DialShell(w.a.socket(), time.Second)
+			if err != nil {
+				time.Sleep(50 * time.Millisecond)
+				continue
+			}
+			w.sh = sh
+		}
+		if len(w.holds) > 0 && w.rng.IntN(100) < 45 {
+			i := w.rng.IntN(len(w.holds))
+			hd := w.holds[i]
+			w.holds = append(w.holds[:i], w.holds[i+1:]...)
+			w.release(hd)
+		} else {
+			w.allocate(w.sets[w.rng.IntN(len(w.sets))])
+		}
+		// Leave the CPU to the processes under test.
+		time.Sleep(time.Duration(5+w.rng.IntN(25)) * time.Millisecond)
+	}
+}
+
+func (w *worker) closeShell() {
+	if w.sh != nil {
+		w.sh.Close()
+		w.sh = nil
+	}
+}
+
+func (w *worker) allocate(set labelSet) {
+	op, ok := do(w.sh, w.h, w.a.name, OpAllocate, set, 0)
+	if !ok {
+		w.closeShell()
+	}
+	if op.Outcome == OK {
+		w.holds = append(w.holds, held{set, op.ID})
+	}
+}
+
+func (w *worker) release(hd held) {
+	if _, ok := do(w.sh, w.h, w.a.name, OpRelease, hd.set, hd.id); !ok {
+		w.closeShell()
+	}
+}
+
+// do runs one operation on sh and records it. ok is false when the
+// connection must be dropped.
+func do(sh *Shell, h *History, node string, kind OpKind, set labelSet, id identity.NumericIdentity) (Op, bool) {
+	line := "identity/allocate -o json " + set.args
+	if kind == OpRelease {
+		line = "identity/release " + id.String()
+	}
+	op := Op{Node: node, Kind: kind, Labels: set.canonical, Global: set.global, ID: id}
+	op.Start = time.Now()
+	op.Deadline = op.Start.Add(allocTimeout + opSlack)
+	out, err := sh.Run(line, op.Deadline.Add(observe))
+	op.End = time.Now()
+	var cmdErr *CommandError
+	switch {
+	case err == nil:
+		op.Outcome = OK
+	case errors.As(err, &cmdErr):
+		op.Outcome, op.Err = Failed, cmdErr.Msg
+	default:
+		op.Outcome, op.Err = Unknown, err.Error()
+	}
+	if op.Outcome == OK && kind == OpAllocate {
+		es, perr := parseEntries(out)
+		if perr != nil || len(es) != 1 {
+			// The agent answered something this client cannot read:
+			// record it as unknown rather than guess.
+			op.Outcome, op.Err = Unknown, fmt.Sprintf("unreadable answer %q: %v", out, perr)
+		} else {
+			op.ID = es[0].Identity.ID
+		}
+	}
+	return h.AddOp(op), op.Outcome != Unknown
+}
