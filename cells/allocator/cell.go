@@ -19,7 +19,9 @@ var Cell = cell.Module(
 	cell.Config(DefaultConfig),
 	cell.Config(DefaultEtcdConfig),
 	cell.Config(DefaultClusterMeshConfig),
-	cell.ProvidePrivate(NewTable, newAllocationMetrics),
+	cell.ProvidePrivate(NewTable),
+	// Public so that its collector reaches the metrics registry.
+	cell.Provide(newAllocationMetrics),
 	cell.Provide(
 		statedb.RWTable[Entry].ToTable,
 		newAllocator,
