@@ -11,9 +11,12 @@ FUZZTIME  ?= 5s
 # Benchmark selection and repetitions for `make bench`.
 BENCH     ?= .
 BENCHCOUNT ?= 6
+# Length of the fault-injection workload of `make robustness` (empty: the
+# short run of about a minute that `make test` also runs).
+ROBUSTNESS_DURATION ?=
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build run shell test vet fmt-check test-unit compose-example bench fuzz lint docs-graph clean
+.PHONY: all build run shell test vet fmt-check test-unit compose-example bench fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -50,13 +53,20 @@ compose-example:
 bench:
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCHCOUNT) ./...
 
-# Runs every fuzz target for $(FUZZTIME) each.
+# Runs the fault-injection test: 3 etcd members and 3 agents as processes,
+# a random workload, faults, and the checker over the history
+# (ROBUSTNESS_DURATION=20m for a long run; ROBUSTNESS_SEED repeats a run).
+robustness:
+	ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '^TestRobustness$$' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
+
+# Runs every fuzz target for $(FUZZTIME) each. Packages come from `go list`,
+# so nested modules (docs/examples) and testdata are left out; `go test
+# -fuzz` takes one target per run.
 fuzz:
-	@set -e; for f in $$(grep -rl --include='*_test.go' '^func Fuzz' .); do \
-	  pkg=./$$(dirname $$f); \
-	  for t in $$(grep -o '^func Fuzz[A-Za-z0-9_]*' $$f | sed 's/^func //'); do \
-	    echo "== $$pkg $$t"; \
-	    $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) $$pkg; \
+	@set -e; for dir in $$($(GO) list -f '{{.Dir}}' ./...); do \
+	  for t in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$dir/*_test.go 2>/dev/null | sed 's/^func //'); do \
+	    echo "== $$dir $$t"; \
+	    $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) $$dir; \
 	  done; \
 	done
 
