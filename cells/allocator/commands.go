@@ -152,7 +152,7 @@ func listCmd(a Allocator) script.Cmd {
 			Summary: "List identities: reserved, local, global and restored",
 			Flags: func(fs *pflag.FlagSet) {
 				shellfmt.AddFlag(fs)
-				fs.String("source", "", "Only identities of this source (reserved, local, global, restored)")
+				fs.String("source", "", "Only identities of this source (reserved, local, global, restored, remote)")
 			},
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {

@@ -49,12 +49,32 @@
 //	--cluster-name                 this cluster's name ("default")
 //	--max-connected-clusters       255 or 511 (255)
 //	--identity-allocation-timeout  bound on every call that waits for the kvstore (2m)
+//	--clustermesh-config           directory of remote cluster files, polled every second ("": none)
+//	--clustermesh-remote-timeout   unreachable time after which a remote cluster's identities are withdrawn (5m)
 //
 // # Shell commands
 //
 //	identity/allocate [--old-id N] [-o table|json|yaml] <label>...
 //	identity/release <id>
 //	identity/get [-o …] <id> | <label>...
-//	identity/list [--source reserved|local|global|restored] [-o …]
+//	identity/list [--source reserved|local|global|restored|remote] [-o …]
+//	clustermesh/status [-o table|json|yaml]
 //	db/show identities
+//
+// # Remote clusters
+//
+// ClusterMesh follows the global identities of other clusters of a mesh,
+// read-only: one file per remote cluster in --clustermesh-config, named
+// after the cluster, in the YAML format of RemoteClusterConfig (endpoints,
+// cluster-id, ca-file, cert-file, key-file, username, password-file). Each
+// remote cluster's master keys are listed and watched in its own etcd;
+// an entry whose ID is outside that cluster's range (with this node's
+// --max-connected-clusters) or whose labels lack
+// k8s:io.cilium.k8s.policy.cluster=<name> is logged, counted and ignored.
+// Accepted identities are found by LookupByID and LookupByLabels, listed
+// with source "remote", and published to Observe and identity handlers.
+// Removing a file, or a cluster unreachable for --clustermesh-remote-timeout,
+// deletes all its identities; a reconnect lists again and reports only the
+// differences. Status, clustermesh/status and the
+// identityd_clustermesh_remote_cluster_* metrics show each cluster's state.
 package allocator
