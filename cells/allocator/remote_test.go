@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/cells/kvstore"
@@ -268,6 +269,19 @@ func TestClusterMesh(t *testing.T) {
 	}
 	if st := remoteStatus(n1.mesh, "c2"); !st.Connected || !st.Synced || st.Identities != 2 || st.ClusterID != 2 {
 		t.Fatalf("status of c2: %+v", st)
+	}
+	collector := newClusterMeshMetrics(n1.mesh).Collector
+	if err := testutil.CollectAndCompare(collector, strings.NewReader(`
+# HELP identityd_clustermesh_remote_cluster_identities Identities of the remote cluster this node knows
+# TYPE identityd_clustermesh_remote_cluster_identities gauge
+identityd_clustermesh_remote_cluster_identities{cluster="c2"} 2
+identityd_clustermesh_remote_cluster_identities{cluster="c3"} 1
+identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
+`), "identityd_clustermesh_remote_cluster_identities"); err != nil {
+		t.Fatal(err)
+	}
+	if n := testutil.CollectAndCount(collector); n != 15 {
+		t.Fatalf("%d metrics for 3 remote clusters, want 15", n)
 	}
 
 	// Entries written by hand into cluster 2's etcd that it may not
