@@ -132,18 +132,11 @@ func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels,
 func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (bool, error) {
 	g.mu.RLock()
 	e := g.byID[id]
-	if e != nil {
-		for {
-			r := e.refs.Load()
-			if r <= 1 {
-				break
-			}
-			if e.refs.CompareAndSwap(r, r-1) {
-				g.events.touch(e)
-				g.mu.RUnlock()
-				return false, nil
-			}
-		}
+	// Not the last reference: drop it under the read lock.
+	if e != nil && e.dropNonFinal() {
+		g.events.touch(e)
+		g.mu.RUnlock()
+		return false, nil
 	}
 	g.mu.RUnlock()
 	if e == nil {

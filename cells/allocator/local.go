@@ -36,6 +36,20 @@ type refEntry struct {
 	global bool
 }
 
+// dropNonFinal drops one reference unless it is the last one, which only
+// the holder of the write lock may drop. It reports whether it dropped one.
+func (e *refEntry) dropNonFinal() bool {
+	for {
+		r := e.refs.Load()
+		if r <= 1 {
+			return false
+		}
+		if e.refs.CompareAndSwap(r, r-1) {
+			return true
+		}
+	}
+}
+
 // localScope allocates the numeric identities of one node-local scope.
 //
 // Label sets are found by a hash of their labels rather than by their
@@ -196,19 +210,11 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 	s.mu.RLock()
 	e := s.byID.get(id)
-	if e != nil {
-		// Not the last reference: drop it under the read lock.
-		for {
-			r := e.refs.Load()
-			if r <= 1 {
-				break
-			}
-			if e.refs.CompareAndSwap(r, r-1) {
-				s.events.touch(e)
-				s.mu.RUnlock()
-				return false, nil
-			}
-		}
+	// Not the last reference: drop it under the read lock.
+	if e != nil && e.dropNonFinal() {
+		s.events.touch(e)
+		s.mu.RUnlock()
+		return false, nil
 	}
 	s.mu.RUnlock()
 	if e == nil {
