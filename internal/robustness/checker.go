@@ -294,9 +294,8 @@ func overlaps(holds []hold) []Violation {
 				for j := i + 1; j < len(hs); j++ {
 					a, b := hs[i], hs[j]
 					if !b.from.Before(a.to) {
-						// Sorted by start: no later hold overlaps a
-						// either... unless a later one started earlier,
-						// which sorting rules out.
+						// Holds are sorted by start: once one starts
+						// after a ends, so do all that follow.
 						break
 					}
 					if !differ(a, b) {
