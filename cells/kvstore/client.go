@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/prometheus/client_golang/prometheus"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -43,6 +44,7 @@ type Client struct {
 	dir     *statedir.Dir
 	limiter *rate.Limiter // nil: unlimited
 	counts  sync.Map      // method name -> *atomic.Uint64
+	metrics *requestMetrics
 
 	// grantMu serializes granting and revoking, so concurrent callers of
 	// Lease share one lease instead of each granting their own.
@@ -76,13 +78,14 @@ type params struct {
 	Dir       *statedir.Dir `optional:"true"`
 }
 
-func newClient(p params) (*Client, error) {
+func newClient(p params) (clientOut, error) {
 	c, err := New(p.Log, p.Config, p.Dir)
 	if err != nil {
-		return nil, err
+		return clientOut{}, err
 	}
+	c.metrics = newRequestMetrics()
 	p.Lifecycle.Append(c)
-	return c, nil
+	return clientOut{Client: c, Collectors: []prometheus.Collector{c.metrics.duration, c.metrics.quorum}}, nil
 }
 
 // New returns a client for cfg without starting it; call Start and Stop
@@ -459,7 +462,9 @@ func (c *Client) unaryInterceptor(ctx context.Context, method string, req, reply
 		}
 	}
 	c.count(method)
+	start := time.Now()
 	err := invoker(ctx, method, req, reply, cc, opts...)
+	c.metrics.observe(method, req, err, time.Since(start))
 	if err != nil {
 		c.noteError(req, err)
 	}

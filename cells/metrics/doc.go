@@ -122,9 +122,11 @@
 //     histogram (NewIdentityAllocationDuration): allocation latency, 1µs to
 //     4s buckets. Cilium has no such metric.
 //   - identityd_kvstore_operations_duration_seconds{scope,kind,action,outcome}
-//     histogram (NewKVStoreOperationsDuration).
+//     histogram (NewKVStoreOperationsDuration), recorded by the kvstore
+//     client for every unary etcd request: scope is the first three
+//     elements of the key, kind the gRPC service, action the call.
 //   - identityd_kvstore_quorum_errors_total{error} counter
-//     (NewKVStoreQuorumErrors).
+//     (NewKVStoreQuorumErrors), recorded by the kvstore client.
 //
 // NewIdentityGCEntries, NewIdentityGCRuns and NewIdentityRestoration define
 // the GC and restoration series for a cell that records them as events
