@@ -105,11 +105,11 @@ type Result struct {
 
 // Entry is an identity with what this node knows of it.
 type Entry struct {
-	Identity *identity.Identity
-	Source   Source
+	Identity *identity.Identity `json:"identity"`
+	Source   Source             `json:"source"`
 	// RefCount is the number of references held on this node (0 for
 	// reserved identities and for global identities other nodes hold).
-	RefCount int
+	RefCount int `json:"ref-count"`
 
 	ref *refEntry
 }

@@ -183,9 +183,9 @@ type listEntry struct {
 	Identity struct {
 		ID     identity.NumericIdentity `json:"id"`
 		Labels labels.Labels            `json:"labels"`
-	}
-	Source   string
-	RefCount int
+	} `json:"identity"`
+	Source   string `json:"source"`
+	RefCount int    `json:"ref-count"`
 }
 
 func parseEntries(out string) ([]listEntry, error) {
