@@ -22,18 +22,6 @@ func newCommands(a Allocator) hive.ScriptCmdsOut {
 	})
 }
 
-func output(fs *pflag.FlagSet, objs []Entry) (script.WaitFunc, error) {
-	format, err := shellfmt.Format(fs)
-	if err != nil {
-		return nil, err
-	}
-	out, err := shellfmt.Render(format, objs)
-	if err != nil {
-		return nil, err
-	}
-	return func(*script.State) (string, string, error) { return out, "", nil }, nil
-}
-
 func allocateCmd(a Allocator) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
@@ -71,7 +59,7 @@ func allocateCmd(a Allocator) script.Cmd {
 			if allocated {
 				s.Logf("allocated new identity %d\n", id.ID)
 			}
-			return output(s.Flags, []Entry{entryFor(a, id)})
+			return shellfmt.Output(s.Flags, []Entry{entryFor(a, id)})
 		},
 	)
 }
@@ -141,7 +129,7 @@ func getCmd(a Allocator) script.Cmd {
 			if id == nil {
 				return nil, fmt.Errorf("identity %s not found", strings.Join(args, " "))
 			}
-			return output(s.Flags, []Entry{entryFor(a, id)})
+			return shellfmt.Output(s.Flags, []Entry{entryFor(a, id)})
 		},
 	)
 }
@@ -167,7 +155,7 @@ func listCmd(a Allocator) script.Cmd {
 				}
 				entries = kept
 			}
-			return output(s.Flags, entries)
+			return shellfmt.Output(s.Flags, entries)
 		},
 	)
 }

@@ -30,18 +30,6 @@ func newCommands(c *IPCache) hive.ScriptCmdsOut {
 	})
 }
 
-func render[T shellfmt.Tabular](fs *pflag.FlagSet, objs []T) (script.WaitFunc, error) {
-	format, err := shellfmt.Format(fs)
-	if err != nil {
-		return nil, err
-	}
-	out, err := shellfmt.Render(format, objs)
-	if err != nil {
-		return nil, err
-	}
-	return func(*script.State) (string, string, error) { return out, "", nil }, nil
-}
-
 // parsePrefix accepts a prefix or a bare address (a /32 or /128).
 func parsePrefix(s string) (netip.Prefix, error) {
 	if strings.Contains(s, "/") {
@@ -134,7 +122,7 @@ func upsertCmd(c *IPCache) script.Cmd {
 					rows = append(rows, e)
 				}
 			}
-			return render(s.Flags, rows)
+			return shellfmt.Output(s.Flags, rows)
 		},
 	)
 }
@@ -194,7 +182,7 @@ func lookupCmd(c *IPCache) script.Cmd {
 			if !ok {
 				return nil, fmt.Errorf("no prefix contains %s", addr)
 			}
-			return render(s.Flags, []*Entry{e})
+			return shellfmt.Output(s.Flags, []*Entry{e})
 		},
 	)
 }
@@ -210,9 +198,9 @@ func listCmd(c *IPCache) script.Cmd {
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			if owner, _ := s.Flags.GetString("owner"); owner != "" {
-				return render(s.Flags, c.ListOwner(ResourceID(owner)))
+				return shellfmt.Output(s.Flags, c.ListOwner(ResourceID(owner)))
 			}
-			return render(s.Flags, c.List())
+			return shellfmt.Output(s.Flags, c.List())
 		},
 	)
 }
@@ -269,7 +257,7 @@ func mapDumpCmd(c *IPCache) script.Cmd {
 			if len(rows) == 0 {
 				s.Logf("map (%s) is empty\n", c.MapKind())
 			}
-			return render(s.Flags, rows)
+			return shellfmt.Output(s.Flags, rows)
 		},
 	)
 }

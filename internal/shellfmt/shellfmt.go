@@ -10,6 +10,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
+	"github.com/cilium/hive/script"
 	"github.com/spf13/pflag"
 	"go.yaml.in/yaml/v3"
 )
@@ -120,4 +121,18 @@ func yamlNumbers(v any) any {
 		}
 	}
 	return v
+}
+
+// Output renders objs in the format of the command's -o flag as the
+// command's stdout.
+func Output[T Tabular](fs *pflag.FlagSet, objs []T) (script.WaitFunc, error) {
+	format, err := Format(fs)
+	if err != nil {
+		return nil, err
+	}
+	out, err := Render(format, objs)
+	if err != nil {
+		return nil, err
+	}
+	return func(*script.State) (string, string, error) { return out, "", nil }, nil
 }
