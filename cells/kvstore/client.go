@@ -45,6 +45,7 @@ type Client struct {
 	limiter *rate.Limiter // nil: unlimited
 	counts  sync.Map      // method name -> *atomic.Uint64
 	metrics *requestMetrics
+	health  cell.Health // nil outside a hive with a health provider
 
 	// grantMu serializes granting and revoking, so concurrent callers of
 	// Lease share one lease instead of each granting their own.
@@ -76,6 +77,7 @@ type params struct {
 	Log       *slog.Logger
 	Config    Config
 	Dir       *statedir.Dir `optional:"true"`
+	Health    cell.Health   `optional:"true"`
 }
 
 func newClient(p params) (clientOut, error) {
@@ -84,6 +86,7 @@ func newClient(p params) (clientOut, error) {
 		return clientOut{}, err
 	}
 	c.metrics = newRequestMetrics()
+	c.health = p.Health
 	p.Lifecycle.Append(c)
 	return clientOut{Client: c, Collectors: []prometheus.Collector{c.metrics.duration, c.metrics.quorum}}, nil
 }
@@ -133,7 +136,21 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	c.cli, c.embedded, c.endpoints, c.stopped = cli, e, endpoints, false
 	c.mu.Unlock()
 	c.log.Info("Connected to etcd", "endpoints", endpoints, "embedded", e != nil)
+	c.reportOK()
 	return nil
+}
+
+// reportOK tells health the client is connected and holds, or can get, its
+// lease.
+func (c *Client) reportOK() {
+	if c.health == nil {
+		return
+	}
+	mode := "external etcd"
+	if c.Embedded() {
+		mode = "embedded etcd"
+	}
+	c.health.OK(fmt.Sprintf("Connected to %s at %s", mode, strings.Join(c.Endpoints(), ",")))
 }
 
 func (c *Client) connect(ctx context.Context, endpoints []string) (*clientv3.Client, error) {
@@ -345,6 +362,7 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	c.wg.Add(1)
 	go c.keepAlive(l, ch)
 	c.log.Debug("Granted etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)), "ttl", c.cfg.KVStoreLeaseTTL)
+	c.reportOK()
 	return l.id, nil
 }
 
@@ -378,6 +396,9 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 			// Asked for by this node (at stop): not a loss to warn of.
 			c.log.Debug("Revoked this node's etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)))
 		case current && !stopped:
+			if c.health != nil {
+				c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one", fmt.Errorf("lease %x: %s", int64(l.id), why))
+			}
 			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
 				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
 		}
