@@ -3,6 +3,7 @@ package allocator
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -27,7 +28,8 @@ type params struct {
 	Backend   GlobalBackend `optional:"true"`
 	Mesh      *ClusterMesh  `optional:"true"`
 	Metrics   *allocationMetrics
-	Handlers  []Handler `group:"identity-handlers"`
+	Health    cell.Health `optional:"true"`
+	Handlers  []Handler   `group:"identity-handlers"`
 }
 
 // identityAllocator implements Allocator.
@@ -44,6 +46,7 @@ type identityAllocator struct {
 	backend GlobalBackend
 	mesh    *ClusterMesh
 	metrics *allocationMetrics
+	health  cell.Health // nil outside a hive with a health provider
 	synced  chan struct{}
 	once    sync.Once
 
@@ -60,6 +63,7 @@ func newAllocator(p params) (Allocator, error) {
 	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, p.Handlers, identity.MaxLocalIdentity)
 	a.metrics = p.Metrics
 	a.mesh = p.Mesh
+	a.health = p.Health
 	p.Lifecycle.Append(a)
 	return a, nil
 }
@@ -114,7 +118,26 @@ func (a *identityAllocator) Start(ctx cell.HookContext) error {
 	// Remote clusters connect in the background; their identities reach
 	// the dispatcher like the global ones, marked as remote.
 	a.mesh.start(a.queue.pushEvent)
+	a.reportHealth()
 	return nil
+}
+
+// reportHealth tells health whether global identities were listed: until
+// then a global lookup may miss an identity other nodes created.
+func (a *identityAllocator) reportHealth() {
+	if a.health == nil {
+		return
+	}
+	select {
+	case <-a.synced:
+		if a.backend == nil {
+			a.health.OK("Local identities only: no kvstore in the hive")
+		} else {
+			a.health.OK("Global identities listed and watched")
+		}
+	default:
+		a.health.Degraded("Global identities not listed yet", errors.New("the first listing of the kvstore did not complete"))
+	}
 }
 
 // Stop stops the backend and the dispatcher, after delivering what is queued.
@@ -146,6 +169,7 @@ func (a *identityAllocator) Synced() {
 	a.once.Do(func() {
 		a.queue.pushEvent(syncEvent)
 		close(a.synced)
+		a.reportHealth()
 	})
 }
 
