@@ -3,7 +3,6 @@ package allocator_test
 import (
 	"context"
 	"errors"
-	"maps"
 	"strings"
 	"sync"
 	"testing"
@@ -20,6 +19,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/allocatortest"
+	"github.com/identityd/identityd/internal/scriptengine"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -222,13 +222,6 @@ func TestScript(t *testing.T) {
 				job.Cell, statedb.Cell, allocator.Cell,
 				cell.DecorateAll(func(allocator.GlobalBackend) allocator.GlobalBackend { return store.NewBackend("node1") }),
 			)
-			log := hivetest.Logger(t)
-			cmds, err := h.ScriptCommands(log)
-			if err != nil {
-				t.Fatal(err)
-			}
-			maps.Insert(cmds, maps.All(script.DefaultCmds()))
-			t.Cleanup(func() { h.Stop(log, context.Background()) })
-			return &script.Engine{Cmds: cmds, RetryInterval: 10 * time.Millisecond, MaxRetryInterval: 200 * time.Millisecond}
+			return scriptengine.New(t, h)
 		}, nil, "testdata/*.txtar")
 }

@@ -3,14 +3,12 @@ package allocator
 import (
 	"context"
 	"fmt"
-	"maps"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
@@ -18,6 +16,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/scriptengine"
 )
 
 // TestClusterMeshScript runs testdata/clustermesh/*.txtar against a hive of
@@ -40,15 +39,7 @@ func TestClusterMeshScript(t *testing.T) {
 				c.ClusterMeshConfig = meshDir
 				c.ClusterMeshRemoteTimeout = time.Minute
 			})
-			log := hivetest.Logger(tb)
-			cmds, err := h.ScriptCommands(log)
-			if err != nil {
-				tb.Fatal(err)
-			}
-			maps.Insert(cmds, maps.All(script.DefaultCmds()))
-			maps.Insert(cmds, maps.All(meshScriptCmds(meshDir, cli)))
-			tb.Cleanup(func() { h.Stop(log, context.Background()) })
-			return &script.Engine{Cmds: cmds, RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 500 * time.Millisecond}
+			return scriptengine.New(tb, h, meshScriptCmds(meshDir, cli))
 		}, []string{"ETCD2=" + e2.Endpoints()[0]}, "testdata/clustermesh/*.txtar")
 }
 

@@ -3,7 +3,6 @@ package ipcache_test
 import (
 	"context"
 	"fmt"
-	"maps"
 	"net/netip"
 	"strings"
 	"testing"
@@ -11,7 +10,6 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
@@ -22,12 +20,12 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/internal/scriptengine"
 )
 
 func TestScript(t *testing.T) {
 	scripttest.Test(t, context.Background(),
 		func(t testing.TB, args []string) *script.Engine {
-			log := hivetest.Logger(t)
 			dir := t.TempDir()
 			var ipc *ipcache.IPCache
 			h := hive.New(
@@ -47,14 +45,7 @@ func TestScript(t *testing.T) {
 					}
 				}
 			})
-			cmds, err := h.ScriptCommands(log)
-			if err != nil {
-				t.Fatal(err)
-			}
-			maps.Insert(cmds, maps.All(script.DefaultCmds()))
-			maps.Insert(cmds, maps.All(testCmds(dir, func() *ipcache.IPCache { return ipc })))
-			t.Cleanup(func() { h.Stop(log, context.Background()) })
-			return &script.Engine{Cmds: cmds, RetryInterval: 10 * time.Millisecond, MaxRetryInterval: 200 * time.Millisecond}
+			return scriptengine.New(t, h, testCmds(dir, func() *ipcache.IPCache { return ipc }))
 		}, nil, "testdata/*.txtar")
 }
 
