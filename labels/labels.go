@@ -132,6 +132,16 @@ func (ls Labels) Len() int { return len(ls) }
 
 // Get returns the label with the given key.
 func (ls Labels) Get(key string) (Label, bool) {
+	// Most sets are small (a CIDR set has two labels): a scan with ==,
+	// which compares lengths first, beats a binary search there.
+	if len(ls) <= 8 {
+		for _, l := range ls {
+			if l.Key == key {
+				return l, true
+			}
+		}
+		return Label{}, false
+	}
 	i, ok := slices.BinarySearchFunc(ls, key, func(l Label, k string) int { return strings.Compare(l.Key, k) })
 	if !ok {
 		return Label{}, false

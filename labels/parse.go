@@ -85,23 +85,53 @@ func (l Label) check() error {
 	return checkField(l.Value, false, false)
 }
 
-func checkField(s string, isSource, isKey bool) error {
-	ascii := true
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; {
+// Byte classes for checkField: one table lookup per byte instead of a
+// chain of comparisons, since every new identity's labels pass through it.
+const (
+	classControl = 1 << iota
+	classSemicolon
+	classEquals
+	classSourceSep // '/' or ':', not allowed in a source
+	classHigh      // part of a multi-byte UTF-8 sequence
+)
+
+var byteClass = func() (t [256]uint8) {
+	for c := range 256 {
+		switch {
 		case c < 0x20 || c == 0x7f:
-			return ErrControlChar
+			t[c] = classControl
 		case c == ';':
-			return ErrSemicolon
-		case c == '=' && isKey:
-			return ErrEqualsInKey
-		case (c == '/' || c == ':') && isSource:
-			return ErrBadSource
+			t[c] = classSemicolon
+		case c == '=':
+			t[c] = classEquals
+		case c == '/' || c == ':':
+			t[c] = classSourceSep
 		case c >= 0x80:
-			ascii = false
+			t[c] = classHigh
 		}
 	}
-	if !ascii {
+	return t
+}()
+
+func checkField(s string, isSource, isKey bool) error {
+	var seen uint8
+	for i := 0; i < len(s); i++ {
+		seen |= byteClass[s[i]]
+	}
+	if seen == 0 {
+		return nil
+	}
+	switch {
+	case seen&classControl != 0:
+		return ErrControlChar
+	case seen&classSemicolon != 0:
+		return ErrSemicolon
+	case seen&classEquals != 0 && isKey:
+		return ErrEqualsInKey
+	case seen&classSourceSep != 0 && isSource:
+		return ErrBadSource
+	}
+	if seen&classHigh != 0 {
 		if !utf8.ValidString(s) {
 			return ErrInvalidUTF8
 		}

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
@@ -195,7 +194,7 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 	if r := identity.LookupReserved(lbls); r != nil {
 		return r, false, nil
 	}
-	start := time.Now()
+	start := monotonicNow()
 	scope := identity.ScopeForLabels(lbls)
 	var (
 		id        *identity.Identity
@@ -209,7 +208,7 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 		id, allocated, err = a.global.acquire(ctx, lbls, o)
 		cancel()
 	}
-	a.metrics.observe(scope, err, time.Since(start))
+	a.metrics.observe(scope, err, monotonicNow()-start)
 	return id, allocated, err
 }
 

@@ -23,6 +23,14 @@ func cidrSets(n int) []labels.Labels {
 
 const benchSets = 1 << 20
 
+// benchAllocator is an allocator as the cell builds it: with the
+// identities table and the allocation-latency histogram.
+func benchAllocator(b *testing.B) *identityAllocator {
+	a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+	a.metrics = newAllocationMetrics().Metrics
+	return a
+}
+
 func reportRate(b *testing.B, what string) {
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), what+"/s")
 }
@@ -30,14 +38,14 @@ func reportRate(b *testing.B, what string) {
 // BenchmarkLocalNew measures allocating new node-local identities.
 func BenchmarkLocalNew(b *testing.B) {
 	sets := cidrSets(benchSets)
-	a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+	a := benchAllocator(b)
 	ctx := context.Background()
 	i := 0
 	for b.Loop() {
 		if i == len(sets) {
 			b.StopTimer()
 			a.Stop(ctx)
-			a, _, _ = testAllocator(b, identity.MaxLocalIdentity)
+			a = benchAllocator(b)
 			i = 0
 			b.StartTimer()
 		}
@@ -57,7 +65,7 @@ func BenchmarkLocalNewParallel(b *testing.B) {
 		// Past the prepared sets the benchmark measures hits instead.
 		sets = cidrSets(b.N + procs)
 	}
-	a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+	a := benchAllocator(b)
 	ctx := context.Background()
 	var next atomicCounter
 	b.ResetTimer()
@@ -76,7 +84,7 @@ func BenchmarkLocalNewParallel(b *testing.B) {
 // BenchmarkLocalHit measures taking another reference on a held identity.
 func BenchmarkLocalHit(b *testing.B) {
 	sets := cidrSets(1024)
-	a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+	a := benchAllocator(b)
 	ctx := context.Background()
 	for _, s := range sets {
 		a.Allocate(ctx, s)
@@ -94,7 +102,7 @@ func BenchmarkLocalHit(b *testing.B) {
 // BenchmarkLocalHitParallel is BenchmarkLocalHit from GOMAXPROCS goroutines.
 func BenchmarkLocalHitParallel(b *testing.B) {
 	sets := cidrSets(1024)
-	a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+	a := benchAllocator(b)
 	ctx := context.Background()
 	for _, s := range sets {
 		a.Allocate(ctx, s)
@@ -119,7 +127,7 @@ func BenchmarkLocalRelease(b *testing.B) {
 	sets := cidrSets(benchSets)
 	ctx := context.Background()
 	fill := func() (*identityAllocator, []*identity.Identity) {
-		a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+		a := benchAllocator(b)
 		ids := make([]*identity.Identity, len(sets))
 		for i, s := range sets {
 			ids[i], _, _ = a.Allocate(ctx, s)
@@ -150,7 +158,7 @@ func BenchmarkLocalReleaseParallel(b *testing.B) {
 	ctx := context.Background()
 	n := max(b.N, 1)
 	sets := cidrSets(n)
-	a, _, _ := testAllocator(b, identity.MaxLocalIdentity)
+	a := benchAllocator(b)
 	ids := make([]*identity.Identity, n)
 	for i, s := range sets {
 		ids[i], _, _ = a.Allocate(ctx, s)
@@ -180,7 +188,7 @@ func BenchmarkLocalMemory(b *testing.B) {
 		runtime.ReadMemStats(&before)
 		var a *identityAllocator
 		if withTable {
-			a, _, _ = testAllocator(b, identity.MaxLocalIdentity)
+			a = benchAllocator(b)
 		} else {
 			a = newIdentityAllocator(DefaultConfig, slog.New(slog.DiscardHandler), nil, nil, nil, nil, identity.MaxLocalIdentity)
 			a.Start(ctx)

@@ -2,7 +2,6 @@ package allocator
 
 import (
 	"context"
-	"slices"
 	"sync"
 	"time"
 
@@ -45,12 +44,22 @@ const eventChunk = 512
 
 func (q *eventQueue) pushEvent(ev event) {
 	q.mu.Lock()
+	// Only the first event after a take wakes the dispatcher: it takes
+	// everything queued, and a wake-up for each event would cost a
+	// channel operation per allocation.
+	first := len(q.pending) == 0
 	if n := len(q.pending); n == 0 || len(q.pending[n-1]) == eventChunk {
 		q.pending = append(q.pending, make([]event, 0, eventChunk))
 	}
 	last := &q.pending[len(q.pending)-1]
 	*last = append(*last, ev)
 	q.mu.Unlock()
+	if first {
+		q.signal()
+	}
+}
+
+func (q *eventQueue) signal() {
 	select {
 	case q.wake <- struct{}{}:
 	default:
@@ -72,10 +81,7 @@ func (q *eventQueue) release() {
 	q.mu.Lock()
 	q.holds--
 	q.mu.Unlock()
-	select {
-	case q.wake <- struct{}{}:
-	default:
-	}
+	q.signal()
 }
 
 func (q *eventQueue) take() [][]event {
@@ -112,7 +118,7 @@ type dispatcher struct {
 	handlers []Handler
 
 	mu     sync.Mutex
-	state  map[identity.NumericIdentity]*identity.Identity
+	state  identityState
 	subs   map[*subscriber]struct{}
 	synced bool
 	closed bool
@@ -122,7 +128,7 @@ func newDispatcher(q *eventQueue, handlers []Handler) *dispatcher {
 	return &dispatcher{
 		queue:    q,
 		handlers: handlers,
-		state:    map[identity.NumericIdentity]*identity.Identity{},
+		state:    newIdentityState(),
 		subs:     map[*subscriber]struct{}{},
 	}
 }
@@ -158,6 +164,8 @@ func (d *dispatcher) drain() bool {
 	if wantBatch {
 		added, deleted = IdentityMap{}, IdentityMap{}
 	}
+	// The table learns of held entries' changes in one call per drain.
+	var touched []*refEntry
 	var out []Change
 	if wantOut {
 		out = make([]Change, 0, len(chunks)*eventChunk)
@@ -176,12 +184,12 @@ func (d *dispatcher) drain() bool {
 		case ChangeUpsert:
 			id := ev.ident
 			if ev.ref != nil {
-				d.queue.table.touch(ev.ref)
+				touched = append(touched, ev.ref)
 			}
-			if old, ok := d.state[id.ID]; ok && old.Labels.Equal(id.Labels) {
+			if old, ok := d.state.get(id.ID); ok && old.Labels.Equal(id.Labels) {
 				continue // a watch echo of an identity already known
 			}
-			d.state[id.ID] = id
+			d.state.set(id)
 			if wantBatch {
 				if old, ok := deleted[id.ID]; ok && old.Equal(id.Labels) {
 					delete(deleted, id.ID)
@@ -192,12 +200,12 @@ func (d *dispatcher) drain() bool {
 		case ChangeDelete:
 			id := ev.ident
 			if ev.ref != nil {
-				d.queue.table.touch(ev.ref)
+				touched = append(touched, ev.ref)
 			}
-			if _, ok := d.state[id.ID]; !ok {
+			if _, ok := d.state.get(id.ID); !ok {
 				continue
 			}
-			delete(d.state, id.ID)
+			d.state.delete(id.ID)
 			if wantBatch {
 				if _, ok := added[id.ID]; ok {
 					delete(added, id.ID)
@@ -217,6 +225,7 @@ func (d *dispatcher) drain() bool {
 		s.push(out...)
 	}
 	d.mu.Unlock()
+	d.queue.table.touchAll(touched)
 
 	if len(added) > 0 || len(deleted) > 0 {
 		for _, h := range d.handlers {
@@ -239,17 +248,15 @@ func (d *dispatcher) close() {
 func (d *dispatcher) snapshot() []*identity.Identity {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	out := make([]*identity.Identity, 0, len(d.state))
-	for _, id := range d.state {
-		out = append(out, id)
-	}
+	out := make([]*identity.Identity, 0, d.state.len())
+	d.state.each(func(id *identity.Identity) { out = append(out, id) })
 	return out
 }
 
 func (d *dispatcher) known(id identity.NumericIdentity) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	_, ok := d.state[id]
+	_, ok := d.state.get(id)
 	return ok
 }
 
@@ -257,15 +264,10 @@ func (d *dispatcher) known(id identity.NumericIdentity) bool {
 func (d *dispatcher) Observe(ctx context.Context, next func(Change), complete func(error)) {
 	s := &subscriber{wake: make(chan struct{}, 1)}
 	d.mu.Lock()
-	ids := make([]identity.NumericIdentity, 0, len(d.state))
-	for id := range d.state {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
-	replay := make([]Change, 0, len(ids)+1)
-	for _, id := range ids {
-		replay = append(replay, Change{Kind: ChangeUpsert, ID: id, Labels: d.state[id].Labels})
-	}
+	replay := make([]Change, 0, d.state.len()+1)
+	d.state.each(func(id *identity.Identity) {
+		replay = append(replay, Change{Kind: ChangeUpsert, ID: id.ID, Labels: id.Labels})
+	})
 	if d.synced {
 		replay = append(replay, Change{Kind: ChangeSync})
 	}
@@ -350,6 +352,10 @@ func (s *subscriber) run(ctx context.Context, next func(Change)) error {
 // that changes many times between two writes is written once.
 const tableWriterInterval = 10 * time.Millisecond
 
+// tableWriterRestFactor bounds the table writer's share of a core to
+// 1/(1+tableWriterRestFactor).
+const tableWriterRestFactor = 3
+
 // tableWriter keeps the identities table in step with the allocator. Held
 // identities reach it as dirty entries (their current count is written),
 // the others (reserved, other nodes' global ones) as events.
@@ -372,11 +378,32 @@ func newTableWriter(db *statedb.DB, table statedb.RWTable[Entry]) *tableWriter {
 }
 
 func (w *tableWriter) touch(e *refEntry) {
-	if w.table == nil || e.dirty.Load() || !e.dirty.CompareAndSwap(false, true) {
+	if w.table == nil || !markDirty(e) {
 		return
 	}
 	w.mu.Lock()
 	w.dirty = append(w.dirty, e)
+	w.mu.Unlock()
+	w.signal()
+}
+
+// markDirty marks e as waiting for the table; it reports whether e was
+// not waiting yet.
+func markDirty(e *refEntry) bool {
+	return !e.dirty.Load() && e.dirty.CompareAndSwap(false, true)
+}
+
+// touchAll is touch for the entries of a dispatcher drain, with one lock.
+func (w *tableWriter) touchAll(es []*refEntry) {
+	if w.table == nil || len(es) == 0 {
+		return
+	}
+	w.mu.Lock()
+	for _, e := range es {
+		if markDirty(e) {
+			w.dirty = append(w.dirty, e)
+		}
+	}
 	w.mu.Unlock()
 	w.signal()
 }
@@ -408,10 +435,12 @@ func (w *tableWriter) run(ctx context.Context) {
 		}
 		start := time.Now()
 		w.flush()
-		// Rest at least as long as the flush took: under a sustained
-		// burst the mirror lags further behind instead of taking more
-		// than half a core from the allocations it mirrors.
-		rest := max(w.interval, time.Since(start))
+		// Rest three times as long as the flush took: under a sustained
+		// burst the mirror lags further behind (and catches up after
+		// it) instead of taking more than a quarter of a core from the
+		// allocations it mirrors. A row costs about a microsecond of
+		// statedb writes, several times an allocation.
+		rest := max(w.interval, tableWriterRestFactor*time.Since(start))
 		select {
 		case <-ctx.Done():
 			w.flush()
@@ -444,13 +473,15 @@ func (w *tableWriter) flush() {
 	}
 	for _, e := range dirty {
 		e.dirty.Store(false)
-		refs := int(e.refs.Load())
-		old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
-		switch {
-		case refs > 0:
-			// A newer entry of the same ID wins over an older one
+		if e.refs.Load() > 0 {
+			// A held entry's row is its current state; it also
+			// replaces the row of an older entry of the same ID
 			// that was released meanwhile.
 			w.table.Insert(txn, entryOf(e))
+			continue
+		}
+		old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
+		switch {
 		case hadOld && old.ref != e:
 			// The ID was reused by a newer entry; leave its row.
 		case e.global && w.known(e.ident.ID):

@@ -19,8 +19,6 @@ const keyBufSize = 256
 // identity is embedded so that one allocation holds both.
 type refEntry struct {
 	ident identity.Identity
-	// next chains entries whose label sets share a hash.
-	next *refEntry
 	// refs is changed with atomics while the scope's read lock is held,
 	// and only taken to or from zero under its write lock, so that hits
 	// and non-final releases never block each other.
@@ -62,10 +60,10 @@ type localScope struct {
 	min, max identity.NumericIdentity // counter bounds, without the scope bits
 	events   *eventQueue
 
-	mu     sync.RWMutex
-	byHash map[uint64]*refEntry
-	byID   idTable
-	// version counts changes of byHash, so that an allocation that found
+	mu      sync.RWMutex
+	byLabel labelIndex
+	byID    idTable
+	// version counts changes of byLabel, so that an allocation that found
 	// nothing under the read lock need not look again under the write
 	// lock when nothing changed in between.
 	version uint64
@@ -75,17 +73,18 @@ type localScope struct {
 }
 
 func newLocalScope(scope identity.Scope, log *slog.Logger, events *eventQueue, maxCounter identity.NumericIdentity) *localScope {
-	return &localScope{
+	s := &localScope{
 		scope:    scope,
 		log:      log,
 		seed:     maphash.MakeSeed(),
 		min:      identity.MinLocalIdentity,
 		max:      maxCounter,
 		events:   events,
-		byHash:   map[uint64]*refEntry{},
 		next:     identity.MinLocalIdentity,
 		withheld: map[identity.NumericIdentity]struct{}{},
 	}
+	s.byLabel.byID = &s.byID
+	return s
 }
 
 // hashLabels hashes a label set's canonical string, built on the stack.
@@ -98,12 +97,7 @@ func hashLabels(seed maphash.Seed, ls labels.Labels) uint64 {
 
 // find returns the entry of lbls; the caller holds a lock.
 func (s *localScope) find(h uint64, lbls labels.Labels) *refEntry {
-	for e := s.byHash[h]; e != nil; e = e.next {
-		if e.ident.Labels.Equal(lbls) {
-			return e
-		}
-	}
-	return nil
+	return s.byLabel.find(h, lbls)
 }
 
 // acquire returns the identity of lbls with one more reference, allocating
@@ -142,11 +136,11 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	if err != nil {
 		return nil, false, err
 	}
-	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}, next: s.byHash[h], hash: h}
+	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}, hash: h}
 	e.refs.Store(1)
 	e.restored.Store(o.restored)
-	s.byHash[h] = e
 	s.byID.set(id, e)
+	s.byLabel.insert(h, e)
 	s.version++
 	// The dispatcher passes the entry on to the identities table.
 	s.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: e})
@@ -230,31 +224,11 @@ func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 		s.events.touch(e)
 		return false, nil
 	}
+	s.byLabel.remove(e.hash, e)
 	s.byID.set(id, nil)
-	s.unlink(e)
 	s.version++
 	s.events.pushEvent(event{kind: ChangeDelete, ident: &e.ident, ref: e})
 	return true, nil
-}
-
-// unlink removes e from its hash chain; the caller holds the write lock.
-func (s *localScope) unlink(e *refEntry) {
-	h := e.hash
-	head := s.byHash[h]
-	if head == e {
-		if e.next == nil {
-			delete(s.byHash, h)
-		} else {
-			s.byHash[h] = e.next
-		}
-		return
-	}
-	for p := head; p != nil; p = p.next {
-		if p.next == e {
-			p.next = e.next
-			return
-		}
-	}
 }
 
 func (s *localScope) lookup(lbls labels.Labels) *refEntry {
@@ -311,51 +285,5 @@ func (s *localScope) len() int {
 	return s.byID.n
 }
 
-// idTable maps the 24-bit counter of a local identity to its entry with two
-// array lookups: local IDs are dense and mostly sequential, so pages of 64Ki
-// pointers cost 8 bytes per identity and no hashing, against ~30 for a map.
-type idTable struct {
-	pages [256]*[1 << 16]*refEntry
-	n     int
-}
-
-func (t *idTable) get(id identity.NumericIdentity) *refEntry {
-	c := uint32(id &^ identity.ScopeMask)
-	p := t.pages[c>>16]
-	if p == nil {
-		return nil
-	}
-	return p[c&0xFFFF]
-}
-
-func (t *idTable) set(id identity.NumericIdentity, e *refEntry) {
-	c := uint32(id &^ identity.ScopeMask)
-	p := t.pages[c>>16]
-	if p == nil {
-		if e == nil {
-			return
-		}
-		p = new([1 << 16]*refEntry)
-		t.pages[c>>16] = p
-	}
-	switch old := p[c&0xFFFF]; {
-	case old == nil && e != nil:
-		t.n++
-	case old != nil && e == nil:
-		t.n--
-	}
-	p[c&0xFFFF] = e
-}
-
-func (t *idTable) each(fn func(*refEntry)) {
-	for _, p := range t.pages {
-		if p == nil {
-			continue
-		}
-		for _, e := range p {
-			if e != nil {
-				fn(e)
-			}
-		}
-	}
-}
+// idTable maps a local identity's counter to its entry.
+type idTable = pagedTable[refEntry]
