@@ -166,6 +166,8 @@ type change struct {
 	prefix netip.Prefix
 	owner  ResourceID
 	info   *Info
+	// pos is the change's position in its call, for sorting.
+	pos int
 }
 
 // plan is the resolution of one changed prefix.
@@ -196,13 +198,8 @@ func (c *IPCache) apply(ctx context.Context, changes []change) error {
 		return nil
 	}
 	var errs []error
-	// Validate outside the lock; a later change of the same prefix
-	// replaces an earlier one (only one owner per call).
+	// Validate outside the lock.
 	valid := changes[:0:0]
-	var seen map[netip.Prefix]int
-	if len(changes) > 1 {
-		seen = make(map[netip.Prefix]int, len(changes))
-	}
 	for _, ch := range changes {
 		p, err := normalize(ch.prefix)
 		if err == nil && ch.info != nil {
@@ -213,14 +210,35 @@ func (c *IPCache) apply(ctx context.Context, changes []change) error {
 			continue
 		}
 		ch.prefix = p
-		if seen != nil {
-			if i, ok := seen[p]; ok {
-				valid[i] = ch
+		valid = append(valid, ch)
+	}
+	if len(valid) > 1 {
+		// In prefix order, the table's trees are written along paths
+		// that are still in the cache, which makes a large batch (a
+		// restoration's) several times cheaper than in random order. A
+		// later change of the same prefix replaces an earlier one (only
+		// one owner per call): the position breaks ties (cheaper than a
+		// stable sort), and the last of equal prefixes is kept.
+		for i := range valid {
+			valid[i].pos = i
+		}
+		byPrefix := func(a, b change) int {
+			if c := a.prefix.Compare(b.prefix); c != 0 {
+				return c
+			}
+			return cmp.Compare(a.pos, b.pos)
+		}
+		if !slices.IsSortedFunc(valid, byPrefix) {
+			slices.SortFunc(valid, byPrefix)
+		}
+		out := valid[:0]
+		for i, ch := range valid {
+			if i+1 < len(valid) && valid[i+1].prefix == ch.prefix {
 				continue
 			}
-			seen[p] = len(valid)
+			out = append(out, ch)
 		}
-		valid = append(valid, ch)
+		valid = out
 	}
 
 	c.mu.Lock()
