@@ -39,8 +39,13 @@ func newEventQueue(table *tableWriter) *eventQueue {
 	return &eventQueue{wake: make(chan struct{}, 1), table: table}
 }
 
-// eventChunk is the number of events per chunk of the queue.
-const eventChunk = 512
+// eventChunk is the number of events per chunk of the queue, and
+// firstEventChunk the size of the first chunk after the dispatcher took
+// the queue.
+const (
+	eventChunk      = 512
+	firstEventChunk = 16
+)
 
 func (q *eventQueue) pushEvent(ev event) {
 	q.mu.Lock()
@@ -48,7 +53,11 @@ func (q *eventQueue) pushEvent(ev event) {
 	// everything queued, and a wake-up for each event would cost a
 	// channel operation per allocation.
 	first := len(q.pending) == 0
-	if n := len(q.pending); n == 0 || len(q.pending[n-1]) == eventChunk {
+	if first {
+		// The dispatcher usually takes the queue within a few
+		// events: a full chunk for each would be mostly garbage.
+		q.pending = append(q.pending, make([]event, 0, firstEventChunk))
+	} else if n := len(q.pending); len(q.pending[n-1]) == cap(q.pending[n-1]) {
 		q.pending = append(q.pending, make([]event, 0, eventChunk))
 	}
 	last := &q.pending[len(q.pending)-1]
@@ -145,16 +154,38 @@ func (d *dispatcher) run(ctx context.Context) {
 			d.close()
 			return
 		case <-d.queue.wake:
-			d.drain()
+			if d.drain() < dispatchBurst {
+				continue
+			}
+			// A burst: let changes gather for a moment, so that
+			// the allocating goroutines fill the queue without
+			// handing every few events (and their cache lines)
+			// over to this one. Handlers get bigger batches; a
+			// change waits at most dispatchBurstPause longer.
+			select {
+			case <-ctx.Done():
+			case <-time.After(dispatchBurstPause):
+			}
 		}
 	}
 }
 
-// drain delivers everything queued. It reports whether anything was taken.
-func (d *dispatcher) drain() bool {
+// A drain of at least dispatchBurst changes makes the dispatcher pause for
+// dispatchBurstPause before the next one.
+const (
+	dispatchBurst      = 256
+	dispatchBurstPause = time.Millisecond
+)
+
+// drain delivers everything queued and returns how many changes it took.
+func (d *dispatcher) drain() int {
 	chunks := d.queue.take()
 	if len(chunks) == 0 {
-		return false
+		return 0
+	}
+	taken := 0
+	for _, c := range chunks {
+		taken += len(c)
 	}
 	d.mu.Lock()
 	// Handler batches and observer events are only built when someone
@@ -232,7 +263,7 @@ func (d *dispatcher) drain() bool {
 			h.UpdateIdentities(added, deleted)
 		}
 	}
-	return true
+	return taken
 }
 
 func (d *dispatcher) close() {
