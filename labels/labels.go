@@ -13,6 +13,7 @@ import (
 	"cmp"
 	"slices"
 	"strings"
+	"unsafe"
 )
 
 // Label sources known to identityd. A source is free text; these are the ones
@@ -233,7 +234,19 @@ func (ls Labels) Strings() []string {
 // `source:key=value;`, in key order. It is the etcd label key and the local
 // allocators' lookup key.
 func (ls Labels) Canonical() string {
-	return string(ls.AppendCanonical(make([]byte, 0, ls.canonicalLen())))
+	b := ls.CanonicalBytes()
+	if len(b) == 0 {
+		return ""
+	}
+	// b is new and never written again: the string may share it, which
+	// saves a copy on every etcd key and table index key built from it.
+	return unsafe.String(&b[0], len(b))
+}
+
+// CanonicalBytes returns the canonical string as a new byte slice, for
+// index keys that are byte slices.
+func (ls Labels) CanonicalBytes() []byte {
+	return ls.AppendCanonical(make([]byte, 0, ls.canonicalLen()))
 }
 
 // AppendCanonical appends the canonical string to b, for callers that want

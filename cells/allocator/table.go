@@ -30,7 +30,7 @@ var EntryIDIndex = statedb.Index[Entry, identity.NumericIdentity]{
 var EntryLabelsIndex = statedb.Index[Entry, string]{
 	Name: "labels",
 	FromObject: func(e Entry) index.KeySet {
-		return index.NewKeySet(index.String(e.Identity.Labels.Canonical()))
+		return index.NewKeySet(index.Key(e.Identity.Labels.CanonicalBytes()))
 	},
 	FromKey:    index.String,
 	FromString: index.FromString,
