@@ -2,6 +2,7 @@ package kvstore
 
 import (
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -21,12 +22,19 @@ import (
 type requestMetrics struct {
 	duration *prometheus.HistogramVec
 	quorum   *prometheus.CounterVec
+
+	// observers caches the histogram's children by method, then scope,
+	// then outcome: the label hashing and the child lookup of
+	// WithLabelValues would otherwise run on every request.
+	mu        sync.RWMutex
+	observers map[string]map[string]*[2]prometheus.Observer
 }
 
 func newRequestMetrics() *requestMetrics {
 	return &requestMetrics{
-		duration: metrics.NewKVStoreOperationsDuration(),
-		quorum:   metrics.NewKVStoreQuorumErrors(),
+		duration:  metrics.NewKVStoreOperationsDuration(),
+		quorum:    metrics.NewKVStoreQuorumErrors(),
+		observers: map[string]map[string]*[2]prometheus.Observer{},
 	}
 }
 
@@ -40,16 +48,42 @@ func (m *requestMetrics) observe(method string, req any, err error, d time.Durat
 	if m == nil {
 		return
 	}
-	method = strings.TrimPrefix(method, "/etcdserverpb.")
-	kind, action, _ := strings.Cut(method, "/")
-	outcome := metrics.OutcomeSuccess
+	failed := 0
 	if err != nil {
-		outcome = metrics.OutcomeFailure
+		failed = 1
 		if isQuorumError(err) {
 			m.quorum.WithLabelValues(rpctypes.ErrorDesc(err)).Inc()
 		}
 	}
-	m.duration.WithLabelValues(keyScope(req), kind, action, outcome).Observe(d.Seconds())
+	m.observer(method, keyScope(req))[failed].Observe(d.Seconds())
+}
+
+// observer returns the histogram children of a method and key scope, for
+// success and failure.
+func (m *requestMetrics) observer(method string, scope []byte) *[2]prometheus.Observer {
+	m.mu.RLock()
+	// Indexing with string(scope) does not allocate.
+	obs := m.observers[method][string(scope)]
+	m.mu.RUnlock()
+	if obs != nil {
+		return obs
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	byScope := m.observers[method]
+	if byScope == nil {
+		byScope = map[string]*[2]prometheus.Observer{}
+		m.observers[method] = byScope
+	}
+	if obs = byScope[string(scope)]; obs == nil {
+		kind, action, _ := strings.Cut(strings.TrimPrefix(method, "/etcdserverpb."), "/")
+		obs = &[2]prometheus.Observer{
+			m.duration.WithLabelValues(string(scope), kind, action, metrics.OutcomeSuccess),
+			m.duration.WithLabelValues(string(scope), kind, action, metrics.OutcomeFailure),
+		}
+		byScope[string(scope)] = obs
+	}
+	return obs
 }
 
 // quorumErrors are etcd's answers when it cannot reach agreement.
@@ -72,8 +106,9 @@ func isQuorumError(err error) bool {
 }
 
 // keyScope names the key space of a request by the first three elements of
-// its (first) key, so that the label has few values.
-func keyScope(req any) string {
+// its (first) key, so that the label has few values. It returns a part of
+// the request's key.
+func keyScope(req any) []byte {
 	var key []byte
 	switch r := req.(type) {
 	case *pb.RangeRequest:
@@ -94,9 +129,14 @@ func keyScope(req any) string {
 			}
 		}
 	}
-	if len(key) == 0 {
-		return ""
+	end, slashes := len(key), 0
+	for i, c := range key {
+		if c == '/' {
+			if slashes++; slashes == 3 {
+				end = i
+				break
+			}
+		}
 	}
-	parts := strings.SplitN(string(key), "/", 4)
-	return strings.Join(parts[:min(3, len(parts))], "/")
+	return key[:end]
 }
