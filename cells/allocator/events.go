@@ -29,8 +29,11 @@ type eventQueue struct {
 	// pending is a list of fixed-size chunks: appending never copies the
 	// events already queued, however far the dispatcher lags behind.
 	pending [][]event
-	holds   int
-	wake    chan struct{}
+	// free holds drained full-size chunks for reuse, so that a busy
+	// allocator does not turn every event into garbage.
+	free  [][]event
+	holds int
+	wake  chan struct{}
 
 	table *tableWriter
 }
@@ -53,18 +56,49 @@ func (q *eventQueue) pushEvent(ev event) {
 	// everything queued, and a wake-up for each event would cost a
 	// channel operation per allocation.
 	first := len(q.pending) == 0
-	if first {
-		// The dispatcher usually takes the queue within a few
-		// events: a full chunk for each would be mostly garbage.
-		q.pending = append(q.pending, make([]event, 0, firstEventChunk))
-	} else if n := len(q.pending); len(q.pending[n-1]) == cap(q.pending[n-1]) {
-		q.pending = append(q.pending, make([]event, 0, eventChunk))
+	if first || len(q.pending[len(q.pending)-1]) == cap(q.pending[len(q.pending)-1]) {
+		q.pending = append(q.pending, q.newChunk(first))
 	}
 	last := &q.pending[len(q.pending)-1]
 	*last = append(*last, ev)
 	q.mu.Unlock()
 	if first {
 		q.signal()
+	}
+}
+
+// newChunk returns an empty chunk, a recycled one if there is one. The
+// caller holds mu.
+func (q *eventQueue) newChunk(first bool) []event {
+	if n := len(q.free); n > 0 {
+		c := q.free[n-1]
+		q.free[n-1] = nil
+		q.free = q.free[:n-1]
+		return c
+	}
+	if first {
+		// The dispatcher usually takes the queue within a few
+		// events: a full chunk for each would be mostly garbage.
+		return make([]event, 0, firstEventChunk)
+	}
+	return make([]event, 0, eventChunk)
+}
+
+// maxFreeChunks bounds the chunks kept for reuse (about 1.3 MB).
+const maxFreeChunks = 64
+
+// recycle takes back drained chunks for reuse.
+func (q *eventQueue) recycle(chunks [][]event) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, c := range chunks {
+		if cap(c) != eventChunk || len(q.free) == maxFreeChunks {
+			continue
+		}
+		// Drop the references, so that a recycled chunk keeps no
+		// released entry alive.
+		clear(c)
+		q.free = append(q.free, c[:0])
 	}
 }
 
@@ -126,11 +160,14 @@ type dispatcher struct {
 	queue    *eventQueue
 	handlers []Handler
 
-	mu     sync.Mutex
-	state  identityState
-	subs   map[*subscriber]struct{}
-	synced bool
-	closed bool
+	mu sync.Mutex
+	// touched is the scratch list of entries to hand to the table,
+	// kept between drains.
+	touched []*refEntry
+	state   identityState
+	subs    map[*subscriber]struct{}
+	synced  bool
+	closed  bool
 }
 
 func newDispatcher(q *eventQueue, handlers []Handler) *dispatcher {
@@ -170,6 +207,10 @@ func (d *dispatcher) run(ctx context.Context) {
 	}
 }
 
+// maxScratch bounds the capacity of the lists kept for reuse between
+// drains and flushes (512 KiB of pointers).
+const maxScratch = 1 << 16
+
 // A drain of at least dispatchBurst changes makes the dispatcher pause for
 // dispatchBurstPause before the next one.
 const (
@@ -196,7 +237,7 @@ func (d *dispatcher) drain() int {
 		added, deleted = IdentityMap{}, IdentityMap{}
 	}
 	// The table learns of held entries' changes in one call per drain.
-	var touched []*refEntry
+	touched := d.touched[:0]
 	var out []Change
 	if wantOut {
 		out = make([]Change, 0, len(chunks)*eventChunk)
@@ -255,8 +296,13 @@ func (d *dispatcher) drain() int {
 	for s := range d.subs {
 		s.push(out...)
 	}
-	d.mu.Unlock()
 	d.queue.table.touchAll(touched)
+	clear(touched)
+	if cap(touched) <= maxScratch {
+		d.touched = touched[:0]
+	}
+	d.mu.Unlock()
+	d.queue.recycle(chunks)
 
 	if len(added) > 0 || len(deleted) > 0 {
 		for _, h := range d.handlers {
@@ -400,6 +446,8 @@ type tableWriter struct {
 
 	mu    sync.Mutex
 	dirty []*refEntry
+	// spare is the previous flush's list, emptied, for reuse.
+	spare []*refEntry
 	evs   []event
 	wake  chan struct{}
 }
@@ -484,11 +532,22 @@ func (w *tableWriter) run(ctx context.Context) {
 func (w *tableWriter) flush() {
 	w.mu.Lock()
 	dirty, evs := w.dirty, w.evs
-	w.dirty, w.evs = nil, nil
+	w.dirty, w.evs = w.spare, nil
+	w.spare = nil
 	w.mu.Unlock()
 	if len(dirty) == 0 && len(evs) == 0 {
 		return
 	}
+	defer func() {
+		// The list goes back for the next burst, without its
+		// references; a huge one is dropped rather than kept.
+		clear(dirty)
+		if cap(dirty) <= maxScratch {
+			w.mu.Lock()
+			w.spare = dirty[:0]
+			w.mu.Unlock()
+		}
+	}()
 	txn := w.db.WriteTxn(w.table)
 	for _, ev := range evs {
 		switch ev.kind {
