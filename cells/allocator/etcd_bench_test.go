@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	"strconv"
 	"strings"
@@ -16,13 +17,10 @@ import (
 	"github.com/identityd/identityd/labels"
 )
 
-// rawRate runs reference transactions for about d (one conditional txn writing two
-// keys, etcdtest.RawTxn) with the given concurrency and returns txn/s. It
-// runs in the same benchmark as the allocations it is compared with, on the
-// same server, so the ratio does not depend on the machine.
-func rawRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines int) float64 {
+// opRate runs op with the given concurrency for about d, each call with a
+// new sequence number, and returns calls/s. It stops at the first error.
+func opRate(b *testing.B, d time.Duration, goroutines int, op func(seq int64) error) float64 {
 	b.Helper()
-	prefix := "bench-raw/" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	var seq atomic.Int64
 	start := time.Now()
 	deadline := start.Add(d)
@@ -30,9 +28,7 @@ func rawRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines int
 	for range goroutines {
 		wg.Go(func() {
 			for time.Now().Before(deadline) {
-				i := seq.Add(1)
-				s := strconv.FormatInt(i, 10)
-				if err := etcdtest.RawTxn(b.Context(), cli, prefix+"/a/"+s, prefix+"/b/"+s, s); err != nil {
+				if err := op(seq.Add(1)); err != nil {
 					b.Error(err)
 					return
 				}
@@ -43,8 +39,21 @@ func rawRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines int
 	return float64(seq.Load()) / time.Since(start).Seconds()
 }
 
+// rawRate runs reference transactions for about d (one conditional txn writing two
+// keys, etcdtest.RawTxn) with the given concurrency and returns txn/s. It
+// runs in the same benchmark as the allocations it is compared with, on the
+// same server, so the ratio does not depend on the machine.
+func rawRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines int) float64 {
+	b.Helper()
+	prefix := "bench-raw/" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	return opRate(b, d, goroutines, func(i int64) error {
+		s := strconv.FormatInt(i, 10)
+		return etcdtest.RawTxn(b.Context(), cli, prefix+"/a/"+s, prefix+"/b/"+s, s)
+	})
+}
+
 // shapeRate is rawRate for the allocator's own create transaction
-// (createTxn: three compares, two puts, one on a lease, three reads in the
+// (createTxn: three compares, two puts, one on a lease, two reads in the
 // failure branch) on keys as long as the allocator's, under a prefix of its
 // own, with a watcher draining its master keys as the allocator's cache
 // does. It tells what the transaction and the watch cost without any
@@ -65,26 +74,16 @@ func shapeRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines i
 		for range cli.Watch(wctx, prefix+"/id/", clientv3.WithPrefix()) {
 		}
 	}()
-	var seq atomic.Int64
-	start := time.Now()
-	deadline := start.Add(d)
-	var wg sync.WaitGroup
-	for range goroutines {
-		wg.Go(func() {
-			for time.Now().Before(deadline) {
-				id := strconv.FormatInt(256+seq.Add(1), 10)
-				value := "k8s:app=shape-" + id + ";"
-				resp, err := createTxn(cli.Txn(b.Context()), prefix+"/id/"+id,
-					prefix+"/value/"+value+"/", prefix+"/locks/"+value+"/", "bench", value, id, lease.ID).Commit()
-				if err != nil || !resp.Succeeded {
-					b.Errorf("shape transaction: %v", err)
-					return
-				}
-			}
-		})
-	}
-	wg.Wait()
-	rate := float64(seq.Load()) / time.Since(start).Seconds()
+	rate := opRate(b, d, goroutines, func(i int64) error {
+		id := strconv.FormatInt(256+i, 10)
+		value := "k8s:app=shape-" + id + ";"
+		resp, err := createTxn(cli.Txn(b.Context()), prefix+"/id/"+id,
+			prefix+"/value/"+value+"/", prefix+"/locks/"+value+"/", "bench", value, id, lease.ID).Commit()
+		if err == nil && !resp.Succeeded {
+			err = fmt.Errorf("shape transaction for %s failed its compares", id)
+		}
+		return err
+	})
 	cancel()
 	<-watched
 	return rate
