@@ -13,10 +13,12 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/spf13/pflag"
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/time/rate"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -376,7 +378,7 @@ func (b *EtcdBackend) create(ctx context.Context, key string) (attempt, error) {
 	master, refs, locks := masterKey(id), referencePrefix(key), lockPrefix(key)
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
-	resp, err := createTxn(cli.Txn(rctx), master, refs, locks, b.node, key, id.String(), lease).Commit()
+	resp, err := commitTxn(rctx, cli, createTxn(master, refs, locks, b.node, key, id.String(), lease))
 	if err != nil {
 		b.pool.Release(nid)
 		return attempt{}, err
@@ -434,20 +436,59 @@ func (b *EtcdBackend) create(ctx context.Context, key string) (attempt, error) {
 // key exists the lock compare is the one that failed. A third read would
 // cost every transaction a few percent of the server's time (the branch is
 // written to the raft log even when it does not run) to save nothing.
-// The benchmarks issue the same transaction without an allocator, to
+//
+// The request is built as protobuf messages rather than with clientv3's
+// Txn builder, which clones every compare through protobuf reflection
+// three times: about 10 µs of client CPU per transaction, a tenth of what
+// the client spends on it, taken from the server when both share a small
+// machine. The benchmarks issue the same request without an allocator, to
 // measure what its shape costs the server.
-func createTxn(txn clientv3.Txn, master, refs, locks, node, value, id string, lease clientv3.LeaseID) clientv3.Txn {
-	return txn.If(
-		clientv3.Compare(clientv3.CreateRevision(master), "=", 0),
-		clientv3.Compare(clientv3.CreateRevision(refs), "=", 0).WithPrefix(),
-		clientv3.Compare(clientv3.CreateRevision(locks), "=", 0).WithPrefix(),
-	).Then(
-		clientv3.OpPut(master, value),
-		clientv3.OpPut(refs+node, id, clientv3.WithLease(lease)),
-	).Else(
-		clientv3.OpGet(master),
-		clientv3.OpGet(refs, clientv3.WithPrefix(), clientv3.WithLimit(1)),
-	)
+func createTxn(master, refs, locks, node, value, id string, lease clientv3.LeaseID) *pb.TxnRequest {
+	masterKey, refsKey := []byte(master), []byte(refs)
+	return &pb.TxnRequest{
+		Compare: []*pb.Compare{
+			notCreated(masterKey, nil),
+			notCreated(refsKey, prefixEnd(refs)),
+			notCreated([]byte(locks), prefixEnd(locks)),
+		},
+		Success: []*pb.RequestOp{
+			{Request: &pb.RequestOp_RequestPut{RequestPut: &pb.PutRequest{Key: masterKey, Value: []byte(value)}}},
+			{Request: &pb.RequestOp_RequestPut{RequestPut: &pb.PutRequest{
+				Key: []byte(refs + node), Value: []byte(id), Lease: int64(lease)}}},
+		},
+		Failure: []*pb.RequestOp{
+			{Request: &pb.RequestOp_RequestRange{RequestRange: &pb.RangeRequest{Key: masterKey}}},
+			{Request: &pb.RequestOp_RequestRange{RequestRange: &pb.RangeRequest{
+				Key: refsKey, RangeEnd: prefixEnd(refs), Limit: 1}}},
+		},
+	}
+}
+
+// notCreated compares that no key in [key, rangeEnd) exists (only key
+// when rangeEnd is nil), as clientv3.CreateRevision(key) = 0 does.
+func notCreated(key, rangeEnd []byte) *pb.Compare {
+	return &pb.Compare{
+		Key:         key,
+		RangeEnd:    rangeEnd,
+		Target:      pb.Compare_CREATE,
+		Result:      pb.Compare_EQUAL,
+		TargetUnion: &pb.Compare_CreateRevision{CreateRevision: 0},
+	}
+}
+
+// prefixEnd is the end of the range of keys starting with prefix.
+func prefixEnd(prefix string) []byte { return []byte(clientv3.GetPrefixRangeEnd(prefix)) }
+
+// commitTxn issues a transaction built as a protobuf request the way
+// clientv3's Txn(...).Commit() does: through the client's interceptors
+// (the kvstore's metrics and rate limit, clientv3's retries), waiting for
+// a connection rather than failing fast, with errors translated alike.
+func commitTxn(ctx context.Context, cli *clientv3.Client, req *pb.TxnRequest) (*pb.TxnResponse, error) {
+	resp, err := clientv3.RetryKVClient(cli).Txn(ctx, req, grpc.WaitForReady(true))
+	if err != nil {
+		return nil, clientv3.ContextError(ctx, err)
+	}
+	return resp, nil
 }
 
 // isReferenceOf reports whether key is a reference key directly under

@@ -77,8 +77,8 @@ func shapeRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines i
 	rate := opRate(b, d, goroutines, func(i int64) error {
 		id := strconv.FormatInt(256+i, 10)
 		value := "k8s:app=shape-" + id + ";"
-		resp, err := createTxn(cli.Txn(b.Context()), prefix+"/id/"+id,
-			prefix+"/value/"+value+"/", prefix+"/locks/"+value+"/", "bench", value, id, lease.ID).Commit()
+		resp, err := commitTxn(b.Context(), cli, createTxn(prefix+"/id/"+id,
+			prefix+"/value/"+value+"/", prefix+"/locks/"+value+"/", "bench", value, id, lease.ID))
 		if err == nil && !resp.Succeeded {
 			err = fmt.Errorf("shape transaction for %s failed its compares", id)
 		}
@@ -138,6 +138,7 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 			// The server's speed drifts on a small machine: the raw
 			// rate is measured before and after, and averaged.
 			b.StopTimer()
+			defer releaseAll(b, n, cli, prefix, done)
 			raw = (raw + rawRate(b, cli, time.Second, goroutines)) / 2
 			shape = (shape + shapeRate(b, cli, time.Second, goroutines)) / 2
 			rate := float64(done) / elapsed.Seconds()
@@ -149,6 +150,27 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 			b.ReportMetric(shape/raw, "shape-x-raw")
 			b.ReportMetric(float64(n.txns()-txns)/float64(done), "txn/op")
 		})
+	}
+}
+
+// releaseAll releases the identities a benchmark run allocated (label
+// sets prefix+1 to prefix+n) and deletes their master keys, so that runs
+// repeated with -count do not run out of the 65,280 global IDs.
+func releaseAll(b *testing.B, n *etcdNode, cli *clientv3.Client, prefix string, count int64) {
+	b.Helper()
+	for i := int64(1); i <= count; i++ {
+		id := n.alloc.LookupByLabels(labels.MustParse(prefix + strconv.FormatInt(i, 10)))
+		if id == nil {
+			continue
+		}
+		if _, err := n.alloc.Release(b.Context(), id); err != nil {
+			b.Fatal(err)
+		}
+	}
+	// Nothing holds them now: delete the master keys at once instead of
+	// waiting for the rate-limited GC.
+	if _, err := cli.Delete(b.Context(), MasterKeyPrefix, clientv3.WithPrefix()); err != nil {
+		b.Fatal(err)
 	}
 }
 
