@@ -438,10 +438,10 @@ func (b *EtcdBackend) create(ctx context.Context, key string) (attempt, error) {
 // written to the raft log even when it does not run) to save nothing.
 //
 // The request is built as protobuf messages rather than with clientv3's
-// Txn builder, which clones every compare through protobuf reflection
-// three times: about 10 µs of client CPU per transaction, a tenth of what
-// the client spends on it, taken from the server when both share a small
-// machine. The benchmarks issue the same request without an allocator, to
+// Txn builder, which clones each compare two or three times through
+// protobuf reflection: about 10 µs of client CPU per transaction, a tenth
+// of what the client spends on it, taken from the server when both share
+// a small machine. The benchmarks issue the same request without an allocator, to
 // measure what its shape costs the server.
 func createTxn(master, refs, locks, node, value, id string, lease clientv3.LeaseID) *pb.TxnRequest {
 	masterKey, refsKey := []byte(master), []byte(refs)

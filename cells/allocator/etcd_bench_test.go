@@ -1,13 +1,16 @@
 package allocator
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -99,13 +102,15 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 	cli := c.Client(b)
 	n := startEtcdNode(b, c, "bench")
 	rawRate(b, cli, 200*time.Millisecond, 8) // warm the server up
+	cpu := cpuClock{serverPID: c.Member(0).PID()}
 	run := 0
 	for _, goroutines := range []int{1, 8} {
 		b.Run("goroutines="+strconv.Itoa(goroutines), func(b *testing.B) {
 			run++
 			prefix := "k8s:app=bench" + strconv.Itoa(run) + "-"
-			raw := rawRate(b, cli, time.Second, goroutines)
-			shape := shapeRate(b, cli, time.Second, goroutines)
+			var rawCPU, shapeCPU, allocCPU cpuUse
+			raw := rawCPU.measure(cpu, func() float64 { return rawRate(b, cli, time.Second, goroutines) })
+			shape := shapeCPU.measure(cpu, func() float64 { return shapeRate(b, cli, time.Second, goroutines) })
 			txns := n.txns()
 			var seq atomic.Int64
 			alloc := func() {
@@ -115,32 +120,35 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 				}
 			}
 			var start time.Time
-			if goroutines == 1 {
-				for b.Loop() {
-					if start.IsZero() {
-						start = time.Now()
-					}
-					alloc()
-				}
-			} else {
-				procs := runtime.GOMAXPROCS(0)
-				b.SetParallelism((goroutines + procs - 1) / procs)
-				b.ResetTimer()
-				start = time.Now()
-				b.RunParallel(func(pb *testing.PB) {
-					for pb.Next() {
+			allocCPU.measure(cpu, func() float64 {
+				if goroutines == 1 {
+					for b.Loop() {
+						if start.IsZero() {
+							start = time.Now()
+						}
 						alloc()
 					}
-				})
-			}
+				} else {
+					procs := runtime.GOMAXPROCS(0)
+					b.SetParallelism((goroutines + procs - 1) / procs)
+					b.ResetTimer()
+					start = time.Now()
+					b.RunParallel(func(pb *testing.PB) {
+						for pb.Next() {
+							alloc()
+						}
+					})
+				}
+				return float64(seq.Load()) / time.Since(start).Seconds()
+			})
 			elapsed := time.Since(start)
 			done := seq.Load()
 			// The server's speed drifts on a small machine: the raw
 			// rate is measured before and after, and averaged.
 			b.StopTimer()
 			defer releaseAll(b, n, cli, prefix, done)
-			raw = (raw + rawRate(b, cli, time.Second, goroutines)) / 2
-			shape = (shape + shapeRate(b, cli, time.Second, goroutines)) / 2
+			raw = (raw + rawCPU.measure(cpu, func() float64 { return rawRate(b, cli, time.Second, goroutines) })) / 2
+			shape = (shape + shapeCPU.measure(cpu, func() float64 { return shapeRate(b, cli, time.Second, goroutines) })) / 2
 			rate := float64(done) / elapsed.Seconds()
 			b.ReportMetric(rate, "identities/s")
 			b.ReportMetric(raw, "raw-txn/s")
@@ -148,9 +156,81 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 			b.ReportMetric(shape, "shape-txn/s")
 			b.ReportMetric(rate/shape, "x-shape")
 			b.ReportMetric(shape/raw, "shape-x-raw")
+			rawCPU.report(b, "raw-")
+			shapeCPU.report(b, "shape-")
+			allocCPU.report(b, "")
 			b.ReportMetric(float64(n.txns()-txns)/float64(done), "txn/op")
 		})
 	}
+}
+
+// cpuClock reads the CPU time (user and system) used so far by this
+// process and by the etcd server.
+type cpuClock struct{ serverPID int }
+
+// now returns both; ok is false where /proc/<pid>/stat cannot be read.
+func (c cpuClock) now() (client, server time.Duration, ok bool) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0, 0, false
+	}
+	client = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	stat, err := os.ReadFile("/proc/" + strconv.Itoa(c.serverPID) + "/stat")
+	if err != nil {
+		return 0, 0, false
+	}
+	// utime and stime are the 12th and 13th fields after the command
+	// name, which is in parentheses and may hold spaces.
+	_, rest, _ := bytes.Cut(stat, []byte(") "))
+	fields := strings.Fields(string(rest))
+	if len(fields) < 13 {
+		return 0, 0, false
+	}
+	utime, err1 := strconv.ParseInt(fields[11], 10, 64)
+	stime, err2 := strconv.ParseInt(fields[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, 0, false
+	}
+	// In clock ticks, 100 per second on Linux (USER_HZ).
+	return client, time.Duration(utime+stime) * 10 * time.Millisecond, true
+}
+
+// cpuUse adds up the CPU time a phase of a benchmark cost the benchmark
+// process ("client": the allocator, its kvstore client and the benchmark
+// loop) and the etcd server, and the operations it did.
+type cpuUse struct {
+	client, server time.Duration
+	ops            float64
+	failed         bool
+}
+
+// measure runs f, which does operations for a while and returns their rate
+// per second, and adds what it cost. It returns f's rate.
+func (u *cpuUse) measure(clock cpuClock, f func() float64) float64 {
+	c0, s0, ok0 := clock.now()
+	start := time.Now()
+	rate := f()
+	elapsed := time.Since(start)
+	c1, s1, ok1 := clock.now()
+	if !ok0 || !ok1 {
+		u.failed = true
+		return rate
+	}
+	u.client += c1 - c0
+	u.server += s1 - s0
+	u.ops += rate * elapsed.Seconds()
+	return rate
+}
+
+// report reports the CPU microseconds per operation on both sides, which
+// tell where a gap to the raw rate comes from better than the rates do:
+// on 2 cores the server and the client take CPU from each other.
+func (u *cpuUse) report(b *testing.B, prefix string) {
+	if u.failed || u.ops == 0 {
+		return
+	}
+	b.ReportMetric(float64(u.client.Microseconds())/u.ops, prefix+"client-us/op")
+	b.ReportMetric(float64(u.server.Microseconds())/u.ops, prefix+"server-us/op")
 }
 
 // releaseAll releases the identities a benchmark run allocated (label

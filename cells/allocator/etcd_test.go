@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
@@ -69,7 +70,7 @@ func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...node
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := n.h.Start(hivetest.Logger(tb), ctx); err != nil {
+	if err := n.h.Start(nodeLogger(tb), ctx); err != nil {
 		tb.Fatalf("starting node %s: %v", name, err)
 	}
 	tb.Cleanup(n.stop)
@@ -79,11 +80,20 @@ func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...node
 	return n
 }
 
+// nodeLogger logs a node's hive to the test; a benchmark, which prints
+// whatever it logs among its results, gets warnings and errors only.
+func nodeLogger(tb testing.TB) *slog.Logger {
+	if _, ok := tb.(*testing.B); ok {
+		return hivetest.Logger(tb, hivetest.LogLevel(slog.LevelWarn))
+	}
+	return hivetest.Logger(tb)
+}
+
 func (n *etcdNode) stop() {
 	n.once.Do(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		if err := n.h.Stop(hivetest.Logger(n.t), ctx); err != nil {
+		if err := n.h.Stop(nodeLogger(n.t), ctx); err != nil {
 			n.t.Errorf("stopping node %s: %v", n.name, err)
 		}
 	})
