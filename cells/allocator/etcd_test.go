@@ -240,19 +240,23 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	}
 
 	// Release: only the last local reference deletes the node's
-	// reference key.
+	// reference key, with one transaction (the delete, guarded by the
+	// key's revision).
 	before = n1.txns()
+	dels := n1.kv.RequestCounts()["DeleteRange"]
 	for range 100 {
 		if released, err := n1.alloc.Release(ctx, id); err != nil || released {
 			t.Fatalf("non-final release: %v %v", released, err)
 		}
 	}
-	dels := n1.kv.RequestCounts()["DeleteRange"]
+	if n1.txns() != before {
+		t.Fatalf("non-final releases cost %d transactions, want 0", n1.txns()-before)
+	}
 	if released, err := n1.alloc.Release(ctx, id); err != nil || !released {
 		t.Fatalf("release: %v %v", released, err)
 	}
-	if got := n1.kv.RequestCounts()["DeleteRange"] - dels; got != 1 || n1.txns() != before {
-		t.Fatalf("releases cost %d deletes and %d transactions, want 1 and 0", got, n1.txns()-before)
+	if got, txns := n1.kv.RequestCounts()["DeleteRange"]-dels, n1.txns()-before; got != 0 || txns != 1 {
+		t.Fatalf("releases cost %d deletes and %d transactions, want 0 and 1", got, txns)
 	}
 	if _, _, ok := getValue(t, cli, refKey(web, "node1")); ok {
 		t.Fatal("node1's reference key survived its release")
@@ -493,6 +497,77 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 		t.Fatalf("allocation after lease loss: %v %v", allocated, err)
 	}
 	eventually(t, "references restored after a refused write", restored)
+
+	// The restored references are released like any other: each release
+	// deletes the reference written by the restore.
+	for i, id := range ids {
+		if released, err := n1.alloc.Release(ctx, id); err != nil || !released {
+			t.Fatalf("release after the restore: %v %v", released, err)
+		}
+		if _, _, ok := getValue(t, cli, refKey(sets[i], "node1")); ok {
+			t.Fatalf("reference of %s left after its release", sets[i])
+		}
+	}
+}
+
+// TestEtcdLateReleaseKeepsNewerReference replays a release's delete after
+// the label set was allocated again, as etcd applies a request that was
+// sent to a stalled member, given up on by the node and proposed when the
+// member resumed. The newer reference must stay: without it the node
+// would hold an identity no reference protects, and another node could
+// allocate a second ID for the label set.
+func TestEtcdLateReleaseKeepsNewerReference(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=late")
+	ref := refKey(l, "node1")
+
+	id, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n1.backend.heldMu.Lock()
+	rev := n1.backend.heldRev[l.Canonical()]
+	n1.backend.heldMu.Unlock()
+	resp, err := cli.Get(ctx, ref)
+	if err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].ModRevision != rev {
+		t.Fatalf("reference key %v, recorded revision %d: %v", resp.Kvs, rev, err)
+	}
+	// The delete the first release sends, held back.
+	late := releaseTxn(cli.Txn(ctx), ref, rev)
+	if released, err := n1.alloc.Release(ctx, id); err != nil || !released {
+		t.Fatalf("release: %v %v", released, err)
+	}
+	if _, _, ok := getValue(t, cli, ref); ok {
+		t.Fatal("reference left after the release")
+	}
+	again, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil || again.ID != id.ID {
+		t.Fatalf("allocating again: %v %v", again, err)
+	}
+	if _, _, ok := getValue(t, cli, ref); !ok {
+		t.Fatal("no reference after allocating again")
+	}
+
+	lateResp, err := late.Commit()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lateResp.Succeeded {
+		t.Fatal("the late delete removed the newer reference")
+	}
+	if _, _, ok := getValue(t, cli, ref); !ok {
+		t.Fatal("the newer reference is gone")
+	}
+	// The second release deletes the second reference.
+	if released, err := n1.alloc.Release(ctx, again); err != nil || !released {
+		t.Fatalf("second release: %v %v", released, err)
+	}
+	if _, _, ok := getValue(t, cli, ref); ok {
+		t.Fatal("reference left after the second release")
+	}
 }
 
 func TestEtcdMasterKeyProtection(t *testing.T) {

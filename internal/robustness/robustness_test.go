@@ -117,6 +117,13 @@ func TestRobustness(t *testing.T) {
 		if t.Failed() {
 			for _, a := range agents {
 				t.Logf("log of %s:\n%s", a.name, tail(a.logPath, 16<<10))
+				// The whole log, every incarnation of the agent, is
+				// kept beside the history: the temporary directory
+				// goes with the test.
+				keep := filepath.Join(os.TempDir(), fmt.Sprintf("identityd-robustness-%d-%s.log", seed, a.name))
+				if data, err := os.ReadFile(a.logPath); err == nil && os.WriteFile(keep, data, 0o600) == nil {
+					t.Logf("full log of %s written to %s", a.name, keep)
+				}
 			}
 		}
 	})
