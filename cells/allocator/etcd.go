@@ -498,8 +498,8 @@ type createTxnMessages struct {
 	failure         [2]*pb.RequestOp
 }
 
-// keyBuffer hands out byte slices of one buffer, sized beforehand so
-// that it never grows: the slices stay valid.
+// keyBuffer hands out byte slices of one buffer, sized beforehand so that
+// it is allocated once.
 type keyBuffer struct{ buf []byte }
 
 // add appends the concatenation of parts and returns it.
