@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -119,29 +118,11 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 					b.Errorf("allocation: %v %v", allocated, err)
 				}
 			}
-			var start time.Time
+			var elapsed time.Duration
 			allocCPU.measure(cpu, func() float64 {
-				if goroutines == 1 {
-					for b.Loop() {
-						if start.IsZero() {
-							start = time.Now()
-						}
-						alloc()
-					}
-				} else {
-					procs := runtime.GOMAXPROCS(0)
-					b.SetParallelism((goroutines + procs - 1) / procs)
-					b.ResetTimer()
-					start = time.Now()
-					b.RunParallel(func(pb *testing.PB) {
-						for pb.Next() {
-							alloc()
-						}
-					})
-				}
-				return float64(seq.Load()) / time.Since(start).Seconds()
+				elapsed = etcdtest.RunOps(b, goroutines, alloc)
+				return float64(seq.Load()) / elapsed.Seconds()
 			})
-			elapsed := time.Since(start)
 			done := seq.Load()
 			// The server's speed drifts on a small machine: the raw
 			// rate is measured before and after, and averaged.

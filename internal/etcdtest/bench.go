@@ -45,26 +45,33 @@ func BenchRawTxn(b *testing.B, cli *clientv3.Client, prefix string, goroutines i
 			b.Error(err)
 		}
 	}
+	elapsed := RunOps(b, goroutines, op)
+	if n := seq.Load(); n > 0 && elapsed > 0 {
+		b.ReportMetric(float64(n)/elapsed.Seconds(), "txn/s")
+	}
+}
+
+// RunOps calls op b.N times, from the given number of goroutines (1 =
+// sequentially, with b.Loop), and returns the time the calls took.
+func RunOps(b *testing.B, goroutines int, op func()) time.Duration {
+	b.Helper()
 	start := time.Now()
 	if goroutines <= 1 {
 		for b.Loop() {
 			op()
 		}
-	} else {
-		// RunParallel starts parallelism*GOMAXPROCS goroutines: round up
-		// so that at least the asked number run.
-		procs := runtime.GOMAXPROCS(0)
-		b.SetParallelism((goroutines + procs - 1) / procs)
-		b.ResetTimer()
-		start = time.Now()
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
-				op()
-			}
-		})
+		return time.Since(start)
 	}
-	elapsed := time.Since(start)
-	if n := seq.Load(); n > 0 && elapsed > 0 {
-		b.ReportMetric(float64(n)/elapsed.Seconds(), "txn/s")
-	}
+	// RunParallel starts parallelism*GOMAXPROCS goroutines: round up so
+	// that at least the asked number run.
+	procs := runtime.GOMAXPROCS(0)
+	b.SetParallelism((goroutines + procs - 1) / procs)
+	b.ResetTimer()
+	start = time.Now()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			op()
+		}
+	})
+	return time.Since(start)
 }
