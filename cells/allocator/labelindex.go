@@ -139,12 +139,3 @@ func (x *labelIndex) remove(h uint64, e *refEntry) bool {
 	}
 	return true
 }
-
-// len returns the number of entries.
-func (x *labelIndex) len() int {
-	n := 0
-	for i := range x.shards {
-		n += x.shards[i].n
-	}
-	return n
-}

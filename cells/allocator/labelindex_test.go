@@ -88,3 +88,12 @@ func TestLabelIndexRemoveUnknown(t *testing.T) {
 		t.Fatal("the inserted entry is lost")
 	}
 }
+
+// len returns the number of entries, counted over the shards.
+func (x *labelIndex) len() int {
+	n := 0
+	for i := range x.shards {
+		n += x.shards[i].n
+	}
+	return n
+}
