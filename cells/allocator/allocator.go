@@ -78,7 +78,7 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 		disp:    newDispatcher(q, handlers),
 		local:   newLocalScope(identity.ScopeLocal, log, q, maxLocal),
 		remote:  newLocalScope(identity.ScopeRemoteNode, log, q, maxLocal),
-		global:  newGlobalRefs(backend, q),
+		global:  newGlobalRefs(backend, q, cfg.IdentityAllocationTimeout),
 		backend: backend,
 		synced:  make(chan struct{}),
 	}
@@ -204,9 +204,7 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 	if s := a.scopeOf(scope); s != nil {
 		id, allocated, err = s.acquire(lbls, o)
 	} else {
-		ctx, cancel := context.WithTimeout(ctx, a.cfg.IdentityAllocationTimeout)
 		id, allocated, err = a.global.acquire(ctx, lbls, o)
-		cancel()
 	}
 	a.metrics.observe(scope, err, monotonicNow()-start)
 	return id, allocated, err
@@ -234,8 +232,6 @@ func (a *identityAllocator) Release(ctx context.Context, id *identity.Identity) 
 	if s := a.scopeOf(id.ID.Scope()); s != nil {
 		return s.release(id.ID)
 	}
-	ctx, cancel := context.WithTimeout(ctx, a.cfg.IdentityAllocationTimeout)
-	defer cancel()
 	return a.global.release(ctx, id.ID)
 }
 

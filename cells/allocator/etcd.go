@@ -322,7 +322,7 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 		if hint != 0 {
 			a, err = b.adopt(ctx, key, hint)
 		} else {
-			a, err = b.create(ctx, key)
+			a, err = b.create(ctx, key, lbls)
 		}
 		if err != nil {
 			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) {
@@ -368,7 +368,7 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 // transaction that is safe against every other writer: the ID has no master
 // key, no node references the label set, no Cilium agent holds its lock. On
 // failure the same round trip reads why, so the next step needs no read.
-func (b *EtcdBackend) create(ctx context.Context, key string) (attempt, error) {
+func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels) (attempt, error) {
 	nid := b.pool.LeaseAvailableID()
 	if nid == idpool.NoID {
 		return attempt{}, ErrGlobalSpaceExhausted
@@ -390,8 +390,10 @@ func (b *EtcdBackend) create(ctx context.Context, key string) (attempt, error) {
 		return attempt{}, err
 	}
 	if resp.Succeeded {
+		rev := resp.Header.GetRevision()
 		b.pool.Use(nid)
-		b.hold(key, id, resp.Header.GetRevision())
+		b.hold(key, id, rev)
+		b.insertCreated(id, key, lbls, rev)
 		return attempt{out: outDone, id: id, created: true}, nil
 	}
 

@@ -1,10 +1,12 @@
 package allocator
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -60,6 +62,10 @@ type masterCache struct {
 	cacheMu sync.RWMutex
 	byID    map[identity.NumericIdentity]*masterEntry
 	byKey   map[string]identity.NumericIdentity
+	// rev is the revision the cache reflects: that of the last listing
+	// or of the last watch event applied. Entries this node created
+	// (insertCreated) may be newer; the watch confirms them later.
+	rev int64
 	// rejected holds the value of every master key that is skipped, so
 	// that a key is logged and counted once, not at every listing.
 	rejected      map[string]string
@@ -226,7 +232,7 @@ func (c *masterCache) list(ctx context.Context) (int64, error) {
 		}
 		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
-	c.replace(fresh, rejected)
+	c.replace(fresh, rejected, rev)
 	if c.hooks.listed != nil {
 		c.hooks.listed()
 	}
@@ -271,12 +277,18 @@ func (c *masterCache) parseMaster(kv *mvccpb.KeyValue) (identity.NumericIdentity
 	return id, &masterEntry{key: string(kv.Value), lbls: lbls, modRev: kv.ModRevision}, nil
 }
 
-// replace swaps the cache for a fresh listing and reports the differences.
-func (c *masterCache) replace(fresh map[identity.NumericIdentity]*masterEntry, rejected map[string]string) {
+// replace swaps the cache for a fresh listing read at revision rev and
+// reports the differences. An entry this node created after rev is kept:
+// the listing could not see it, and the watch that follows reports it.
+func (c *masterCache) replace(fresh map[identity.NumericIdentity]*masterEntry, rejected map[string]string, rev int64) {
 	var changes []change
 	c.cacheMu.Lock()
 	for id, old := range c.byID {
-		if e := fresh[id]; e == nil || e.key != old.key {
+		e := fresh[id]
+		if e == nil && old.modRev > rev {
+			continue
+		}
+		if e == nil || e.key != old.key {
 			changes = append(changes, c.removeLocked(id, old))
 		}
 	}
@@ -286,13 +298,38 @@ func (c *masterCache) replace(fresh map[identity.NumericIdentity]*masterEntry, r
 		}
 	}
 	c.rejected = rejected
+	c.rev = rev
 	c.cacheMu.Unlock()
 	c.emit(changes)
 }
 
 // clear empties the cache, reporting a delete of every entry.
 func (c *masterCache) clear() {
-	c.replace(map[identity.NumericIdentity]*masterEntry{}, map[string]string{})
+	c.replace(map[identity.NumericIdentity]*masterEntry{}, map[string]string{}, math.MaxInt64)
+	c.cacheMu.Lock()
+	c.rev = 0
+	c.cacheMu.Unlock()
+}
+
+// insertCreated records a master key this node's transaction wrote at
+// revision rev, without reporting it: the creator reports its identity
+// itself. The watch event of the same write then finds the entry and
+// costs neither a parse nor a report. Nothing is stored when the cache
+// has already seen rev (the watch was faster) or knows another label set
+// under id (an event it has not seen yet will settle that).
+func (c *masterCache) insertCreated(id identity.NumericIdentity, key string, lbls labels.Labels, rev int64) {
+	c.cacheMu.Lock()
+	defer c.cacheMu.Unlock()
+	if rev <= c.rev || c.byID[id] != nil {
+		return
+	}
+	c.byID[id] = &masterEntry{key: key, lbls: lbls, modRev: rev}
+	if _, dup := c.byKey[key]; !dup {
+		c.byKey[key] = id
+	}
+	if c.hooks.stored != nil {
+		c.hooks.stored(id)
+	}
 }
 
 // upsertLocked stores e; it reports a change unless the cache had the same
@@ -365,6 +402,9 @@ func (c *masterCache) watch(ctx context.Context, rev int64) error {
 func (c *masterCache) apply(events []*clientv3.Event) {
 	var changes []change
 	for _, ev := range events {
+		if ev.Type == clientv3.EventTypePut && c.confirm(ev.Kv) {
+			continue
+		}
 		key := string(ev.Kv.Key)
 		switch ev.Type {
 		case clientv3.EventTypePut:
@@ -382,6 +422,7 @@ func (c *masterCache) apply(events []*clientv3.Event) {
 						changes = append(changes, c.removeLocked(id, old))
 					}
 				}
+				c.advanceLocked(ev.Kv.ModRevision)
 				c.cacheMu.Unlock()
 				continue
 			}
@@ -392,9 +433,11 @@ func (c *masterCache) apply(events []*clientv3.Event) {
 			if ch, ok := c.upsertLocked(id, e); ok {
 				changes = append(changes, ch)
 			}
+			c.advanceLocked(ev.Kv.ModRevision)
 			c.cacheMu.Unlock()
 		case clientv3.EventTypeDelete:
 			c.cacheMu.Lock()
+			c.advanceLocked(ev.Kv.ModRevision)
 			delete(c.rejected, key)
 			if id, err := identity.ParseNumericIdentity(strings.TrimPrefix(key, MasterKeyPrefix)); err == nil {
 				if old := c.byID[id]; old != nil {
@@ -405,4 +448,56 @@ func (c *masterCache) apply(events []*clientv3.Event) {
 		}
 	}
 	c.emit(changes)
+}
+
+// confirm applies the put of a master key the cache already holds with the
+// same label set (the watch event of this node's own creation, or a
+// rewrite of the same value) without parsing it, and reports whether it
+// did.
+func (c *masterCache) confirm(kv *mvccpb.KeyValue) bool {
+	suffix, ok := bytes.CutPrefix(kv.Key, masterKeyPrefixBytes)
+	if !ok {
+		return false
+	}
+	id, ok := parseDecimalID(suffix)
+	if !ok {
+		return false
+	}
+	c.cacheMu.Lock()
+	defer c.cacheMu.Unlock()
+	e := c.byID[id]
+	if e == nil || e.key != string(kv.Value) {
+		return false
+	}
+	if len(c.rejected) > 0 {
+		delete(c.rejected, string(kv.Key))
+	}
+	e.modRev = kv.ModRevision
+	c.advanceLocked(kv.ModRevision)
+	return true
+}
+
+func (c *masterCache) advanceLocked(rev int64) {
+	c.rev = max(c.rev, rev)
+}
+
+var masterKeyPrefixBytes = []byte(MasterKeyPrefix)
+
+// parseDecimalID parses the decimal form of a numeric identity as master
+// keys spell it (no sign, no leading zero), without allocating.
+func parseDecimalID(b []byte) (identity.NumericIdentity, bool) {
+	if len(b) == 0 || len(b) > 10 || (b[0] == '0' && len(b) > 1) {
+		return 0, false
+	}
+	var n uint64
+	for _, d := range b {
+		if d < '0' || d > '9' {
+			return 0, false
+		}
+		n = n*10 + uint64(d-'0')
+	}
+	if n > math.MaxUint32 {
+		return 0, false
+	}
+	return identity.NumericIdentity(n), true
 }

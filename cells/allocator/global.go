@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
@@ -29,7 +30,9 @@ type GlobalBackend interface {
 
 	// Start begins keeping the cache; every identity that appears or
 	// disappears is reported to events, and events.Synced is called once
-	// after the first complete listing. Stop ends it.
+	// after the first complete listing. Stop ends it. An identity that
+	// Allocate created need not be reported: the allocator reports it
+	// from Allocate's result.
 	Start(ctx context.Context, events GlobalEvents) error
 	Stop(ctx context.Context) error
 }
@@ -49,6 +52,9 @@ type GlobalEvents interface {
 type globalRefs struct {
 	backend GlobalBackend
 	events  *eventQueue
+	// timeout bounds each call that reaches the backend or waits for
+	// another one (--identity-allocation-timeout); hits need neither.
+	timeout time.Duration
 
 	mu       sync.RWMutex
 	byKey    map[string]*refEntry
@@ -56,10 +62,11 @@ type globalRefs struct {
 	inflight map[string]chan struct{}
 }
 
-func newGlobalRefs(backend GlobalBackend, events *eventQueue) *globalRefs {
+func newGlobalRefs(backend GlobalBackend, events *eventQueue, timeout time.Duration) *globalRefs {
 	return &globalRefs{
 		backend:  backend,
 		events:   events,
+		timeout:  timeout,
 		byKey:    map[string]*refEntry{},
 		byID:     map[identity.NumericIdentity]*refEntry{},
 		inflight: map[string]chan struct{}{},
@@ -86,6 +93,8 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 		return nil, false, fmt.Errorf("%w: %w", ErrInvalidLabels, err)
 	}
 	skey := string(key)
+	ctx, cancel := context.WithTimeout(ctx, g.timeout)
+	defer cancel()
 	for {
 		g.mu.Lock()
 		if e := g.byKey[skey]; e != nil {
@@ -163,7 +172,9 @@ func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (
 	g.events.touch(e)
 	g.mu.Unlock()
 
+	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	err := g.backend.Release(ctx, id, e.ident.Labels)
+	cancel()
 	g.mu.Lock()
 	delete(g.inflight, key)
 	close(done)

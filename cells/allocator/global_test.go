@@ -122,6 +122,54 @@ func TestGlobalRequests(t *testing.T) {
 	waitUntil(t, "delete reaches node1", func() bool { return n1.LookupByID(id1.ID) == nil })
 }
 
+// TestGlobalAllocationTimeout checks that --identity-allocation-timeout
+// bounds the calls that reach the backend, and that a held label set (a
+// hit, a non-final release) needs no backend and so cannot time out.
+func TestGlobalAllocationTimeout(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	const timeout = 200 * time.Millisecond
+	n, _, err := node(t, store.NewBackend("node1"), func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := labels.MustParse("k8s:app=web")
+	held, _, err := n.Allocate(t.Context(), web)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := n.Allocate(t.Context(), web); err != nil {
+		t.Fatal(err)
+	}
+
+	store.Stalled.Store(true)
+	start := time.Now()
+	_, _, err = n.Allocate(t.Context(), labels.MustParse("k8s:app=db"))
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("allocation against a stalled store: %v, want a deadline error", err)
+	}
+	if took := time.Since(start); took < timeout || took > 10*timeout {
+		t.Fatalf("allocation gave up after %s, want about %s", took, timeout)
+	}
+	// The held set answers at once, stalled store or not.
+	hitCtx, cancel := context.WithTimeout(t.Context(), timeout/4)
+	defer cancel()
+	if id, allocated, err := n.Allocate(hitCtx, web); err != nil || allocated || id.ID != held.ID {
+		t.Fatalf("hit against a stalled store: %v %v %v", id, allocated, err)
+	}
+	for range 2 {
+		if released, err := n.Release(hitCtx, held); err != nil || released {
+			t.Fatalf("non-final release against a stalled store: %v %v", released, err)
+		}
+	}
+	start = time.Now()
+	if released, err := n.Release(t.Context(), held); !released || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("final release against a stalled store: %v %v, want released with a deadline error", released, err)
+	}
+	if took := time.Since(start); took < timeout || took > 10*timeout {
+		t.Fatalf("release gave up after %s, want about %s", took, timeout)
+	}
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)

@@ -26,6 +26,9 @@ type Store struct {
 	nodes []*Backend
 	// Down makes every request fail, as an unreachable store would.
 	Down atomic.Bool
+	// Stalled makes every request wait until its context ends, as a
+	// store that accepts requests and never answers would.
+	Stalled atomic.Bool
 }
 
 // ErrDown is returned while the store is down.
@@ -94,7 +97,7 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.Nu
 	if b.store.Down.Load() {
 		return 0, false, ErrDown
 	}
-	if err := ctx.Err(); err != nil {
+	if err := b.store.stall(ctx); err != nil {
 		return 0, false, err
 	}
 	s := b.store
@@ -127,11 +130,23 @@ func (b *Backend) Release(ctx context.Context, id identity.NumericIdentity, lbls
 	if b.store.Down.Load() {
 		return ErrDown
 	}
+	if err := b.store.stall(ctx); err != nil {
+		return err
+	}
 	s := b.store
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	delete(s.refs[lbls.Canonical()], b.node)
 	return nil
+}
+
+// stall waits for ctx to end while the store is stalled, and returns
+// ctx's error.
+func (s *Store) stall(ctx context.Context) error {
+	if s.Stalled.Load() {
+		<-ctx.Done()
+	}
+	return ctx.Err()
 }
 
 // GC deletes identities no node holds, as the kvstore's GC does.

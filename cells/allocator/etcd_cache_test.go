@@ -1,0 +1,112 @@
+package allocator
+
+import (
+	"log/slog"
+	"testing"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// cacheRecorder collects what a masterCache reports.
+type cacheRecorder struct{ changes []change }
+
+func (r *cacheRecorder) take() []change {
+	out := r.changes
+	r.changes = nil
+	return out
+}
+
+func masterPut(id identity.NumericIdentity, value string, rev int64) *clientv3.Event {
+	return &clientv3.Event{Type: mvccpb.PUT, Kv: &mvccpb.KeyValue{
+		Key: []byte(masterKey(id)), Value: []byte(value), ModRevision: rev,
+	}}
+}
+
+// TestMasterCacheCreatedEntries checks the entries a node's own
+// transactions put into the cache before the watch reports them: they are
+// not reported (the allocator reports them itself), the watch event of the
+// same write neither, a listing older than the write keeps them, a newer
+// one without them removes them, and a write the cache has seen already is
+// not stored again.
+func TestMasterCacheCreatedEntries(t *testing.T) {
+	rec := &cacheRecorder{}
+	c := newMasterCache(slog.New(slog.DiscardHandler), nil, "test identities", cacheHooks{
+		emit: func(ch []change) { rec.changes = append(rec.changes, ch...) },
+	})
+	empty := func() map[identity.NumericIdentity]*masterEntry { return map[identity.NumericIdentity]*masterEntry{} }
+	c.replace(empty(), map[string]string{}, 10)
+
+	const id = identity.NumericIdentity(300)
+	lbls := labels.MustParse("k8s:app=web")
+	key := lbls.Canonical()
+	c.insertCreated(id, key, lbls, 11)
+	if got, ok := c.cachedID(key); !ok || got != id {
+		t.Fatalf("created entry not visible at once: %d %v", got, ok)
+	}
+	if got, ok := c.lookupLabels(id); !ok || !got.Equal(lbls) {
+		t.Fatalf("lookupLabels(%d) = %v %v", id, got, ok)
+	}
+	if ch := rec.take(); len(ch) != 0 {
+		t.Fatalf("created entry reported: %+v", ch)
+	}
+
+	// The watch event of the same write.
+	c.apply([]*clientv3.Event{masterPut(id, key, 11)})
+	if ch := rec.take(); len(ch) != 0 {
+		t.Fatalf("watch echo of a created entry reported: %+v", ch)
+	}
+
+	// A listing read before the write cannot see it: the entry stays.
+	c.replace(empty(), map[string]string{}, 10)
+	if _, ok := c.cachedID(key); !ok {
+		t.Fatal("listing older than the creation dropped the entry")
+	}
+	if ch := rec.take(); len(ch) != 0 {
+		t.Fatalf("older listing reported changes: %+v", ch)
+	}
+
+	// A listing after the write that does not have it: the key is gone.
+	c.replace(empty(), map[string]string{}, 12)
+	if _, ok := c.cachedID(key); ok {
+		t.Fatal("listing newer than the creation kept a deleted entry")
+	}
+	if ch := rec.take(); len(ch) != 1 || ch[0].upsert || ch[0].id != id {
+		t.Fatalf("deletion not reported once: %+v", ch)
+	}
+
+	// A creation at a revision the cache has passed is left to the
+	// watch, which reported it (and maybe its deletion) already.
+	c.insertCreated(id, key, lbls, 12)
+	if _, ok := c.cachedID(key); ok {
+		t.Fatal("creation older than the cache's revision was stored")
+	}
+
+	// Another label set under a known ID is still a change.
+	c.apply([]*clientv3.Event{masterPut(id, key, 13)})
+	other := labels.MustParse("k8s:app=db")
+	c.apply([]*clientv3.Event{masterPut(id, other.Canonical(), 14)})
+	ch := rec.take()
+	if len(ch) != 3 || !ch[0].upsert || ch[1].upsert || !ch[2].upsert || !ch[2].lbls.Equal(other) {
+		t.Fatalf("changes = %+v, want upsert, delete, upsert of the new set", ch)
+	}
+	if got, _ := c.lookupLabels(id); !got.Equal(other) {
+		t.Fatalf("cache has %v for %d, want %v", got, id, other)
+	}
+}
+
+func TestParseDecimalID(t *testing.T) {
+	for in, want := range map[string]identity.NumericIdentity{"256": 256, "65535": 65535, "4294967295": 4294967295} {
+		if got, ok := parseDecimalID([]byte(in)); !ok || got != want {
+			t.Errorf("parseDecimalID(%q) = %d %v, want %d", in, got, ok, want)
+		}
+	}
+	for _, in := range []string{"", "0256", "-1", "+5", "4294967296", "12a", "99999999999"} {
+		if got, ok := parseDecimalID([]byte(in)); ok {
+			t.Errorf("parseDecimalID(%q) = %d, want an error", in, got)
+		}
+	}
+}
