@@ -158,12 +158,8 @@ type EtcdBackend struct {
 	// write lock, so a reference is never released and then restored.
 	writeMu  sync.RWMutex
 	heldMu   sync.Mutex
-	held     map[string]identity.NumericIdentity // canonical labels -> ID
+	held     map[string]heldRef // canonical labels -> ID and revision
 	heldByID map[identity.NumericIdentity]string
-	// heldRev is the revision at which this node last wrote each held
-	// label set's reference key; the release deletes only that write
-	// (see releaseTxn).
-	heldRev map[string]int64
 
 	// lease is the last lease this backend wrote with; leaseSeen wakes
 	// the repair loop when it changes.
@@ -195,9 +191,8 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 		cluster:     cluster,
 		node:        kv.NodeName(),
 		pool:        idpool.New(idpool.ID(cluster.MinID()), idpool.ID(cluster.MaxID())),
-		held:        map[string]identity.NumericIdentity{},
+		held:        map[string]heldRef{},
 		heldByID:    map[identity.NumericIdentity]string{},
-		heldRev:     map[string]int64{},
 		leaseSeen:   make(chan struct{}, 1),
 		lostMasters: map[identity.NumericIdentity]struct{}{},
 		repairWake:  make(chan struct{}, 1),
@@ -270,7 +265,6 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	b.heldMu.Lock()
 	clear(b.held)
 	clear(b.heldByID)
-	clear(b.heldRev)
 	b.heldMu.Unlock()
 	if err := b.kv.RevokeLease(ctx); err != nil {
 		return fmt.Errorf("revoking the node's lease: %w", err)
@@ -591,14 +585,21 @@ func (b *EtcdBackend) requestContext(ctx context.Context) (context.Context, cont
 	return context.WithTimeout(clientv3.WithRequireLeader(ctx), b.kv.RequestTimeout())
 }
 
+// heldRef is a label set this node references: its ID, and the revision
+// at which this node last wrote the reference key; the release deletes
+// only that write (see releaseTxn).
+type heldRef struct {
+	id  identity.NumericIdentity
+	rev int64
+}
+
 // hold records that this node references id for key, with its reference
 // key written at revision rev.
 func (b *EtcdBackend) hold(key string, id identity.NumericIdentity, rev int64) {
 	b.heldMu.Lock()
 	defer b.heldMu.Unlock()
-	b.held[key] = id
+	b.held[key] = heldRef{id: id, rev: rev}
 	b.heldByID[id] = key
-	b.heldRev[key] = rev
 }
 
 // rewrote records that the reference key of a held label set was written
@@ -606,8 +607,8 @@ func (b *EtcdBackend) hold(key string, id identity.NumericIdentity, rev int64) {
 func (b *EtcdBackend) rewrote(key string, id identity.NumericIdentity, rev int64) {
 	b.heldMu.Lock()
 	defer b.heldMu.Unlock()
-	if b.held[key] == id {
-		b.heldRev[key] = rev
+	if h := b.held[key]; h.id == id {
+		b.held[key] = heldRef{id: id, rev: rev}
 	}
 }
 
@@ -621,11 +622,10 @@ func (b *EtcdBackend) Release(ctx context.Context, id identity.NumericIdentity, 
 	// keep the identity alive forever.
 	var rev int64
 	b.heldMu.Lock()
-	if b.held[key] == id {
-		rev = b.heldRev[key]
+	if h := b.held[key]; h.id == id {
+		rev = h.rev
 		delete(b.held, key)
 		delete(b.heldByID, id)
-		delete(b.heldRev, key)
 	}
 	b.heldMu.Unlock()
 	cli := b.kv.Client()
@@ -661,8 +661,8 @@ func (b *EtcdBackend) Held() map[string]identity.NumericIdentity {
 	b.heldMu.Lock()
 	defer b.heldMu.Unlock()
 	out := make(map[string]identity.NumericIdentity, len(b.held))
-	for k, v := range b.held {
-		out[k] = v
+	for k, h := range b.held {
+		out[k] = h.id
 	}
 	return out
 }

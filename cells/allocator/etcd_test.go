@@ -531,7 +531,7 @@ func TestEtcdLateReleaseKeepsNewerReference(t *testing.T) {
 		t.Fatal(err)
 	}
 	n1.backend.heldMu.Lock()
-	rev := n1.backend.heldRev[l.Canonical()]
+	rev := n1.backend.held[l.Canonical()].rev
 	n1.backend.heldMu.Unlock()
 	resp, err := cli.Get(ctx, ref)
 	if err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].ModRevision != rev {
