@@ -1,7 +1,6 @@
 package allocator
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -452,15 +451,15 @@ func (c *masterCache) apply(events []*clientv3.Event) {
 
 // confirm applies the put of a master key the cache already holds with the
 // same label set (the watch event of this node's own creation, or a
-// rewrite of the same value) without parsing it, and reports whether it
+// rewrite of the same value) without parsing its labels, and reports whether it
 // did.
 func (c *masterCache) confirm(kv *mvccpb.KeyValue) bool {
-	suffix, ok := bytes.CutPrefix(kv.Key, masterKeyPrefixBytes)
+	suffix, ok := strings.CutPrefix(string(kv.Key), MasterKeyPrefix)
 	if !ok {
 		return false
 	}
-	id, ok := parseDecimalID(suffix)
-	if !ok {
+	id, err := identity.ParseNumericIdentity(suffix)
+	if err != nil {
 		return false
 	}
 	c.cacheMu.Lock()
@@ -469,9 +468,7 @@ func (c *masterCache) confirm(kv *mvccpb.KeyValue) bool {
 	if e == nil || e.key != string(kv.Value) {
 		return false
 	}
-	if len(c.rejected) > 0 {
-		delete(c.rejected, string(kv.Key))
-	}
+	delete(c.rejected, string(kv.Key))
 	e.modRev = kv.ModRevision
 	c.advanceLocked(kv.ModRevision)
 	return true
@@ -479,25 +476,4 @@ func (c *masterCache) confirm(kv *mvccpb.KeyValue) bool {
 
 func (c *masterCache) advanceLocked(rev int64) {
 	c.rev = max(c.rev, rev)
-}
-
-var masterKeyPrefixBytes = []byte(MasterKeyPrefix)
-
-// parseDecimalID parses the decimal form of a numeric identity as master
-// keys spell it (no sign, no leading zero), without allocating.
-func parseDecimalID(b []byte) (identity.NumericIdentity, bool) {
-	if len(b) == 0 || len(b) > 10 || (b[0] == '0' && len(b) > 1) {
-		return 0, false
-	}
-	var n uint64
-	for _, d := range b {
-		if d < '0' || d > '9' {
-			return 0, false
-		}
-		n = n*10 + uint64(d-'0')
-	}
-	if n > math.MaxUint32 {
-		return 0, false
-	}
-	return identity.NumericIdentity(n), true
 }

@@ -97,16 +97,3 @@ func TestMasterCacheCreatedEntries(t *testing.T) {
 		t.Fatalf("cache has %v for %d, want %v", got, id, other)
 	}
 }
-
-func TestParseDecimalID(t *testing.T) {
-	for in, want := range map[string]identity.NumericIdentity{"256": 256, "65535": 65535, "4294967295": 4294967295} {
-		if got, ok := parseDecimalID([]byte(in)); !ok || got != want {
-			t.Errorf("parseDecimalID(%q) = %d %v, want %d", in, got, ok, want)
-		}
-	}
-	for _, in := range []string{"", "0256", "-1", "+5", "4294967296", "12a", "99999999999"} {
-		if got, ok := parseDecimalID([]byte(in)); ok {
-			t.Errorf("parseDecimalID(%q) = %d, want an error", in, got)
-		}
-	}
-}
