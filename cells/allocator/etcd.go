@@ -171,11 +171,17 @@ type EtcdBackend struct {
 	lostMasters map[identity.NumericIdentity]struct{}
 	repairWake  chan struct{}
 
+	// creates sends concurrent allocations' create transactions
+	// together.
+	creates *createBatcher
+
 	gcLimiter *rate.Limiter
 	gc        gcCounters
 
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// stopCreates ends the requests creates sends for queued callers.
+	stopCreates context.CancelFunc
+	cancel      context.CancelFunc
+	wg          sync.WaitGroup
 }
 
 var _ GlobalBackend = (*EtcdBackend)(nil)
@@ -200,6 +206,9 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 		// limit.
 		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),
 	}
+	createsCtx, stopCreates := context.WithCancel(context.Background())
+	b.creates = newCreateBatcher(createsCtx, b.requestContext)
+	b.stopCreates = stopCreates
 	// Master keys of other clusters' ranges (a shared etcd) are cached
 	// for lookups; the pool never hands them out.
 	b.masterCache = newMasterCache(log, kv, "global identities", cacheHooks{
@@ -253,8 +262,9 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	if b.cancel != nil {
 		b.cancel()
 	}
+	b.stopCreates()
 	done := make(chan struct{})
-	go func() { b.wg.Wait(); close(done) }()
+	go func() { b.wg.Wait(); b.creates.wait(); close(done) }()
 	select {
 	case <-done:
 	case <-ctx.Done():
@@ -376,11 +386,18 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 	defer b.writeMu.RUnlock()
 
 	master, refs, locks := masterKey(id), referencePrefix(key), lockPrefix(key)
-	rctx, cancel := b.requestContext(ctx)
-	defer cancel()
-	resp, err := commitTxn(rctx, cli, createTxn(master, refs, locks, b.node, key, id.String(), lease))
+	ref := refs + b.node
+	resp, settled, err := b.creates.commit(ctx, &createItem{
+		cli:    cli,
+		req:    createTxn(master, refs, locks, b.node, key, id.String(), lease),
+		master: master,
+		ref:    ref,
+		settle: func(resp *pb.TxnResponse, err error) { b.settleAbandoned(nid, ref, resp, err) },
+	})
 	if err != nil {
-		b.pool.Release(nid)
+		if !settled {
+			b.pool.Release(nid)
+		}
 		return attempt{}, err
 	}
 	if resp.Succeeded {
@@ -391,13 +408,7 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 		return attempt{out: outDone, id: id, created: true}, nil
 	}
 
-	masterKVs := resp.Responses[0].GetResponseRange().GetKvs()
-	refKVs := resp.Responses[1].GetResponseRange().GetKvs()
-	if len(masterKVs) > 0 {
-		b.pool.Remove(nid)
-	} else {
-		b.pool.Release(nid)
-	}
+	masterKVs, refKVs := b.settleFailedCreate(nid, resp)
 	if len(refKVs) > 0 {
 		ref := refKVs[0]
 		if !isReferenceOf(ref.Key, refs) {
@@ -427,6 +438,49 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 		return attempt{out: outLocked}, nil
 	}
 	return attempt{out: outNewID}, nil
+}
+
+// settleFailedCreate returns the reads of a create transaction whose
+// compares failed, and gives its candidate ID back to the pool unless the
+// ID turned out to be taken.
+func (b *EtcdBackend) settleFailedCreate(nid idpool.ID, resp *pb.TxnResponse) (masterKVs, refKVs []*mvccpb.KeyValue) {
+	masterKVs = resp.Responses[0].GetResponseRange().GetKvs()
+	refKVs = resp.Responses[1].GetResponseRange().GetKvs()
+	if len(masterKVs) > 0 {
+		b.pool.Remove(nid)
+	} else {
+		b.pool.Release(nid)
+	}
+	return masterKVs, refKVs
+}
+
+// settleAbandoned takes over a create transaction whose caller gave up
+// while it was in flight in a shared request (see createBatcher). Created
+// keys are undone as far as they are this node's: the reference is
+// deleted if it is still this write (another allocation of the label set
+// may have written it anew meanwhile), the master key is left to the
+// garbage collection like any unused one, and the cache learns of it from
+// the watch. Without an answer the outcome is unknown, as when a single
+// request is given up on: the watch corrects the pool, and a reference
+// that was written expires with the lease.
+func (b *EtcdBackend) settleAbandoned(nid idpool.ID, ref string, resp *pb.TxnResponse, err error) {
+	switch {
+	case err != nil:
+		b.pool.Release(nid)
+	case !resp.Succeeded:
+		b.settleFailedCreate(nid, resp)
+	default:
+		b.pool.Use(nid)
+		cli := b.kv.Client()
+		if cli == nil {
+			return
+		}
+		rctx, cancel := b.requestContext(b.creates.ctx)
+		defer cancel()
+		if _, err := releaseTxn(cli.Txn(rctx), ref, resp.Header.GetRevision()).Commit(); err != nil {
+			b.log.Debug("Deleting the reference of an abandoned allocation failed; it expires with the lease", "key", ref, "error", err)
+		}
+	}
 }
 
 // createTxn builds create's transaction: master is the candidate ID's

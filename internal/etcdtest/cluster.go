@@ -40,6 +40,7 @@ type options struct {
 	noFsync      bool
 	logLevel     string
 	readyTimeout time.Duration
+	extraArgs    []string
 }
 
 // WithTLS serves clients over TLS and requires client certificates signed
@@ -52,6 +53,12 @@ func WithTLS(certs *Certs) Option {
 // WithUnsafeNoFsync turns off fsync in the servers: faster, for tests that
 // do not measure or test durability.
 func WithUnsafeNoFsync() Option { return func(o *options) { o.noFsync = true } }
+
+// WithServerArgs passes further flags to every member, such as
+// "--max-txn-ops=8".
+func WithServerArgs(args ...string) Option {
+	return func(o *options) { o.extraArgs = append(o.extraArgs, args...) }
+}
 
 // WithLogLevel sets the servers' log level (default "warn").
 func WithLogLevel(level string) Option { return func(o *options) { o.logLevel = level } }
@@ -181,6 +188,7 @@ func (c *Cluster) start(n, attempt int) error {
 		if c.opts.noFsync {
 			m.args = append(m.args, "--unsafe-no-fsync")
 		}
+		m.args = append(m.args, c.opts.extraArgs...)
 		if c.opts.tls {
 			m.args = append(m.args,
 				"--cert-file", c.opts.certs.ServerCertFile,
