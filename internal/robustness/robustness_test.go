@@ -27,8 +27,11 @@ import (
 const defaultDuration = 45 * time.Second
 
 const (
-	nodes          = 3
-	workersPerNode = 2
+	nodes = 3
+	// defaultWorkers is the number of workers per agent unless
+	// ROBUSTNESS_WORKERS sets another; more of them make concurrent
+	// allocations of global identities share etcd requests.
+	defaultWorkers = 2
 	globalSets     = 24
 	localSets      = 24
 	// quiet is the end of the workload without faults, so that the last
@@ -46,6 +49,18 @@ func runDuration(t *testing.T) time.Duration {
 		t.Fatalf("ROBUSTNESS_DURATION=%q: want a duration of at least 20s", s)
 	}
 	return d
+}
+
+func runWorkers(t *testing.T) int {
+	s := os.Getenv("ROBUSTNESS_WORKERS")
+	if s == "" {
+		return defaultWorkers
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 || n > 64 {
+		t.Fatalf("ROBUSTNESS_WORKERS=%q: want 1 to 64 workers per agent", s)
+	}
+	return n
 }
 
 func runSeed(t *testing.T) uint64 {
@@ -95,8 +110,8 @@ func TestRobustness(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs etcd and identityd processes with faults for a minute or more")
 	}
-	dur, seed := runDuration(t), runSeed(t)
-	t.Logf("duration %s, seed %d (ROBUSTNESS_SEED=%d repeats the choices)", dur, seed, seed)
+	dur, seed, workersPerNode := runDuration(t), runSeed(t), runWorkers(t)
+	t.Logf("duration %s, %d workers per agent, seed %d (ROBUSTNESS_SEED=%d repeats the choices)", dur, workersPerNode, seed, seed)
 	setupStart := time.Now()
 
 	bin := buildAgent(t)
