@@ -96,6 +96,12 @@ func shapeRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines i
 // conditional transactions measured in the same run ("x-raw"; the target is
 // at least 0.8), and to the allocator's own transaction issued by a bare
 // loop ("x-shape", see shapeRate).
+//
+// The three are measured in interleaved slices (etcdRounds rounds of one
+// slice each, in rotating order), so that the server's drift during a run,
+// which on a small shared machine moves its rate by a tenth within
+// seconds, falls on all three alike instead of on whichever ran at the
+// time. A run takes about 9 s per setting whatever -benchtime says.
 func BenchmarkEtcdNewIdentity(b *testing.B) {
 	c := etcdtest.StartSingle(b)
 	cli := c.Client(b)
@@ -107,30 +113,30 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 		b.Run("goroutines="+strconv.Itoa(goroutines), func(b *testing.B) {
 			run++
 			prefix := "k8s:app=bench" + strconv.Itoa(run) + "-"
-			var rawCPU, shapeCPU, allocCPU cpuUse
-			raw := rawCPU.measure(cpu, func() float64 { return rawRate(b, cli, time.Second, goroutines) })
-			shape := shapeCPU.measure(cpu, func() float64 { return shapeRate(b, cli, time.Second, goroutines) })
-			txns := n.txns()
 			var seq atomic.Int64
-			alloc := func() {
+			alloc := func(int64) error {
 				l := labels.MustParse(prefix + strconv.FormatInt(seq.Add(1), 10))
 				if _, allocated, err := n.alloc.Allocate(b.Context(), l); err != nil || !allocated {
-					b.Errorf("allocation: %v %v", allocated, err)
+					return fmt.Errorf("allocation: allocated %v, err %v", allocated, err)
+				}
+				return nil
+			}
+			txns := n.txns()
+			var rawCPU, shapeCPU, allocCPU cpuUse
+			phases := []func(){
+				func() { rawCPU.measure(cpu, func() float64 { return rawRate(b, cli, etcdSlice, goroutines) }) },
+				func() { shapeCPU.measure(cpu, func() float64 { return shapeRate(b, cli, etcdSlice, goroutines) }) },
+				func() { allocCPU.measure(cpu, func() float64 { return opRate(b, etcdSlice, goroutines, alloc) }) },
+			}
+			for round := range etcdRounds {
+				for i := range phases {
+					phases[(round+i)%len(phases)]()
 				}
 			}
-			var elapsed time.Duration
-			allocCPU.measure(cpu, func() float64 {
-				elapsed = etcdtest.RunOps(b, goroutines, alloc)
-				return float64(seq.Load()) / elapsed.Seconds()
-			})
 			done := seq.Load()
-			// The server's speed drifts on a small machine: the raw
-			// rate is measured before and after, and averaged.
 			b.StopTimer()
 			defer releaseAll(b, n, cli, prefix, done)
-			raw = (raw + rawCPU.measure(cpu, func() float64 { return rawRate(b, cli, time.Second, goroutines) })) / 2
-			shape = (shape + shapeCPU.measure(cpu, func() float64 { return shapeRate(b, cli, time.Second, goroutines) })) / 2
-			rate := float64(done) / elapsed.Seconds()
+			raw, shape, rate := rawCPU.rate(), shapeCPU.rate(), allocCPU.rate()
 			b.ReportMetric(rate, "identities/s")
 			b.ReportMetric(raw, "raw-txn/s")
 			b.ReportMetric(rate/raw, "x-raw")
@@ -144,6 +150,13 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 		})
 	}
 }
+
+// etcdRounds and etcdSlice shape BenchmarkEtcdNewIdentity's interleaving:
+// 3 s of each phase in all.
+const (
+	etcdRounds = 6
+	etcdSlice  = 500 * time.Millisecond
+)
 
 // cpuClock reads the CPU time (user and system) used so far by this
 // process and by the etcd server.
@@ -182,7 +195,16 @@ func (c cpuClock) now() (client, server time.Duration, ok bool) {
 type cpuUse struct {
 	client, server time.Duration
 	ops            float64
+	elapsed        time.Duration
 	failed         bool
+}
+
+// rate is the operations per second over all the measured calls.
+func (u *cpuUse) rate() float64 {
+	if u.elapsed <= 0 {
+		return 0
+	}
+	return u.ops / u.elapsed.Seconds()
 }
 
 // measure runs f, which does operations for a while and returns their rate
@@ -193,13 +215,14 @@ func (u *cpuUse) measure(clock cpuClock, f func() float64) float64 {
 	rate := f()
 	elapsed := time.Since(start)
 	c1, s1, ok1 := clock.now()
+	u.ops += rate * elapsed.Seconds()
+	u.elapsed += elapsed
 	if !ok0 || !ok1 {
 		u.failed = true
 		return rate
 	}
 	u.client += c1 - c0
 	u.server += s1 - s0
-	u.ops += rate * elapsed.Seconds()
 	return rate
 }
 
