@@ -691,6 +691,84 @@ func TestEtcdAuth(t *testing.T) {
 	if n := countKeys(t, cli, referencePrefix(l.Canonical())); n != 0 {
 		t.Fatalf("%d reference keys after the release, want 0", n)
 	}
+
+	// Creations sharing a request pass the server's permission checks,
+	// which look into nested transactions.
+	var items []*createItem
+	for i := range 3 {
+		items = append(items, batchItem(t, n1.backend, labels.MustParse(fmt.Sprintf("k8s:app=auth%d", i)), identity.NumericIdentity(40000+i)))
+	}
+	n1.backend.creates.send(items)
+	for _, it := range items {
+		<-it.done
+		if it.err != nil || !it.resp.Succeeded {
+			t.Fatalf("shared request with auth, %s: succeeded %v, err %v", it.master, it.resp.GetSucceeded(), it.err)
+		}
+	}
+}
+
+// A user whose role may only read and write the identities prefix, as an
+// operator would give each agent, allocates and releases, alone and with
+// creations sharing a request.
+func TestEtcdAuthPrefixRole(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	c.EnableAuth(t, "s3cret")
+	root := c.Client(t)
+	ctx := testCtx(t, time.Minute)
+	prefix := IdentitiesPrefix + "/"
+	for _, step := range []func() error{
+		func() error { _, err := root.RoleAdd(ctx, "identities"); return err },
+		func() error {
+			_, err := root.RoleGrantPermission(ctx, "identities", prefix, clientv3.GetPrefixRangeEnd(prefix), clientv3.PermissionType(clientv3.PermReadWrite))
+			return err
+		},
+		func() error { _, err := root.UserAdd(ctx, "agent", "agent-pw"); return err },
+		func() error { _, err := root.UserGrantRole(ctx, "agent", "identities"); return err },
+	} {
+		if err := step(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	password := filepath.Join(t.TempDir(), "password")
+	if err := os.WriteFile(password, []byte("agent-pw\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) {
+		kv.KVStoreUsername = "agent"
+		kv.KVStorePasswordFile = password
+	})
+
+	const count = 24
+	ids := make([]*identity.Identity, count)
+	before := n.txns()
+	var wg sync.WaitGroup
+	for i := range count {
+		wg.Go(func() {
+			id, allocated, err := n.alloc.Allocate(ctx, labels.MustParse(fmt.Sprintf("k8s:app=role%d", i)))
+			if err != nil || !allocated {
+				t.Errorf("allocation %d with a prefix role: allocated %v, err %v", i, allocated, err)
+			}
+			ids[i] = id
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	if got := n.txns() - before; got >= count {
+		t.Fatalf("%d concurrent allocations in %d transactions: none shared a request", count, got)
+	}
+	if got := countKeys(t, root, MasterKeyPrefix); got != count {
+		t.Fatalf("%d master keys, want %d", got, count)
+	}
+	for _, id := range ids {
+		if released, err := n.alloc.Release(ctx, id); err != nil || !released {
+			t.Fatalf("release with a prefix role: %v %v", released, err)
+		}
+	}
+	if got := countKeys(t, root, ReferenceKeyPrefix); got != 0 {
+		t.Fatalf("%d reference keys after the releases, want 0", got)
+	}
 }
 
 func TestEtcdNoKVStore(t *testing.T) {
