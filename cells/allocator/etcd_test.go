@@ -769,6 +769,10 @@ func TestEtcdAuthPrefixRole(t *testing.T) {
 	if got := countKeys(t, root, ReferenceKeyPrefix); got != 0 {
 		t.Fatalf("%d reference keys after the releases, want 0", got)
 	}
+	st := n.kv.Status(ctx)
+	if st.Leader == "" || len(st.Endpoints) != 1 || st.Endpoints[0].Error != "" {
+		t.Fatalf("status with a prefix role: %+v", st)
+	}
 }
 
 func TestEtcdNoKVStore(t *testing.T) {
