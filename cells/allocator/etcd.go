@@ -264,7 +264,7 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	}
 	b.stopCreates()
 	done := make(chan struct{})
-	go func() { b.wg.Wait(); b.creates.wait(); close(done) }()
+	go func() { b.wg.Wait(); b.creates.stop(); close(done) }()
 	select {
 	case <-done:
 	case <-ctx.Done():

@@ -11,6 +11,8 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/cells/kvstore"
 )
 
 // createsInFlight is how many create requests may be in flight at once.
@@ -56,8 +58,14 @@ type createBatcher struct {
 	// transactions in them.
 	inFlight, inFlightItems int
 	queue                   []*createItem
-	wg                      sync.WaitGroup
+	// stopped refuses new transactions once the backend stops.
+	stopped bool
+	wg      sync.WaitGroup
 }
+
+// errCreatesStopped answers transactions that come or still wait when the
+// backend stops.
+var errCreatesStopped = fmt.Errorf("%w: the etcd identity backend stopped", kvstore.ErrStopped)
 
 // createItem is one allocation's create transaction.
 type createItem struct {
@@ -99,6 +107,10 @@ func newCreateBatcher(ctx context.Context, requestContext func(context.Context) 
 // outcome and the caller must not.
 func (q *createBatcher) commit(ctx context.Context, it *createItem) (resp *pb.TxnResponse, settled bool, err error) {
 	q.mu.Lock()
+	if q.stopped {
+		q.mu.Unlock()
+		return nil, false, errCreatesStopped
+	}
 	if q.inFlight == 0 && len(q.queue) == 0 {
 		// Alone: send it now, with the caller's context.
 		q.inFlight, q.inFlightItems = 1, 1
@@ -251,8 +263,23 @@ func (q *createBatcher) answer(it *createItem, resp *pb.TxnResponse, err error) 
 	close(it.done)
 }
 
-// wait waits for the batcher's goroutines.
-func (q *createBatcher) wait() { q.wg.Wait() }
+// stop refuses new transactions, answers the queued ones with
+// errCreatesStopped and waits for the requests in flight, which the
+// backend's stop has cancelled. No request starts after it.
+func (q *createBatcher) stop() {
+	q.mu.Lock()
+	q.stopped = true
+	queued := q.queue
+	q.queue = nil
+	for _, it := range queued {
+		it.state = itemSent
+	}
+	q.mu.Unlock()
+	for _, it := range queued {
+		q.answer(it, nil, errCreatesStopped)
+	}
+	q.wg.Wait()
+}
 
 func isTooManyOps(err error) bool {
 	return errors.Is(err, rpctypes.ErrTooManyOps) ||

@@ -10,6 +10,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
@@ -292,5 +293,38 @@ func TestCreateBatchTooManyOps(t *testing.T) {
 	}
 	if got := countKeys(t, cli, MasterKeyPrefix); got != 12 {
 		t.Fatalf("%d master keys, want 12", got)
+	}
+}
+
+// When the backend stops, a create still waiting in the queue is answered
+// at once, and no create is sent afterwards.
+func TestEtcdCreatesAfterStop(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	n := startEtcdNode(t, c, "node1")
+	b, q := n.backend, n.backend.creates
+	ctx := testCtx(t, time.Minute)
+
+	available := b.pool.Available()
+	blockCreates(q)
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=waiting"))
+		done <- err
+	}()
+	eventually(t, "the create queues", func() bool { return queued(q) == 1 })
+	q.stop()
+	if err := <-done; !errors.Is(err, kvstore.ErrStopped) {
+		t.Fatalf("queued allocation at stop: %v, want kvstore.ErrStopped", err)
+	}
+	unblockCreates(q)
+	before := n.txns()
+	if _, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=late")); !errors.Is(err, kvstore.ErrStopped) {
+		t.Fatalf("allocation after the stop: %v, want kvstore.ErrStopped", err)
+	}
+	if got := n.txns() - before; got != 0 {
+		t.Fatalf("%d transactions sent after the stop", got)
+	}
+	if got := b.pool.Available(); got != available {
+		t.Fatalf("pool has %d IDs available, had %d", got, available)
 	}
 }
