@@ -35,6 +35,19 @@ func batchItem(tb testing.TB, b *EtcdBackend, lbls labels.Labels, id identity.Nu
 	}
 }
 
+// sendAll sends items in one request and fails the test unless every one
+// succeeded.
+func sendAll(tb testing.TB, q *createBatcher, items []*createItem) {
+	tb.Helper()
+	q.send(items)
+	for _, it := range items {
+		<-it.done
+		if it.err != nil || !it.resp.Succeeded {
+			tb.Fatalf("%s: succeeded %v, err %v", it.master, it.resp.GetSucceeded(), it.err)
+		}
+	}
+}
+
 // blockCreates fills the batcher's places in flight, so that every create
 // queues until unblockCreates.
 func blockCreates(q *createBatcher) {
@@ -279,13 +292,7 @@ func TestCreateBatchTooManyOps(t *testing.T) {
 	for i := range 12 {
 		items = append(items, batchItem(t, n.backend, labels.MustParse(fmt.Sprintf("k8s:app=ops%d", i)), identity.NumericIdentity(50000+i)))
 	}
-	n.backend.creates.send(items)
-	for _, it := range items {
-		<-it.done
-		if it.err != nil || !it.resp.Succeeded {
-			t.Fatalf("%s: succeeded %v, err %v", it.master, it.resp.GetSucceeded(), it.err)
-		}
-	}
+	sendAll(t, n.backend.creates, items)
 	// A nested transaction's operations count against the limit together
 	// with its parent's: 3 creates of 3 compares each fit in 8.
 	if got := n.backend.creates.maxBatch.Load(); got != 3 {

@@ -123,14 +123,18 @@ func BenchmarkEtcdNewIdentity(b *testing.B) {
 			}
 			txns := n.txns()
 			var rawCPU, shapeCPU, allocCPU cpuUse
-			phases := []func(){
-				func() { rawCPU.measure(cpu, func() float64 { return rawRate(b, cli, etcdSlice, goroutines) }) },
-				func() { shapeCPU.measure(cpu, func() float64 { return shapeRate(b, cli, etcdSlice, goroutines) }) },
-				func() { allocCPU.measure(cpu, func() float64 { return opRate(b, etcdSlice, goroutines, alloc) }) },
+			phases := []struct {
+				use *cpuUse
+				run func() float64
+			}{
+				{&rawCPU, func() float64 { return rawRate(b, cli, etcdSlice, goroutines) }},
+				{&shapeCPU, func() float64 { return shapeRate(b, cli, etcdSlice, goroutines) }},
+				{&allocCPU, func() float64 { return opRate(b, etcdSlice, goroutines, alloc) }},
 			}
 			for round := range etcdRounds {
 				for i := range phases {
-					phases[(round+i)%len(phases)]()
+					p := phases[(round+i)%len(phases)]
+					p.use.measure(cpu, p.run)
 				}
 			}
 			done := seq.Load()
@@ -208,8 +212,8 @@ func (u *cpuUse) rate() float64 {
 }
 
 // measure runs f, which does operations for a while and returns their rate
-// per second, and adds what it cost. It returns f's rate.
-func (u *cpuUse) measure(clock cpuClock, f func() float64) float64 {
+// per second, and adds the operations, the time and what they cost.
+func (u *cpuUse) measure(clock cpuClock, f func() float64) {
 	c0, s0, ok0 := clock.now()
 	start := time.Now()
 	rate := f()
@@ -219,11 +223,10 @@ func (u *cpuUse) measure(clock cpuClock, f func() float64) float64 {
 	u.elapsed += elapsed
 	if !ok0 || !ok1 {
 		u.failed = true
-		return rate
+		return
 	}
 	u.client += c1 - c0
 	u.server += s1 - s0
-	return rate
 }
 
 // report reports the CPU microseconds per operation on both sides, which

@@ -658,20 +658,27 @@ func TestEtcdTLS(t *testing.T) {
 	}
 }
 
+// startAuthNode starts a node that authenticates as user, with the
+// password in a file as an operator gives it.
+func startAuthNode(t *testing.T, c *etcdtest.Cluster, name, user, password string) *etcdNode {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "password")
+	if err := os.WriteFile(file, []byte(password+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *EtcdConfig) {
+		kv.KVStoreUsername = user
+		kv.KVStorePasswordFile = file
+	})
+}
+
 // TestEtcdAuth allocates and releases a global identity on an etcd with
 // authentication on: the create transaction, built as protobuf messages,
 // goes through the client's connection and so carries its token.
 func TestEtcdAuth(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	c.EnableAuth(t, "s3cret")
-	password := filepath.Join(t.TempDir(), "password")
-	if err := os.WriteFile(password, []byte("s3cret\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) {
-		kv.KVStoreUsername = "root"
-		kv.KVStorePasswordFile = password
-	})
+	n1 := startAuthNode(t, c, "node1", "root", "s3cret")
 	ctx := testCtx(t, 30*time.Second)
 	l := labels.MustParse("k8s:app=auth")
 	id, allocated, err := n1.alloc.Allocate(ctx, l)
@@ -698,13 +705,7 @@ func TestEtcdAuth(t *testing.T) {
 	for i := range 3 {
 		items = append(items, batchItem(t, n1.backend, labels.MustParse(fmt.Sprintf("k8s:app=auth%d", i)), identity.NumericIdentity(40000+i)))
 	}
-	n1.backend.creates.send(items)
-	for _, it := range items {
-		<-it.done
-		if it.err != nil || !it.resp.Succeeded {
-			t.Fatalf("shared request with auth, %s: succeeded %v, err %v", it.master, it.resp.GetSucceeded(), it.err)
-		}
-	}
+	sendAll(t, n1.backend.creates, items)
 }
 
 // A user whose role may only read and write the identities prefix, as an
@@ -729,14 +730,7 @@ func TestEtcdAuthPrefixRole(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	password := filepath.Join(t.TempDir(), "password")
-	if err := os.WriteFile(password, []byte("agent-pw\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	n := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) {
-		kv.KVStoreUsername = "agent"
-		kv.KVStorePasswordFile = password
-	})
+	n := startAuthNode(t, c, "node1", "agent", "agent-pw")
 
 	const count = 24
 	ids := make([]*identity.Identity, count)
