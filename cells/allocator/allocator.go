@@ -183,11 +183,18 @@ func (a *identityAllocator) scopeOf(s identity.Scope) *localScope {
 }
 
 func (a *identityAllocator) Allocate(ctx context.Context, lbls labels.Labels, opts ...AllocateOption) (*identity.Identity, bool, error) {
-	var o allocateOptions
-	for _, opt := range opts {
-		opt(&o)
+	if len(opts) == 0 {
+		// Kept apart from the loop below, which hands the options to
+		// unknown functions and so moves them to the heap: without
+		// options an allocation allocates nothing for them.
+		var o allocateOptions
+		return a.allocate(ctx, lbls, &o)
 	}
-	return a.allocate(ctx, lbls, &o)
+	o := new(allocateOptions)
+	for _, opt := range opts {
+		opt(o)
+	}
+	return a.allocate(ctx, lbls, o)
 }
 
 func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o *allocateOptions) (*identity.Identity, bool, error) {

@@ -376,6 +376,96 @@ func TestTableInStep(t *testing.T) {
 	waitFor(t, "row gone", func() bool { _, ok := row(id.ID); return !ok })
 }
 
+// TestTableWriterChunks checks that the table writer writes a burst in
+// transactions of at most tableWriterChunk rows, and that flush writes
+// both the rest of a backlog and what was queued after it was taken.
+func TestTableWriterChunks(t *testing.T) {
+	db := statedb.New()
+	table, err := NewTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A writer without its goroutine: the test decides when it writes.
+	w := newTableWriter(db, table)
+	sets := cidrSets(2*tableWriterChunk + 500)
+	entry := func(i int) *refEntry {
+		e := &refEntry{ident: identity.Identity{ID: identity.NumericIdentity(identity.ScopeLocal) | identity.NumericIdentity(i+1), Labels: sets[i]}}
+		e.refs.Store(1)
+		return e
+	}
+	burst := make([]*refEntry, 2*tableWriterChunk)
+	for i := range burst {
+		burst[i] = entry(i)
+	}
+	w.touchAll(burst)
+	rows := func() int { return table.NumObjects(db.ReadTxn()) }
+
+	if !w.writeChunk(tableWriterChunk) {
+		t.Fatal("first chunk of a burst of two reported nothing left")
+	}
+	if got := rows(); got != tableWriterChunk {
+		t.Fatalf("%d rows after one chunk, want %d", got, tableWriterChunk)
+	}
+	// Changes queued while a backlog is written wait for the next one.
+	late := make([]*refEntry, 0, 500)
+	for i := len(burst); i < len(sets); i++ {
+		late = append(late, entry(i))
+	}
+	w.touchAll(late)
+	// A written entry that changes is queued again; one in the backlog
+	// is written once, with its count at that time.
+	burst[0].refs.Store(3)
+	w.touchAll([]*refEntry{burst[0], burst[len(burst)-1]})
+	burst[len(burst)-1].refs.Store(5)
+
+	w.flush()
+	if got := rows(); got != len(sets) {
+		t.Fatalf("%d rows after flush, want %d", got, len(sets))
+	}
+	for _, c := range []struct {
+		e    *refEntry
+		refs int
+	}{{burst[0], 3}, {burst[len(burst)-1], 5}, {late[0], 1}} {
+		row, _, ok := table.Get(db.ReadTxn(), EntryIDIndex.Query(c.e.ident.ID))
+		if !ok || row.RefCount != c.refs {
+			t.Fatalf("row of %d: %+v (found %v), want %d refs", c.e.ident.ID, row, ok, c.refs)
+		}
+		if c.e.flags.Load()&entryDirty != 0 {
+			t.Fatalf("entry %d still marked dirty after it was written", c.e.ident.ID)
+		}
+	}
+	if w.writeChunk(tableWriterChunk) || w.queued() {
+		t.Fatal("rows left after flush")
+	}
+}
+
+// TestHitAllocatesNothing: another reference on a held local identity,
+// and dropping it again, allocate no memory (the allocation options of a
+// call without options used to escape to the heap).
+func TestHitAllocatesNothing(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector allocates on its own")
+	}
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	ctx := context.Background()
+	set := cidr("10.1.0.0/16")
+	held, _ := mustAlloc(t, a, set)
+	allocs := testing.AllocsPerRun(1000, func() {
+		id, allocated, err := a.Allocate(ctx, set)
+		if err != nil || allocated || id != held {
+			t.Fatalf("hit: %v, %v, %v", id, allocated, err)
+		}
+		if last, err := a.Release(ctx, id); err != nil || last {
+			t.Fatalf("release of a second reference: %v, %v", last, err)
+		}
+	})
+	// The table writer's lists grow now and then; a fraction of an
+	// allocation per call is theirs.
+	if allocs >= 0.5 {
+		t.Fatalf("a hit and its release allocate %.2f times, want none", allocs)
+	}
+}
+
 // TestConcurrentAllocateRelease: goroutines allocate and release
 // overlapping label sets; afterwards refcounts are exact, a label set kept
 // its ID while held, and no ID denoted two label sets.

@@ -43,7 +43,9 @@
 //     table is written at most every 10ms and with at most a quarter of a
 //     core: a row costs about a microsecond of statedb writes, several
 //     times an allocation, so during a burst of new identities the table
-//     lags further behind and catches up after the burst.
+//     lags further behind and catches up after the burst. A burst is
+//     written in transactions of at most 1,024 rows with rests between
+//     them, so that the writer never holds a processor for long.
 //
 // Allocation never waits for any of them. During a burst (a dispatcher
 // pass that took 256 changes or more) the dispatcher waits a millisecond

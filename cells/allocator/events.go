@@ -433,6 +433,15 @@ const tableWriterInterval = 10 * time.Millisecond
 // 1/(1+tableWriterRestFactor).
 const tableWriterRestFactor = 3
 
+// tableWriterChunk is the most rows one write transaction of the table
+// writer holds (about a millisecond of statedb writes). A burst of new
+// identities is written in many short transactions with rests in between
+// rather than in a few long ones: a long one keeps a processor busy for a
+// tenth of a second and more, and on a small machine the dispatcher and
+// the garbage collector's workers then take the processors of the
+// allocating goroutines (docs/benchmarks.md).
+const tableWriterChunk = 1024
+
 // tableWriter keeps the identities table in step with the allocator. Held
 // identities reach it as dirty entries (their current count is written),
 // the others (reserved, other nodes' global ones) as events.
@@ -446,10 +455,18 @@ type tableWriter struct {
 
 	mu    sync.Mutex
 	dirty []*refEntry
-	// spare is the previous flush's list, emptied, for reuse.
+	// spare is a previous backlog's list, emptied, for reuse.
 	spare []*refEntry
 	evs   []event
 	wake  chan struct{}
+
+	// writeMu serializes writing; it guards the backlog: what the
+	// writer took from dirty and evs and has not written yet.
+	writeMu      sync.Mutex
+	backlogEvs   []event
+	backlogDirty []*refEntry
+	// written is how many of backlogDirty were written.
+	written int
 }
 
 func newTableWriter(db *statedb.DB, table statedb.RWTable[Entry]) *tableWriter {
@@ -457,19 +474,13 @@ func newTableWriter(db *statedb.DB, table statedb.RWTable[Entry]) *tableWriter {
 }
 
 func (w *tableWriter) touch(e *refEntry) {
-	if w.table == nil || !markDirty(e) {
+	if w.table == nil || !e.markDirty() {
 		return
 	}
 	w.mu.Lock()
 	w.dirty = append(w.dirty, e)
 	w.mu.Unlock()
 	w.signal()
-}
-
-// markDirty marks e as waiting for the table; it reports whether e was
-// not waiting yet.
-func markDirty(e *refEntry) bool {
-	return !e.dirty.Load() && e.dirty.CompareAndSwap(false, true)
 }
 
 // touchAll is touch for the entries of a dispatcher drain, with one lock.
@@ -479,7 +490,7 @@ func (w *tableWriter) touchAll(es []*refEntry) {
 	}
 	w.mu.Lock()
 	for _, e := range es {
-		if markDirty(e) {
+		if e.markDirty() {
 			w.dirty = append(w.dirty, e)
 		}
 	}
@@ -512,85 +523,131 @@ func (w *tableWriter) run(ctx context.Context) {
 			return
 		case <-w.wake:
 		}
-		start := time.Now()
-		w.flush()
-		// Rest three times as long as the flush took: under a sustained
-		// burst the mirror lags further behind (and catches up after
-		// it) instead of taking more than a quarter of a core from the
-		// allocations it mirrors. A row costs about a microsecond of
-		// statedb writes, several times an allocation.
-		rest := max(w.interval, tableWriterRestFactor*time.Since(start))
-		select {
-		case <-ctx.Done():
-			w.flush()
-			return
-		case <-time.After(rest):
+		for more := true; more; {
+			start := time.Now()
+			more = w.writeChunk(tableWriterChunk)
+			// Rest three times as long as the chunk took: under a
+			// sustained burst the mirror lags further behind (and
+			// catches up after it) instead of taking more than a
+			// quarter of a core from the allocations it mirrors. A
+			// row costs about a microsecond of statedb writes,
+			// several times an allocation. With nothing left, rest
+			// at least the interval, so that changes coalesce.
+			rest := tableWriterRestFactor * time.Since(start)
+			if !more {
+				rest = max(w.interval, rest)
+			}
+			select {
+			case <-ctx.Done():
+				w.flush()
+				return
+			case <-time.After(rest):
+			}
 		}
 	}
 }
 
+// flush writes the backlog and everything queued, without resting.
 func (w *tableWriter) flush() {
+	for w.writeChunk(tableWriterChunk) || w.queued() {
+	}
+}
+
+// queued reports whether changes wait to be taken into the backlog.
+func (w *tableWriter) queued() bool {
 	w.mu.Lock()
-	dirty, evs := w.dirty, w.evs
+	defer w.mu.Unlock()
+	return len(w.dirty) > 0 || len(w.evs) > 0
+}
+
+// writeChunk writes up to limit rows of the backlog in one transaction,
+// taking what is queued when the backlog is empty. It reports whether
+// rows are left in the backlog.
+func (w *tableWriter) writeChunk(limit int) bool {
+	w.writeMu.Lock()
+	defer w.writeMu.Unlock()
+	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
+		w.takeBacklog()
+	}
+	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
+		return false
+	}
+	txn := w.db.WriteTxn(w.table)
+	n := min(limit, len(w.backlogEvs))
+	for _, ev := range w.backlogEvs[:n] {
+		w.writeEvent(txn, ev)
+	}
+	clear(w.backlogEvs[:n])
+	w.backlogEvs = w.backlogEvs[n:]
+	dirty := w.backlogDirty[w.written:]
+	dirty = dirty[:min(limit-n, len(dirty))]
+	for _, e := range dirty {
+		w.writeEntry(txn, e)
+	}
+	clear(dirty)
+	w.written += len(dirty)
+	txn.Commit()
+	return len(w.backlogEvs) > 0 || w.written < len(w.backlogDirty)
+}
+
+// takeBacklog moves what is queued to the backlog; the caller holds
+// writeMu and has written the previous backlog.
+func (w *tableWriter) takeBacklog() {
+	// The list goes back for the next burst (its references cleared as
+	// they were written); a huge one is dropped rather than kept.
+	done := w.backlogDirty[:0]
+	w.mu.Lock()
+	if w.spare == nil && cap(done) > 0 && cap(done) <= maxScratch {
+		w.spare = done
+	}
+	w.backlogDirty, w.backlogEvs = w.dirty, w.evs
 	w.dirty, w.evs = w.spare, nil
 	w.spare = nil
 	w.mu.Unlock()
-	if len(dirty) == 0 && len(evs) == 0 {
+	w.written = 0
+}
+
+func (w *tableWriter) writeEvent(txn statedb.WriteTxn, ev event) {
+	switch ev.kind {
+	case ChangeUpsert:
+		// A held identity's row is written from its entry.
+		if old, _, ok := w.table.Get(txn, EntryIDIndex.Query(ev.ident.ID)); ok && old.ref != nil {
+			return
+		}
+		w.table.Insert(txn, Entry{Identity: ev.ident, Source: ev.source})
+	case ChangeDelete:
+		w.table.Delete(txn, Entry{Identity: ev.ident})
+	}
+}
+
+func (w *tableWriter) writeEntry(txn statedb.WriteTxn, e *refEntry) {
+	e.flags.And(^entryDirty)
+	if e.refs.Load() > 0 {
+		// A held entry's row is its current state; it also replaces
+		// the row of an older entry of the same ID that was released
+		// meanwhile.
+		w.table.Insert(txn, entryOf(e))
 		return
 	}
-	defer func() {
-		// The list goes back for the next burst, without its
-		// references; a huge one is dropped rather than kept.
-		clear(dirty)
-		if cap(dirty) <= maxScratch {
-			w.mu.Lock()
-			w.spare = dirty[:0]
-			w.mu.Unlock()
-		}
-	}()
-	txn := w.db.WriteTxn(w.table)
-	for _, ev := range evs {
-		switch ev.kind {
-		case ChangeUpsert:
-			// A held identity's row is written from its entry.
-			if old, _, ok := w.table.Get(txn, EntryIDIndex.Query(ev.ident.ID)); ok && old.ref != nil {
-				continue
-			}
-			w.table.Insert(txn, Entry{Identity: ev.ident, Source: ev.source})
-		case ChangeDelete:
-			w.table.Delete(txn, Entry{Identity: ev.ident})
-		}
+	old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
+	switch {
+	case hadOld && old.ref != e:
+		// The ID was reused by a newer entry; leave its row.
+	case e.global() && w.known(e.ident.ID):
+		// This node let go, but the identity still exists.
+		w.table.Insert(txn, Entry{Identity: &e.ident, Source: SourceGlobal})
+	case hadOld:
+		w.table.Delete(txn, old)
 	}
-	for _, e := range dirty {
-		e.dirty.Store(false)
-		if e.refs.Load() > 0 {
-			// A held entry's row is its current state; it also
-			// replaces the row of an older entry of the same ID
-			// that was released meanwhile.
-			w.table.Insert(txn, entryOf(e))
-			continue
-		}
-		old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
-		switch {
-		case hadOld && old.ref != e:
-			// The ID was reused by a newer entry; leave its row.
-		case e.global && w.known(e.ident.ID):
-			// This node let go, but the identity still exists.
-			w.table.Insert(txn, Entry{Identity: &e.ident, Source: SourceGlobal})
-		case hadOld:
-			w.table.Delete(txn, old)
-		}
-	}
-	txn.Commit()
 }
 
 // entryOf builds the table row of a held identity.
 func entryOf(ref *refEntry) Entry {
 	e := Entry{Identity: &ref.ident, RefCount: int(ref.refs.Load()), ref: ref, Source: SourceLocal}
 	switch {
-	case ref.global:
+	case ref.global():
 		e.Source = SourceGlobal
-	case ref.restored.Load():
+	case ref.restored():
 		e.Source = SourceRestored
 	}
 	return e

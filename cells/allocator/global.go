@@ -128,7 +128,8 @@ func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels,
 	if err != nil {
 		return nil, false, err
 	}
-	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}, global: true}
+	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}}
+	e.flags.Store(entryGlobal)
 	e.refs.Store(1)
 	g.byKey[key] = e
 	g.byID[id] = e

@@ -23,15 +23,32 @@ type refEntry struct {
 	// and only taken to or from zero under its write lock, so that hits
 	// and non-final releases never block each other.
 	refs atomic.Int32
-	// restored is set while every reference was taken by restoration.
-	restored atomic.Bool
-	// dirty is set while the entry waits for the identities table, so
-	// that a hot identity is queued for the table once.
-	dirty atomic.Bool
+	// flags holds the entry's flag bits (entryGlobal, entryRestored,
+	// entryDirty) in one word: with separate fields the entry would not
+	// fit the 48-byte size class.
+	flags atomic.Uint32
 	// hash is the label set's hash in a local scope's index.
 	hash uint64
-	// global marks entries of global identities.
-	global bool
+}
+
+const (
+	// entryGlobal marks entries of global identities; it never changes.
+	entryGlobal uint32 = 1 << iota
+	// entryRestored is set while every reference was taken by
+	// restoration.
+	entryRestored
+	// entryDirty is set while the entry waits for the identities table,
+	// so that a hot identity is queued for the table once.
+	entryDirty
+)
+
+func (e *refEntry) global() bool   { return e.flags.Load()&entryGlobal != 0 }
+func (e *refEntry) restored() bool { return e.flags.Load()&entryRestored != 0 }
+
+// markDirty marks e as waiting for the table; it reports whether e was
+// not waiting yet.
+func (e *refEntry) markDirty() bool {
+	return e.flags.Load()&entryDirty == 0 && e.flags.Or(entryDirty)&entryDirty == 0
 }
 
 // dropNonFinal drops one reference unless it is the last one, which only
@@ -138,7 +155,9 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	}
 	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}, hash: h}
 	e.refs.Store(1)
-	e.restored.Store(o.restored)
+	if o.restored {
+		e.flags.Store(entryRestored)
+	}
 	s.byID.set(id, e)
 	s.byLabel.insert(h, e)
 	s.version++
@@ -150,8 +169,8 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 // touch records a reference taken on an existing entry: a non-restored
 // reference ends the restored state, and the table learns the new count.
 func (s *localScope) touch(e *refEntry, o *allocateOptions) {
-	if !o.restored && e.restored.Load() {
-		e.restored.Store(false)
+	if !o.restored && e.restored() {
+		e.flags.And(^entryRestored)
 	}
 	s.events.touch(e)
 }
