@@ -192,20 +192,39 @@ func holdsOf(h *History) []hold {
 		op    *Op
 		ev    *Event
 	}
+	var kills []*Event
+	for i := range h.Events {
+		if e := &h.Events[i]; e.Kind == NodeKill {
+			kills = append(kills, e)
+		}
+	}
+	// killedDuring reports whether op's node was killed while op ran: its
+	// answer came from a process that was gone by the time the caller
+	// saw it, so the reference it took ended with the kill, before the
+	// hold would open at op's end.
+	killedDuring := func(op *Op) bool {
+		for _, e := range kills {
+			if e.Target == op.Node && !e.Start.Before(op.Start) && e.Start.Before(op.End) {
+				return true
+			}
+		}
+		return false
+	}
 	var pts []point
 	for i := range h.Ops {
 		op := &h.Ops[i]
 		switch {
 		case op.Kind == OpAllocate && op.Outcome == OK:
+			if killedDuring(op) {
+				continue
+			}
 			pts = append(pts, point{t: op.End, order: 1, op: op})
 		case op.Kind == OpRelease:
 			pts = append(pts, point{t: op.Start, order: 0, op: op})
 		}
 	}
-	for i := range h.Events {
-		if e := &h.Events[i]; e.Kind == NodeKill {
-			pts = append(pts, point{t: e.Start, order: 0, ev: e})
-		}
+	for _, e := range kills {
+		pts = append(pts, point{t: e.Start, order: 0, ev: e})
 	}
 	sort.SliceStable(pts, func(i, j int) bool {
 		if !pts[i].t.Equal(pts[j].t) {

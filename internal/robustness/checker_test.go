@@ -171,10 +171,13 @@ func TestCheckerFindsViolations(t *testing.T) {
 
 // TestCheckerIsConservative: a local set held for less than Settle before
 // the kill, or re-allocated after the grace period, is not checked; a
-// release with an unknown outcome ends the hold.
+// release with an unknown outcome ends the hold; an allocation answered
+// while its node was being killed holds nothing after the kill.
 func TestCheckerIsConservative(t *testing.T) {
 	b := newBuilder().
 		alloc("n1", cidrA, 16777217, 9, 9.5).
+		alloc("n1", "cidr:10.8.0.0/16,reserved:world", 16777250, 9.9, 10.001).
+		alloc("n1", "cidr:10.8.0.0/16,reserved:world", 16777219, 12.5, 12.6).
 		alloc("n1", cidrB, 16777218, 0, 0.1).
 		event(NodeKill, "n1", 10, 10).event(NodeReady, "n1", 10, 12).
 		alloc("n1", cidrA, 16777300, 12.5, 12.6).
