@@ -11,12 +11,17 @@ FUZZTIME  ?= 5s
 # Benchmark selection and repetitions for `make bench`.
 BENCH     ?= .
 BENCHCOUNT ?= 6
+# Rounds of `make bench-anchor` (identityd against Cilium v1.16.2's code),
+# and runs per process (1: the figure of a fresh process; 3: the median is
+# a run on a heap that an earlier run grew).
+ANCHOR_ROUNDS ?= 6
+ANCHOR_COUNT  ?= 1
 # Length of the fault-injection workload of `make robustness` (empty: the
 # short run of about a minute that `make test` also runs).
 ROBUSTNESS_DURATION ?=
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build run shell test vet fmt-check test-unit compose-example bench fuzz robustness lint docs-graph clean
+.PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -52,6 +57,16 @@ compose-example:
 
 bench:
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCHCOUNT) ./...
+
+# Runs the local allocator benchmarks of identityd and of Cilium v1.16.2's
+# own code (internal/ciliumanchor, a module of its own) in alternating
+# processes and prints the multiple of every round. Downloads Cilium's
+# module on first use.
+bench-anchor:
+	@dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \
+	$(GO) test -c -o "$$dir/identityd.test" ./cells/allocator && \
+	cd internal/ciliumanchor && $(GO) test -c -o "$$dir/cilium.test" . && \
+	$(GO) run ./compare -rounds $(ANCHOR_ROUNDS) -count $(ANCHOR_COUNT) "$$dir/identityd.test" "$$dir/cilium.test"
 
 # Runs the fault-injection test: 3 etcd members and 3 agents as processes,
 # a random workload, faults, and the checker over the history
