@@ -547,9 +547,16 @@ func (w *tableWriter) run(ctx context.Context) {
 	}
 }
 
-// flush writes the backlog and everything queued, without resting.
+// flush writes the backlog and then everything queued at that time,
+// without resting. Changes queued while it writes wait for the next
+// flush, so that allocations that go on during a stop cannot keep it
+// writing.
 func (w *tableWriter) flush() {
-	for w.writeChunk(tableWriterChunk) || w.queued() {
+	for w.writeChunk(tableWriterChunk) {
+	}
+	if w.queued() {
+		for w.writeChunk(tableWriterChunk) {
+		}
 	}
 }
 
