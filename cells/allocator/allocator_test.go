@@ -400,7 +400,7 @@ func TestTableWriterChunks(t *testing.T) {
 	w.touchAll(burst)
 	rows := func() int { return table.NumObjects(db.ReadTxn()) }
 
-	if !w.writeChunk(tableWriterChunk) {
+	if !w.writeChunk(tableWriterChunk, true) {
 		t.Fatal("first chunk of a burst of two reported nothing left")
 	}
 	if got := rows(); got != tableWriterChunk {
@@ -434,8 +434,47 @@ func TestTableWriterChunks(t *testing.T) {
 			t.Fatalf("entry %d still marked dirty after it was written", c.e.ident.ID)
 		}
 	}
-	if w.writeChunk(tableWriterChunk) || w.queued() {
+	if w.writeChunk(tableWriterChunk, true) || w.queued() {
 		t.Fatal("rows left after flush")
+	}
+}
+
+// TestTableFlushEnds: changes queued while a flush writes wait for the
+// next one, so that a flush at stop ends however busy the allocator is.
+// Here every row written queues another change, through the writer's
+// known callback.
+func TestTableFlushEnds(t *testing.T) {
+	db := statedb.New()
+	table, err := NewTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newTableWriter(db, table)
+	const first, bound = 100, 100_000
+	next := 0
+	// released is a global entry this node let go of, which makes the
+	// writer ask known whether the identity still exists.
+	released := func() *refEntry {
+		next++
+		e := &refEntry{ident: identity.Identity{ID: identity.NumericIdentity(1000 + next), Labels: cidr("10.0.0.0/8")}}
+		e.flags.Store(entryGlobal)
+		return e
+	}
+	w.known = func(identity.NumericIdentity) bool {
+		if next < bound {
+			w.touch(released())
+		}
+		return false
+	}
+	for range first {
+		w.touch(released())
+	}
+	w.flush()
+	if next != 2*first {
+		t.Fatalf("the flush wrote until %d changes were made, want it to stop after the %d queued when it started", next, first)
+	}
+	if !w.queued() {
+		t.Fatal("the changes made during the flush were lost")
 	}
 }
 

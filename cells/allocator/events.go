@@ -525,7 +525,7 @@ func (w *tableWriter) run(ctx context.Context) {
 		}
 		for more := true; more; {
 			start := time.Now()
-			more = w.writeChunk(tableWriterChunk)
+			more = w.writeChunk(tableWriterChunk, true)
 			// Rest three times as long as the chunk took: under a
 			// sustained burst the mirror lags further behind (and
 			// catches up after it) instead of taking more than a
@@ -547,15 +547,15 @@ func (w *tableWriter) run(ctx context.Context) {
 	}
 }
 
-// flush writes the backlog and then everything queued at that time,
-// without resting. Changes queued while it writes wait for the next
-// flush, so that allocations that go on during a stop cannot keep it
-// writing.
+// flush writes the rest of the backlog, then takes what is queued once
+// and writes it, without resting. Changes queued while it writes that
+// wait for the next flush, so that allocations that go on during a stop
+// cannot keep it writing.
 func (w *tableWriter) flush() {
-	for w.writeChunk(tableWriterChunk) {
+	for w.writeChunk(tableWriterChunk, false) {
 	}
-	if w.queued() {
-		for w.writeChunk(tableWriterChunk) {
+	if w.writeChunk(tableWriterChunk, true) {
+		for w.writeChunk(tableWriterChunk, false) {
 		}
 	}
 }
@@ -567,13 +567,16 @@ func (w *tableWriter) queued() bool {
 	return len(w.dirty) > 0 || len(w.evs) > 0
 }
 
-// writeChunk writes up to limit rows of the backlog in one transaction,
-// taking what is queued when the backlog is empty. It reports whether
-// rows are left in the backlog.
-func (w *tableWriter) writeChunk(limit int) bool {
+// writeChunk writes up to limit rows of the backlog in one transaction;
+// when the backlog is empty and take is set, it takes what is queued
+// first. It reports whether rows are left in the backlog.
+func (w *tableWriter) writeChunk(limit int, take bool) bool {
 	w.writeMu.Lock()
 	defer w.writeMu.Unlock()
 	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
+		if !take {
+			return false
+		}
 		w.takeBacklog()
 	}
 	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
