@@ -357,6 +357,9 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	eventuallyWithin(t, 30*time.Second, "c2's identities back", func() bool {
 		return n1.alloc.LookupByID(web2.ID) != nil && n1.alloc.LookupByID(api2.ID) != nil
 	})
+	// Lookups answer from the mesh at once; Observe delivers on its own
+	// goroutine, so its events may trail them.
+	eventually(t, "c2's withdrawal and return observed", func() bool { return len(log.of(web2.ID)) >= len(before)+2 })
 	if got, want := strings.Join(log.of(web2.ID), ","), strings.Join(append(before, "delete", "upsert"), ","); got != want {
 		t.Fatalf("events of %d: %s, want %s", web2.ID, got, want)
 	}
