@@ -376,17 +376,30 @@ func TestTableInStep(t *testing.T) {
 	waitFor(t, "row gone", func() bool { _, ok := row(id.ID); return !ok })
 }
 
-// TestTableWriterChunks checks that the table writer writes a burst in
-// transactions of at most tableWriterChunk rows, and that flush writes
-// both the rest of a backlog and what was queued after it was taken.
-func TestTableWriterChunks(t *testing.T) {
+// bareTableWriter returns a table writer on a new identities table,
+// without its goroutine: the test decides when it writes.
+func bareTableWriter(t *testing.T) (*statedb.DB, statedb.RWTable[Entry], *tableWriter) {
+	t.Helper()
 	db := statedb.New()
 	table, err := NewTable(db)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A writer without its goroutine: the test decides when it writes.
-	w := newTableWriter(db, table)
+	return db, table, newTableWriter(db, table)
+}
+
+// queued reports whether changes wait to be taken into the backlog.
+func (w *tableWriter) queued() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.dirty) > 0 || len(w.evs) > 0
+}
+
+// TestTableWriterChunks checks that the table writer writes a burst in
+// transactions of at most tableWriterChunk rows, and that flush writes
+// both the rest of a backlog and what was queued after it was taken.
+func TestTableWriterChunks(t *testing.T) {
+	db, table, w := bareTableWriter(t)
 	sets := cidrSets(2*tableWriterChunk + 500)
 	entry := func(i int) *refEntry {
 		e := &refEntry{ident: identity.Identity{ID: identity.NumericIdentity(identity.ScopeLocal) | identity.NumericIdentity(i+1), Labels: sets[i]}}
@@ -444,12 +457,7 @@ func TestTableWriterChunks(t *testing.T) {
 // Here every row written queues another change, through the writer's
 // known callback.
 func TestTableFlushEnds(t *testing.T) {
-	db := statedb.New()
-	table, err := NewTable(db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w := newTableWriter(db, table)
+	_, _, w := bareTableWriter(t)
 	const first, bound = 100, 100_000
 	next := 0
 	// released is a global entry this node let go of, which makes the

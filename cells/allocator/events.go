@@ -455,8 +455,6 @@ type tableWriter struct {
 
 	mu    sync.Mutex
 	dirty []*refEntry
-	// spare is a previous backlog's list, emptied, for reuse.
-	spare []*refEntry
 	evs   []event
 	wake  chan struct{}
 
@@ -560,13 +558,6 @@ func (w *tableWriter) flush() {
 	}
 }
 
-// queued reports whether changes wait to be taken into the backlog.
-func (w *tableWriter) queued() bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return len(w.dirty) > 0 || len(w.evs) > 0
-}
-
 // writeChunk writes up to limit rows of the backlog in one transaction;
 // when the backlog is empty and take is set, it takes what is queued
 // first. It reports whether rows are left in the backlog.
@@ -606,13 +597,12 @@ func (w *tableWriter) takeBacklog() {
 	// The list goes back for the next burst (its references cleared as
 	// they were written); a huge one is dropped rather than kept.
 	done := w.backlogDirty[:0]
-	w.mu.Lock()
-	if w.spare == nil && cap(done) > 0 && cap(done) <= maxScratch {
-		w.spare = done
+	if cap(done) > maxScratch {
+		done = nil
 	}
+	w.mu.Lock()
 	w.backlogDirty, w.backlogEvs = w.dirty, w.evs
-	w.dirty, w.evs = w.spare, nil
-	w.spare = nil
+	w.dirty, w.evs = done, nil
 	w.mu.Unlock()
 	w.written = 0
 }
