@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"path"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -222,9 +223,35 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 
 func masterKey(id identity.NumericIdentity) string { return MasterKeyPrefix + id.String() }
 
-func referencePrefix(key string) string { return ReferenceKeyPrefix + key + "/" }
+// Cilium v1.16 builds the reference and lock keys of a label set with
+// path.Join, which cleans the label string inside them ("//" becomes "/",
+// "/./" and "x/../" go), so identityd does the same: a label set holding
+// such sequences then has one reference prefix on every node, whichever
+// wrote it. The master key's value stays the uncleaned string.
 
-func lockPrefix(key string) string { return LockKeyPrefix + key + "/" }
+// referenceBase is the key that this label set's reference keys extend
+// with "/<node>".
+func referenceBase(key string) string { return path.Join(IdentitiesPrefix, "value", key) }
+
+func referencePrefix(key string) string { return referenceBase(key) + "/" }
+
+func lockPrefix(key string) string { return path.Join(IdentitiesPrefix, "locks", key) + "/" }
+
+// ErrKeyLayout: the label set's keys, cleaned the way Cilium cleans them,
+// would leave the key prefix of its kind (a "/../" climbing out of the
+// label string), so it cannot be stored safely.
+var ErrKeyLayout = errors.New("label set cannot be written as an etcd key")
+
+// checkKeyLayout refuses a label set whose cleaned reference or lock keys
+// would land outside their prefixes, where they could pass for another
+// kind of key (a master key, say).
+func checkKeyLayout(key string) error {
+	if !strings.HasPrefix(referencePrefix(key), ReferenceKeyPrefix) || referencePrefix(key) == ReferenceKeyPrefix ||
+		!strings.HasPrefix(lockPrefix(key), LockKeyPrefix) || lockPrefix(key) == LockKeyPrefix {
+		return fmt.Errorf("%w: %q climbs out of %s once cleaned as Cilium cleans keys", ErrKeyLayout, key, IdentitiesPrefix)
+	}
+	return nil
+}
 
 // Start lists the master keys, then watches them in the background. It
 // waits for the first listing at most --allocator-list-timeout; when that
@@ -301,20 +328,32 @@ const (
 	outNewID                 // the candidate ID is taken: pick another
 	outLocked                // a Cilium agent holds the label set's lock
 	outWait                  // references point to an ID without master key
+	// outForeign: the reference prefix holds only keys of label sets
+	// whose canonical strings extend this one with "/" (Cilium allows
+	// "/" in sources), none of this label set's: create again, comparing
+	// that nothing under the prefix changed since revision rev.
+	outForeign
 )
 
 type attempt struct {
 	out     outcome
 	id      identity.NumericIdentity
 	created bool
+	rev     int64
 }
 
 // Allocate implements GlobalBackend.
 func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	key := lbls.Canonical()
+	if err := checkKeyLayout(key); err != nil {
+		return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
+	}
 	// A label set the cache knows is adopted directly: one transaction.
 	hint, _ := b.cachedID(key)
 	var conflicts, transient, waits int
+	// foreignRev is set once the label set's reference prefix is known to
+	// hold keys of other label sets only (see outForeign).
+	var foreignRev int64
 	for {
 		if err := ctx.Err(); err != nil {
 			return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
@@ -326,10 +365,10 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 		if hint != 0 {
 			a, err = b.adopt(ctx, key, hint)
 		} else {
-			a, err = b.create(ctx, key, lbls)
+			a, err = b.create(ctx, key, lbls, foreignRev)
 		}
 		if err != nil {
-			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) {
+			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) || errors.Is(err, ErrKeyLayout) {
 				return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
 			}
 			if !retryable(err) || ctx.Err() != nil {
@@ -361,6 +400,8 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 			sleep(ctx, backoff(conflicts+1))
 		case outNewID:
 			hint = 0
+		case outForeign:
+			hint, foreignRev = 0, a.rev
 		}
 		if conflicts++; conflicts > maxConflicts {
 			return 0, false, fmt.Errorf("%w: %s after %d attempts", ErrAllocationConflict, key, conflicts)
@@ -372,7 +413,12 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 // transaction that is safe against every other writer: the ID has no master
 // key, no node references the label set, no Cilium agent holds its lock. On
 // failure the same round trip reads why, so the next step needs no read.
-func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels) (attempt, error) {
+//
+// foreignRev is 0, or a revision at which the label set's reference prefix
+// held keys of other label sets only; then "no node references the label
+// set" is compared as "no key under the prefix was written after
+// foreignRev", since those keys would fail a compare that none exists.
+func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels, foreignRev int64) (attempt, error) {
 	nid := b.pool.LeaseAvailableID()
 	if nid == idpool.NoID {
 		return attempt{}, ErrGlobalSpaceExhausted
@@ -389,7 +435,7 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 	ref := refs + b.node
 	resp, settled, err := b.creates.commit(ctx, &createItem{
 		cli:    cli,
-		req:    createTxn(master, refs, locks, b.node, key, id.String(), lease),
+		req:    createTxn(master, refs, locks, b.node, key, id.String(), lease, foreignRev),
 		master: master,
 		ref:    ref,
 		settle: func(resp *pb.TxnResponse, err error) { b.settleAbandoned(nid, ref, resp, err) },
@@ -414,10 +460,14 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 		if !isReferenceOf(ref.Key, refs) {
 			// Only a label set whose canonical string extends ours
 			// with "/" could own this key; look for one of ours.
-			var err error
-			if ref, err = b.findReference(ctx, cli, refs); err != nil {
+			found, rev, err := b.findReference(ctx, cli, refs)
+			if err != nil {
 				return attempt{}, err
 			}
+			if found == nil {
+				return attempt{out: outForeign, rev: rev}, nil
+			}
+			ref = found
 		}
 		if ref != nil {
 			refID, err := identity.ParseNumericIdentity(string(ref.Value))
@@ -499,12 +549,20 @@ func (b *EtcdBackend) settleAbandoned(nid idpool.ID, ref string, resp *pb.TxnRes
 // of what the client spends on it, taken from the server when both share
 // a small machine. The benchmarks issue the same request without an
 // allocator, to measure what its shape costs the server.
-func createTxn(master, refs, locks, node, value, id string, lease clientv3.LeaseID) *pb.TxnRequest {
+//
+// foreignRev, when not 0, replaces the compare that no reference key exists
+// with one that no key under refs was written after foreignRev (see
+// create).
+func createTxn(master, refs, locks, node, value, id string, lease clientv3.LeaseID, foreignRev int64) *pb.TxnRequest {
 	masterKey, refsKey := []byte(master), []byte(refs)
+	refsCompare := notCreated(refsKey, prefixEnd(refs))
+	if foreignRev != 0 {
+		refsCompare = notWrittenSince(refsKey, prefixEnd(refs), foreignRev)
+	}
 	return &pb.TxnRequest{
 		Compare: []*pb.Compare{
 			notCreated(masterKey, nil),
-			notCreated(refsKey, prefixEnd(refs)),
+			refsCompare,
 			notCreated([]byte(locks), prefixEnd(locks)),
 		},
 		Success: []*pb.RequestOp{
@@ -529,6 +587,18 @@ func notCreated(key, rangeEnd []byte) *pb.Compare {
 		Target:      pb.Compare_CREATE,
 		Result:      pb.Compare_EQUAL,
 		TargetUnion: &pb.Compare_CreateRevision{CreateRevision: 0},
+	}
+}
+
+// notWrittenSince compares that no key in [key, rangeEnd) was written
+// after revision rev; an empty range passes.
+func notWrittenSince(key, rangeEnd []byte, rev int64) *pb.Compare {
+	return &pb.Compare{
+		Key:         key,
+		RangeEnd:    rangeEnd,
+		Target:      pb.Compare_MOD,
+		Result:      pb.Compare_LESS,
+		TargetUnion: &pb.Compare_ModRevision{ModRevision: rev + 1},
 	}
 }
 
@@ -557,20 +627,21 @@ func isReferenceOf(key []byte, prefix string) bool {
 // findReference scans the label set's reference prefix for a key that
 // belongs to it. It is only needed when another label set's keys share the
 // prefix, which identityd's label validation rules out and Cilium's does
-// not.
-func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, prefix string) (*mvccpb.KeyValue, error) {
+// not. With none of the label set's own, it returns the revision of the
+// scan, at which the prefix held other label sets' keys only.
+func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, prefix string) (*mvccpb.KeyValue, int64, error) {
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
 	resp, err := cli.Get(rctx, prefix, clientv3.WithPrefix())
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	for _, kv := range resp.Kvs {
 		if isReferenceOf(kv.Key, prefix) {
-			return kv, nil
+			return kv, 0, nil
 		}
 	}
-	return nil, fmt.Errorf("%w: keys of another label set under %s make the allocation's prefix compare fail", ErrAllocationConflict, prefix)
+	return nil, resp.Header.GetRevision(), nil
 }
 
 // adopt writes this node's reference to id, provided id's master key still
@@ -587,7 +658,7 @@ func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.Numeric
 	resp, err := cli.Txn(rctx).
 		If(clientv3.Compare(clientv3.Value(master), "=", key)).
 		Then(clientv3.OpPut(referencePrefix(key)+b.node, id.String(), clientv3.WithLease(lease))).
-		Else(clientv3.OpGet(master, clientv3.WithKeysOnly())).
+		Else(clientv3.OpGet(master)).
 		Commit()
 	if err != nil {
 		return attempt{}, err
@@ -597,7 +668,15 @@ func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.Numeric
 		b.hold(key, id, resp.Header.GetRevision())
 		return attempt{out: outDone, id: id}, nil
 	}
-	if len(resp.Responses[0].GetResponseRange().GetKvs()) == 0 {
+	kvs := resp.Responses[0].GetResponseRange().GetKvs()
+	if len(kvs) > 0 && referenceBase(string(kvs[0].Value)) == referenceBase(key) {
+		// Another label string that cleans to the same key (x//y and
+		// x/./y) owns the references this node would share: neither
+		// Cilium's layout nor any other can tell the two apart.
+		return attempt{}, fmt.Errorf("%w: its reference keys are those of %q (ID %d) once cleaned as Cilium cleans keys",
+			ErrKeyLayout, kvs[0].Value, id)
+	}
+	if len(kvs) == 0 {
 		// References name an ID whose master key is gone; their
 		// holders re-create it (master-key protection) or their lease
 		// expires. Either way the next create attempt tells.

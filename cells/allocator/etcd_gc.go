@@ -98,7 +98,7 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 	var candidates []candidate
 	b.cacheMu.RLock()
 	for id, e := range b.byID {
-		if _, ok := referenced[e.key]; !ok {
+		if _, ok := referenced[referenceBase(e.key)]; !ok {
 			candidates = append(candidates, candidate{id, e.key, e.modRev})
 		}
 	}
@@ -131,7 +131,9 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 }
 
 // referencedLabelSets lists the reference keys (keys only, page by page)
-// and returns the label strings that have at least one.
+// and returns the reference bases (see referenceBase) that have at least
+// one: a label string cleaned as Cilium cleans it, which the master key's
+// value need not be.
 func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Client) (map[string]struct{}, error) {
 	out := map[string]struct{}{}
 	end := clientv3.GetPrefixRangeEnd(ReferenceKeyPrefix)
@@ -153,9 +155,9 @@ func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Cli
 		for _, kv := range resp.Kvs {
 			// The node name follows the last "/"; label strings
 			// may hold "/" themselves.
-			rest := strings.TrimPrefix(string(kv.Key), ReferenceKeyPrefix)
-			if i := strings.LastIndexByte(rest, '/'); i > 0 {
-				out[rest[:i]] = struct{}{}
+			key := string(kv.Key)
+			if i := strings.LastIndexByte(key, '/'); i >= len(ReferenceKeyPrefix) {
+				out[key[:i]] = struct{}{}
 			}
 		}
 		if !resp.More || len(resp.Kvs) == 0 {

@@ -1,0 +1,327 @@
+package allocator
+
+import (
+	"errors"
+	"path"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/labels"
+)
+
+// ciliumWriter writes global identities the way Cilium v1.16's kvstore
+// allocator does (pkg/kvstore/allocator): keys built with path.Join, a
+// lookup that lists path.Join(value prefix, labels) and keeps the keys
+// whose last "/" follows the prefix, master keys created only if absent,
+// references on the node's lease. It skips Cilium's lock, which changes no
+// key that a reader sees once the allocation is done.
+type ciliumWriter struct {
+	cli   *clientv3.Client
+	node  string
+	lease clientv3.LeaseID
+	next  int
+}
+
+func newCiliumWriter(t *testing.T, cli *clientv3.Client, node string, firstID int) *ciliumWriter {
+	t.Helper()
+	lease, err := cli.Grant(testCtx(t, 10*time.Second), 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &ciliumWriter{cli: cli, node: node, lease: lease.ID, next: firstID}
+}
+
+// lookup is Cilium's kvstoreBackend.Get.
+func (w *ciliumWriter) lookup(t *testing.T, key string) identity.NumericIdentity {
+	t.Helper()
+	prefix := path.Join(IdentitiesPrefix, "value", key)
+	resp, err := w.cli.Get(testCtx(t, 10*time.Second), prefix, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		if strings.LastIndex(string(kv.Key), "/") == len(prefix) {
+			if id, err := strconv.ParseUint(string(kv.Value), 10, 32); err == nil {
+				return identity.NumericIdentity(id)
+			}
+		}
+	}
+	return 0
+}
+
+// allocate references the label set's identity, creating a master key
+// with the next free ID when no node references it.
+func (w *ciliumWriter) allocate(t *testing.T, key string) identity.NumericIdentity {
+	t.Helper()
+	ctx := testCtx(t, 10*time.Second)
+	id := w.lookup(t, key)
+	for id == 0 {
+		master := path.Join(IdentitiesPrefix, "id", strconv.Itoa(w.next))
+		w.next++
+		resp, err := w.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0)).
+			Then(clientv3.OpPut(master, key)).Commit()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.Succeeded {
+			id = identity.NumericIdentity(w.next - 1)
+		}
+	}
+	ref := path.Join(IdentitiesPrefix, "value", key, w.node)
+	if _, err := w.cli.Put(ctx, ref, id.String(), clientv3.WithLease(w.lease)); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// masterKeysOf counts the master keys whose value is key.
+func masterKeysOf(t *testing.T, cli *clientv3.Client, key string) int {
+	t.Helper()
+	resp, err := cli.Get(testCtx(t, 10*time.Second), MasterKeyPrefix, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, kv := range resp.Kvs {
+		if string(kv.Value) == key {
+			n++
+		}
+	}
+	return n
+}
+
+// Label strings that path.Join changes, and ones it leaves alone but that
+// hold characters a key layout could trip on.
+var interopLabelStrings = []string{
+	"k8s:a=x//y;",
+	"k8s:a=u/./v;",
+	"k8s:a=p/q/../r;",
+	"k8s:a=trailing/;",
+	"k8s:a=b=c;k8s:io.kubernetes.pod.namespace=ns;",
+	"k8s:app.kubernetes.io/name=web;k8s:dir//x=1;",
+	"container:a=..;k8s:b=/;",
+}
+
+// TestEtcdMixedWritersCleanedKeys runs identityd nodes beside a writer that
+// builds keys the way Cilium v1.16 does, over label strings that path.Join
+// cleans: each label set ends with one master key and one ID on every
+// node, whichever writes first, and the garbage collection deletes no
+// master key a Cilium node references.
+func TestEtcdMixedWritersCleanedKeys(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	cilium := newCiliumWriter(t, cli, "cilium-node", 40000)
+	ctx := testCtx(t, time.Minute)
+
+	type held struct {
+		key string
+		id  identity.NumericIdentity
+	}
+	var all []held
+	for i, key := range interopLabelStrings {
+		lbls, err := labels.ParseCanonical(key)
+		if err != nil {
+			t.Fatalf("%q: %v", key, err)
+		}
+		var id identity.NumericIdentity
+		if i%2 == 0 {
+			// Cilium first, then identityd adopts.
+			id = cilium.allocate(t, key)
+			got, _, err := n1.alloc.Allocate(ctx, lbls)
+			if err != nil {
+				t.Fatalf("node1 after Cilium, %q: %v", key, err)
+			}
+			if got.ID != id {
+				t.Errorf("%q: Cilium has %d, node1 %d", key, id, got.ID)
+			}
+		} else {
+			// identityd first, then Cilium finds its reference.
+			got, _, err := n1.alloc.Allocate(ctx, lbls)
+			if err != nil {
+				t.Fatalf("node1, %q: %v", key, err)
+			}
+			id = got.ID
+			if cid := cilium.allocate(t, key); cid != id {
+				t.Errorf("%q: node1 has %d, Cilium %d", key, id, cid)
+			}
+		}
+		got, _, err := n2.alloc.Allocate(ctx, lbls)
+		if err != nil {
+			t.Fatalf("node2, %q: %v", key, err)
+		}
+		if got.ID != id {
+			t.Errorf("%q: node2 has %d, others %d", key, got.ID, id)
+		}
+		if n := masterKeysOf(t, cli, key); n != 1 {
+			t.Errorf("%q: %d master keys, want 1", key, n)
+		}
+		// Cilium's lookup finds identityd's references under the key it
+		// builds itself.
+		if w := cilium.lookup(t, key); w != id {
+			t.Errorf("%q: Cilium's lookup finds %d, want %d", key, w, id)
+		}
+		all = append(all, held{key, id})
+	}
+
+	// identityd's nodes release everything; only the Cilium node
+	// references the label sets now. GC must keep every master key.
+	for _, h := range all {
+		lbls, _ := labels.ParseCanonical(h.key)
+		for _, n := range []*etcdNode{n1, n2} {
+			id := n.alloc.LookupByLabels(lbls)
+			if _, err := n.alloc.Release(ctx, id); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, _, err := n1.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range all {
+		if v, _, ok := getValue(t, cli, masterKey(h.id)); !ok || v != h.key {
+			t.Errorf("GC deleted master key %d of %q, which the Cilium node references (now %q, %v)", h.id, h.key, v, ok)
+		}
+	}
+}
+
+// TestEtcdForeignKeysUnderPrefix checks that reference keys of a label set
+// whose canonical string extends another's with "/" (a Cilium label source
+// may hold "/") do not block the shorter label set's allocation.
+func TestEtcdForeignKeysUnderPrefix(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	cilium := newCiliumWriter(t, cli, "cilium-node", 41000)
+	ctx := testCtx(t, time.Minute)
+
+	short := labels.MustParse("k8s:a=x")
+	foreign := short.Canonical() + "/src:b=y;"
+	fid := cilium.allocate(t, foreign)
+
+	got, created, err := n1.alloc.Allocate(ctx, short)
+	if err != nil {
+		t.Fatalf("allocation blocked by a foreign key: %v", err)
+	}
+	if !created || got.ID == fid {
+		t.Fatalf("got %d (created %v), the foreign label set has %d", got.ID, created, fid)
+	}
+	again, _, err := n2.alloc.Allocate(ctx, short)
+	if err != nil || again.ID != got.ID {
+		t.Fatalf("node2: %v, %v; node1 has %d", again, err, got.ID)
+	}
+	if w := cilium.lookup(t, short.Canonical()); w != got.ID {
+		t.Fatalf("Cilium's lookup finds %d, want %d", w, got.ID)
+	}
+	if n := masterKeysOf(t, cli, short.Canonical()); n != 1 {
+		t.Fatalf("%d master keys, want 1", n)
+	}
+}
+
+// TestCreateTxnForeignRevision checks the compare that replaces "no
+// reference key exists" when the prefix holds only other label sets' keys:
+// a reference written after that revision makes the transaction fail.
+func TestCreateTxnForeignRevision(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	ctx := testCtx(t, 30*time.Second)
+	key := "k8s:a=x;"
+	refs, locks := referencePrefix(key), lockPrefix(key)
+	put, err := cli.Put(ctx, refs+"src:b=y;/other", "300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := put.Header.Revision
+	lease, err := cli.Grant(ctx, 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// A node references the label set after the scan at seen.
+	if _, err := cli.Put(ctx, refs+"late-node", "301"); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := commitTxn(ctx, cli, createTxn(masterKey(302), refs, locks, "me", key, "302", lease.ID, seen))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Succeeded {
+		t.Fatal("create succeeded although a reference was written after the scan")
+	}
+	if _, err := cli.Delete(ctx, refs+"late-node"); err != nil {
+		t.Fatal(err)
+	}
+
+	// Only the foreign key, unchanged since a later scan: it succeeds.
+	now, err := cli.Get(ctx, refs, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err = commitTxn(ctx, cli, createTxn(masterKey(302), refs, locks, "me", key, "302", lease.ID, now.Header.Revision))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.Succeeded {
+		t.Fatal("create failed with only a foreign key under the prefix")
+	}
+}
+
+// TestEtcdKeyLayoutRefused checks that a label set whose keys, cleaned as
+// Cilium cleans them, would leave their prefix is refused before anything
+// is written.
+func TestEtcdKeyLayoutRefused(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	ctx := testCtx(t, 30*time.Second)
+	for _, s := range []string{"k8s:x/../../id/5=v", "k8s:x/../../../../../etc=v"} {
+		lbls, err := labels.Parse(s)
+		if err != nil {
+			t.Fatalf("%q: %v", s, err)
+		}
+		_, _, err = n1.alloc.Allocate(ctx, lbls)
+		if !errors.Is(err, ErrKeyLayout) {
+			t.Errorf("%q: %v, want ErrKeyLayout", s, err)
+		}
+	}
+	if n := countKeys(t, cli, IdentitiesPrefix); n != 0 {
+		t.Fatalf("%d keys written for refused label sets", n)
+	}
+}
+
+// TestEtcdKeyCollisionRefused checks that of two label strings that clean
+// to the same reference key, the second is refused at once: in Cilium's
+// layout their references cannot be told apart.
+func TestEtcdKeyCollisionRefused(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	ctx := testCtx(t, 30*time.Second)
+	first, _, err := n1.alloc.Allocate(ctx, labels.MustParse("k8s:a=x//y"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := labels.MustParse("k8s:a=x/./y")
+	for _, n := range []*etcdNode{n1, n2} {
+		start := time.Now()
+		got, _, err := n.alloc.Allocate(ctx, second)
+		if !errors.Is(err, ErrKeyLayout) {
+			t.Fatalf("%s: %v, %v; want ErrKeyLayout (the first has %d)", n.name, got, err, first.ID)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("%s: refusal took %v", n.name, d)
+		}
+	}
+	if n := masterKeysOf(t, cli, second.Canonical()); n != 0 {
+		t.Fatalf("%d master keys for the refused label set", n)
+	}
+}
