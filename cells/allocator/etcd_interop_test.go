@@ -224,6 +224,30 @@ func TestEtcdForeignKeysUnderPrefix(t *testing.T) {
 	if n := masterKeysOf(t, cli, short.Canonical()); n != 1 {
 		t.Fatalf("%d master keys, want 1", n)
 	}
+
+	// GC keeps what is referenced, the foreign label set included, and
+	// collects the shorter one once nobody references it, whatever lies
+	// under its prefix.
+	if _, _, err := n1.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := masterKeysOf(t, cli, short.Canonical()); n != 1 {
+		t.Fatal("GC deleted a referenced master key")
+	}
+	for _, n := range []*etcdNode{n1, n2} {
+		if _, err := n.alloc.Release(ctx, n.alloc.LookupByLabels(short)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := n1.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := masterKeysOf(t, cli, short.Canonical()); n != 0 {
+		t.Fatal("GC kept an unreferenced master key because of a foreign key under its prefix")
+	}
+	if n := masterKeysOf(t, cli, foreign); n != 1 {
+		t.Fatal("GC deleted the master key of the foreign label set, which the Cilium node references")
+	}
 }
 
 // TestCreateTxnForeignRevision checks the compare that replaces "no
