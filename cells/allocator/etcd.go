@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"path"
 	"strings"
@@ -78,6 +79,10 @@ type EtcdConfig struct {
 	IdentityGCRateLimit int64
 	// IdentityGCRateInterval is the window of IdentityGCRateLimit.
 	IdentityGCRateInterval time.Duration
+	// KVStorePeriodicSync is the period at which this node checks that
+	// its reference keys are in etcd as it wrote them, and writes the
+	// missing ones again; 0 disables it.
+	KVStorePeriodicSync time.Duration
 }
 
 // DefaultEtcdConfig is the default configuration of the etcd backend.
@@ -86,6 +91,7 @@ var DefaultEtcdConfig = EtcdConfig{
 	IdentityGCInterval:     15 * time.Minute,
 	IdentityGCRateLimit:    2500,
 	IdentityGCRateInterval: time.Minute,
+	KVStorePeriodicSync:    5 * time.Minute,
 }
 
 // Flags registers the flags of the etcd backend.
@@ -94,6 +100,7 @@ func (def EtcdConfig) Flags(flags *pflag.FlagSet) {
 	flags.Duration("identity-gc-interval", def.IdentityGCInterval, "Interval of the garbage collection of unused global identities in etcd; 0 disables it")
 	flags.Int64("identity-gc-rate-limit", def.IdentityGCRateLimit, "Maximum number of global identities deleted by the garbage collection per --identity-gc-rate-interval")
 	flags.Duration("identity-gc-rate-interval", def.IdentityGCRateInterval, "Window of --identity-gc-rate-limit")
+	flags.Duration("kvstore-periodic-sync", def.KVStorePeriodicSync, "Interval at which this node checks its identity reference keys in etcd and writes missing ones again; 0 disables it")
 }
 
 // Validate checks the configuration.
@@ -107,6 +114,8 @@ func (c EtcdConfig) Validate() error {
 		return errors.New("--identity-gc-rate-limit must be positive")
 	case c.IdentityGCRateInterval <= 0:
 		return errors.New("--identity-gc-rate-interval must be positive")
+	case c.KVStorePeriodicSync < 0:
+		return errors.New("--kvstore-periodic-sync must not be negative")
 	}
 	return nil
 }
@@ -268,6 +277,9 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 	b.wg.Go(func() { b.repairLoop(runCtx) })
 	if b.cfg.IdentityGCInterval > 0 {
 		b.wg.Go(func() { b.gcLoop(runCtx) })
+	}
+	if b.cfg.KVStorePeriodicSync > 0 {
+		b.wg.Go(func() { b.syncLoop(runCtx) })
 	}
 	timer := time.NewTimer(b.cfg.AllocatorListTimeout)
 	defer timer.Stop()
@@ -1000,7 +1012,10 @@ func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client
 }
 
 // restoreMasters re-creates deleted master keys of label sets this node
-// references, unless someone re-created the ID meanwhile.
+// references, with this node's reference in the same transaction, unless
+// someone re-created the ID meanwhile. Whoever deleted the master key
+// (another node's GC) saw no reference; without the reference written
+// again the next GC would delete the master key again.
 func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 	b.lostMu.Lock()
 	ids := make([]identity.NumericIdentity, 0, len(b.lostMasters))
@@ -1020,13 +1035,10 @@ func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 		if !held || cli == nil {
 			continue
 		}
-		master := masterKey(id)
-		rctx, cancel := b.requestContext(ctx)
-		_, err := cli.Txn(rctx).
-			If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0)).
-			Then(clientv3.OpPut(master, key)).
-			Commit()
-		cancel()
+		lease, err := b.kv.Lease(ctx)
+		if err == nil {
+			err = b.restoreReference(ctx, cli, lease, key, id)
+		}
 		if err != nil && ctx.Err() == nil {
 			b.log.Warn("Re-creating a deleted master key failed; retrying", "id", id, "error", err)
 			b.lostMu.Lock()
@@ -1040,4 +1052,80 @@ func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 			})
 		}
 	}
+}
+
+// syncLoop checks this node's reference keys every --kvstore-periodic-sync
+// and writes again those that are missing or not as this node wrote them:
+// a second agent with the same node name deletes them when it stops, an
+// operator may delete them by hand, and the GC then frees numbers this
+// node still uses. (Cilium's agents sync their keys the same way.)
+func (b *EtcdBackend) syncLoop(ctx context.Context) {
+	t := time.NewTicker(b.cfg.KVStorePeriodicSync)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if n, err := b.SyncReferences(ctx); err != nil && ctx.Err() == nil {
+			b.log.Warn("Checking this node's identity reference keys failed", "error", err, "rewritten", n)
+		} else if n > 0 {
+			b.log.Warn("Wrote missing identity reference keys of this node again", "rewritten", n)
+		}
+	}
+}
+
+// SyncReferences checks every reference key this node holds and writes
+// again those that are missing or were written by someone else since this
+// node wrote them, re-creating their master keys if these are gone too. It
+// returns how many it wrote.
+func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
+	cli := b.kv.Client()
+	if cli == nil {
+		return 0, kvstore.ErrStopped
+	}
+	b.heldMu.Lock()
+	held := make(map[string]heldRef, len(b.held))
+	maps.Copy(held, b.held)
+	b.heldMu.Unlock()
+
+	var stale []string
+	for key, h := range held {
+		rctx, cancel := b.requestContext(ctx)
+		resp, err := cli.Get(rctx, referencePrefix(key)+b.node)
+		cancel()
+		if err != nil {
+			return 0, fmt.Errorf("%w: reading reference key of %s: %w", ErrKVStoreUnavailable, key, err)
+		}
+		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != h.rev || string(resp.Kvs[0].Value) != h.id.String() {
+			stale = append(stale, key)
+		}
+	}
+	if len(stale) == 0 {
+		return 0, nil
+	}
+	// Writing holds writeMu so that no release of these label sets runs
+	// meanwhile: a reference written after its release would keep the
+	// identity alive for as long as this node's lease lives.
+	b.writeMu.Lock()
+	defer b.writeMu.Unlock()
+	lease, err := b.kv.Lease(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, key := range stale {
+		b.heldMu.Lock()
+		h, still := b.held[key]
+		b.heldMu.Unlock()
+		if !still || h.rev != held[key].rev {
+			continue // released, or written again, since the check
+		}
+		if err := b.restoreReference(ctx, cli, lease, key, h.id); err != nil {
+			return n, err
+		}
+		n++
+	}
+	return n, nil
 }

@@ -10,6 +10,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
@@ -347,5 +348,91 @@ func TestEtcdKeyCollisionRefused(t *testing.T) {
 	}
 	if n := masterKeysOf(t, cli, second.Canonical()); n != 0 {
 		t.Fatalf("%d master keys for the refused label set", n)
+	}
+}
+
+// TestEtcdMasterKeyRecreatedWithReference checks that re-creating a
+// deleted master key writes this node's reference in the same
+// transaction: the master key's deleter (another node's GC, after an agent
+// of the same node name deleted this node's references) saw none, and
+// without it the next GC run deletes the master key again.
+func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	// The periodic sync must not be what writes the reference here.
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = time.Hour })
+	n2 := startEtcdNode(t, c, "node2")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=twice-named")
+	id, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Delete(ctx, refKey(l, "node1")); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := n2.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "master key and reference re-created", func() bool {
+		v, _, ok := getValue(t, cli, masterKey(id.ID))
+		r, _, rok := getValue(t, cli, refKey(l, "node1"))
+		return ok && v == l.Canonical() && rok && r == id.ID.String()
+	})
+	// The next GC keeps it.
+	if _, _, err := n2.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if v, _, ok := getValue(t, cli, masterKey(id.ID)); !ok || v != l.Canonical() {
+		t.Fatal("the second GC run deleted the master key of an identity node1 uses")
+	}
+}
+
+// TestEtcdPeriodicSyncRestoresReferences deletes a node's reference keys
+// by hand: each node writes its own again within the sync interval, with
+// the same IDs, and a released label set's reference is not written again.
+func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	sync := func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 300 * time.Millisecond }
+	n1 := startEtcdNode(t, c, "node1", sync)
+	n2 := startEtcdNode(t, c, "node2", sync)
+	ctx := testCtx(t, time.Minute)
+	sets := []labels.Labels{labels.MustParse("k8s:app=a"), labels.MustParse("k8s:app=b")}
+	ids := map[string]identity.NumericIdentity{}
+	for _, l := range sets {
+		for _, n := range []*etcdNode{n1, n2} {
+			id, _, err := n.alloc.Allocate(ctx, l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids[l.Canonical()] = id.ID
+		}
+	}
+	released := labels.MustParse("k8s:app=released")
+	rid, _, err := n1.alloc.Allocate(ctx, released)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n1.alloc.Release(ctx, rid); err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := cli.Delete(ctx, ReferenceKeyPrefix, clientv3.WithPrefix()); err != nil {
+		t.Fatal(err)
+	}
+	eventuallyWithin(t, 10*time.Second, "every node's references written again", func() bool {
+		for _, l := range sets {
+			for _, node := range []string{"node1", "node2"} {
+				v, _, ok := getValue(t, cli, refKey(l, node))
+				if !ok || v != ids[l.Canonical()].String() {
+					return false
+				}
+			}
+		}
+		return true
+	})
+	if _, _, ok := getValue(t, cli, refKey(released, "node1")); ok {
+		t.Fatal("the reference of a released label set was written again")
 	}
 }
