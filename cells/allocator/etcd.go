@@ -127,6 +127,7 @@ type etcdParams struct {
 	Config     Config
 	EtcdConfig EtcdConfig
 	Log        *slog.Logger
+	Health     cell.Health `optional:"true"`
 }
 
 // newEtcdBackend provides the GlobalBackend when the hive has a kvstore
@@ -139,7 +140,11 @@ func newEtcdBackend(p etcdParams) (GlobalBackend, error) {
 	if err := p.EtcdConfig.Validate(); err != nil {
 		return nil, err
 	}
-	return NewEtcdBackend(p.Log, p.Client, p.Config.ClusterInfo(), p.EtcdConfig), nil
+	b := NewEtcdBackend(p.Log, p.Client, p.Config.ClusterInfo(), p.EtcdConfig)
+	if p.Health != nil {
+		b.health = p.Health.NewScope("node-name")
+	}
+	return b, nil
 }
 
 // EtcdBackend is the GlobalBackend that keeps global identities in etcd
@@ -188,6 +193,14 @@ type EtcdBackend struct {
 	gcLimiter *rate.Limiter
 	gc        gcCounters
 
+	// claim is what this node's key says (see claimNodeName); the checks
+	// of the node's keys count what they find in nodeStats and report a
+	// conflict to health (nil outside a hive with health).
+	claim        nodeClaim
+	nodeStats    nodeCounters
+	conflictSeen atomic.Bool
+	health       cell.Health
+
 	// stopCreates ends the requests creates sends for queued callers.
 	stopCreates context.CancelFunc
 	cancel      context.CancelFunc
@@ -212,6 +225,7 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 		leaseSeen:   make(chan struct{}, 1),
 		lostMasters: map[identity.NumericIdentity]struct{}{},
 		repairWake:  make(chan struct{}, 1),
+		claim:       newNodeClaim(),
 		// A burst of one keeps every window of the interval within the
 		// limit.
 		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),
@@ -271,6 +285,20 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 		return fmt.Errorf("%w: the kvstore client is not started", ErrKVStoreUnavailable)
 	}
 	b.events = events
+	// A second live agent with this node name would delete this node's
+	// references when it stops: refuse to run beside it. When etcd does
+	// not answer now, the periodic sync claims the name later.
+	cctx, ccancel := context.WithTimeout(ctx, b.kv.RequestTimeout())
+	err := b.claimNodeName(cctx)
+	ccancel()
+	switch {
+	case errors.Is(err, ErrNodeNameInUse):
+		return err
+	case err != nil:
+		b.log.Warn("Could not claim the node name in etcd yet; the periodic sync retries", "node", b.node, "error", err)
+	case b.health != nil:
+		b.health.OK(fmt.Sprintf("Node name %q claimed", b.node))
+	}
 	runCtx, cancel := context.WithCancel(context.Background())
 	b.cancel = cancel
 	b.wg.Go(func() { b.cacheLoop(runCtx) })
@@ -315,6 +343,7 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	clear(b.held)
 	clear(b.heldByID)
 	b.heldMu.Unlock()
+	b.releaseNodeName()
 	if err := b.kv.RevokeLease(ctx); err != nil {
 		return fmt.Errorf("revoking the node's lease: %w", err)
 	}
@@ -906,6 +935,10 @@ func (b *EtcdBackend) repairLoop(ctx context.Context) {
 		case <-b.leaseSeen:
 			cur = clientv3.LeaseID(b.lease.Load())
 		case <-lost:
+			// The node key went with the lease.
+			if err := b.claimNodeName(ctx); err != nil && ctx.Err() == nil {
+				b.log.Warn("Claiming the node name again after the lease was lost failed; the periodic sync retries", "error", err)
+			}
 			cur = b.restoreReferences(ctx)
 		case <-b.repairWake:
 			b.restoreMasters(ctx)
@@ -1085,6 +1118,10 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 	if cli == nil {
 		return 0, kvstore.ErrStopped
 	}
+	b.conflictSeen.Store(false)
+	if err := b.checkNodeName(ctx, cli); err != nil {
+		return 0, err
+	}
 	b.heldMu.Lock()
 	held := make(map[string]heldRef, len(b.held))
 	maps.Copy(held, b.held)
@@ -1100,7 +1137,14 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 		}
 		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != h.rev || string(resp.Kvs[0].Value) != h.id.String() {
 			stale = append(stale, key)
+			if len(resp.Kvs) > 0 && resp.Kvs[0].Lease != b.lease.Load() {
+				b.nameConflict(fmt.Errorf("%w: reference key %s was written on lease %x, not this node's",
+					ErrNodeNameInUse, resp.Kvs[0].Key, resp.Kvs[0].Lease))
+			}
 		}
+	}
+	if !b.conflictSeen.Load() && b.health != nil {
+		b.health.OK(fmt.Sprintf("Node name %q claimed; reference keys checked", b.node))
 	}
 	if len(stale) == 0 {
 		return 0, nil
@@ -1125,6 +1169,7 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 		if err := b.restoreReference(ctx, cli, lease, key, h.id); err != nil {
 			return n, err
 		}
+		b.nodeStats.rewritten.Add(1)
 		n++
 	}
 	return n, nil

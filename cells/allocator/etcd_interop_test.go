@@ -1,16 +1,26 @@
 package allocator
 
 import (
+	"encoding/json"
 	"errors"
+	"os"
+	"os/exec"
 	"path"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
@@ -317,7 +327,8 @@ func TestEtcdKeyLayoutRefused(t *testing.T) {
 			t.Errorf("%q: %v, want ErrKeyLayout", s, err)
 		}
 	}
-	if n := countKeys(t, cli, IdentitiesPrefix); n != 0 {
+	// Only the node's own key (see claimNodeName) is there.
+	if n := countKeys(t, cli, "") - countKeys(t, cli, NodeKeyPrefix); n != 0 {
 		t.Fatalf("%d keys written for refused label sets", n)
 	}
 }
@@ -434,5 +445,153 @@ func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
 	})
 	if _, _, ok := getValue(t, cli, refKey(released, "node1")); ok {
 		t.Fatal("the reference of a released label set was written again")
+	}
+}
+
+// startNodeErr starts a node that is expected to fail, and returns the
+// start error.
+func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string) error {
+	t.Helper()
+	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
+		cell.Invoke(func(Allocator) {}))
+	stateDir := t.TempDir()
+	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
+	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
+		cfg.KVStoreEndpoints = c.Endpoints()
+		cfg.NodeName = name
+		cfg.KVStoreRequestTimeout = 5 * time.Second
+	})
+	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
+	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
+	// A failed start leaves the hooks that ran started, as hive.Run's
+	// caller would stop them.
+	h.Stop(hivetest.Logger(t), testCtx(t, time.Minute))
+	return err
+}
+
+// putClaim writes a node key by hand, on a lease of its own.
+func putClaim(t *testing.T, cli *clientv3.Client, node string, claim nodeClaim) {
+	t.Helper()
+	lease, err := cli.Grant(testCtx(t, 10*time.Second), 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, _ := json.Marshal(claim)
+	if _, err := cli.Put(testCtx(t, 10*time.Second), NodeKeyPrefix+node, string(v), clientv3.WithLease(lease.ID)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestEtcdSameNodeName checks that a second live agent with a node name in
+// use on the etcd is refused at start, naming the first, while an agent
+// that finds the key of one that is gone takes the name over.
+func TestEtcdSameNodeName(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "shared")
+	err := startNodeErr(t, c, "shared")
+	if !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), n1.backend.claim.Instance) {
+		t.Fatalf("second agent with the same node name: %v", err)
+	}
+	// The first agent is untouched: its key is still its own.
+	if v, _, ok := getValue(t, cli, NodeKeyPrefix+"shared"); !ok || !strings.Contains(v, n1.backend.claim.Instance) {
+		t.Fatalf("node key after the refused start: %q %v", v, ok)
+	}
+	// Once it stopped, the name is free.
+	n1.stop()
+	if _, _, ok := getValue(t, cli, NodeKeyPrefix+"shared"); ok {
+		t.Fatal("node key left after a clean stop")
+	}
+	n2 := startEtcdNode(t, c, "shared")
+	n2.stop()
+
+	// An agent on another host holds the name: refused.
+	host, _ := os.Hostname()
+	putClaim(t, cli, "remote", nodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()})
+	if err := startNodeErr(t, c, "remote"); !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "-elsewhere") {
+		t.Fatalf("name held on another host: %v", err)
+	}
+
+	// The key of a process of this host that has ended (a SIGKILLed
+	// agent's, its lease not yet expired) is taken over.
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	putClaim(t, cli, "restarted", nodeClaim{Instance: "deadbeef", Host: host, PID: gone.Process.Pid})
+	n3 := startEtcdNode(t, c, "restarted")
+	if v, _, _ := getValue(t, cli, NodeKeyPrefix+"restarted"); !strings.Contains(v, n3.backend.claim.Instance) {
+		t.Fatalf("the key of a gone agent was not taken over: %q", v)
+	}
+}
+
+// TestEtcdNodeNameConflictWhileRunning checks that a second writer of the
+// node's name showing up while it runs (another agent's node key, a
+// reference key on another lease) is counted and reported to health, and
+// that the node writes its keys again.
+func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 0 })
+	prov := health.NewProvider()
+	n.backend.health = prov.Root().NewScope("node-name")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=busy")
+	id, _, err := n.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := prov.Healthy(); !ok || n.backend.NodeStats().NameConflicts != 0 {
+		t.Fatalf("healthy %v, stats %+v before any conflict", ok, n.backend.NodeStats())
+	}
+
+	// Another writer of the name rewrites the reference on its own lease.
+	other, err := cli.Grant(ctx, 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, refKey(l, "busy"), id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
+		t.Fatal(err)
+	}
+	rewritten, err := n.backend.SyncReferences(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := n.backend.NodeStats()
+	if rewritten != 1 || st.NameConflicts != 1 || st.ReferencesRewritten != 1 {
+		t.Fatalf("rewritten %d, stats %+v; want one conflict and one rewrite", rewritten, st)
+	}
+	if ok, _ := prov.Healthy(); ok {
+		t.Fatal("health is OK while another writer uses the node's name")
+	}
+	if _, lease, _ := getValue(t, cli, refKey(l, "busy")); lease == int64(other.ID) {
+		t.Fatal("the reference is still on the other writer's lease")
+	}
+
+	// Another agent's node key.
+	putClaim(t, cli, "busy", nodeClaim{Instance: "0123456789abcdef", Host: "elsewhere", PID: 1})
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n.backend.NodeStats().NameConflicts != 2 {
+		t.Fatalf("stats %+v; the other agent's node key was not counted", n.backend.NodeStats())
+	}
+
+	// Once the other writer is gone, a check finds nothing and health
+	// recovers.
+	if _, err := cli.Delete(ctx, NodeKeyPrefix+"busy"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, bad := prov.Healthy(); !ok {
+		t.Fatalf("health after the conflict ended: %v", bad)
+	}
+	if v, _, ok := getValue(t, cli, NodeKeyPrefix+"busy"); !ok || !strings.Contains(v, n.backend.claim.Instance) {
+		t.Fatalf("node key not claimed again: %q %v", v, ok)
 	}
 }
