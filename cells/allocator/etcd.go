@@ -313,12 +313,32 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 	defer timer.Stop()
 	select {
 	case <-b.synced:
+		if err := b.checkCluster(ctx); err != nil {
+			// A failed start hook is not stopped: end what started.
+			cancel()
+			b.stopCreates()
+			b.wg.Wait()
+			return err
+		}
+		return nil
 	case <-timer.C:
 		b.log.Warn("Global identities not listed within --allocator-list-timeout; listing continues in the background",
 			"timeout", b.cfg.AllocatorListTimeout)
 	case <-ctx.Done():
 		b.log.Warn("Start ended before global identities were listed; listing continues in the background", "error", ctx.Err())
 	}
+	// Compare the cluster once the listing is complete; too late to
+	// refuse the start, so a mismatch is an error in the log.
+	b.wg.Go(func() {
+		select {
+		case <-b.synced:
+		case <-runCtx.Done():
+			return
+		}
+		if err := b.checkCluster(runCtx); err != nil && runCtx.Err() == nil {
+			b.log.Error("This node's cluster does not match the etcd's; its identities may be another cluster's", "error", err)
+		}
+	})
 	return nil
 }
 

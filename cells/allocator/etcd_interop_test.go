@@ -595,3 +595,68 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 		t.Fatalf("node key not claimed again: %q %v", v, ok)
 	}
 }
+
+// startClusterNodeErr starts a node of the given cluster and returns the
+// start error.
+func startClusterNodeErr(t *testing.T, c *etcdtest.Cluster, name string, id uint32, cluster string) error {
+	t.Helper()
+	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
+		cell.Invoke(func(Allocator) {}))
+	stateDir := t.TempDir()
+	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
+	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
+		cfg.KVStoreEndpoints = c.Endpoints()
+		cfg.NodeName = name
+	})
+	hive.AddConfigOverride(h, func(cfg *Config) { cfg.ClusterID, cfg.ClusterName = id, cluster })
+	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
+	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
+	h.Stop(hivetest.Logger(t), testCtx(t, time.Minute))
+	return err
+}
+
+// TestEtcdClusterMismatchRefused checks that a node whose cluster ID or
+// name is not the etcd's refuses to start instead of adopting the etcd
+// cluster's identities.
+func TestEtcdClusterMismatchRefused(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n0 := startEtcdNode(t, c, "node0")
+	ctx := testCtx(t, time.Minute)
+	if _, _, err := n0.alloc.Allocate(ctx, labels.MustParse("k8s:app=web", "k8s:io.cilium.k8s.policy.cluster=default")); err != nil {
+		t.Fatal(err)
+	}
+
+	// Cluster 3 on cluster 0's etcd.
+	err := startClusterNodeErr(t, c, "node3", 3, "c3")
+	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), "cluster ID 0 and none of this node's --cluster-id 3") {
+		t.Fatalf("cluster 3 on cluster 0's etcd: %v", err)
+	}
+
+	// The etcd's identities of cluster ID 0 name cluster "default".
+	err = startClusterNodeErr(t, c, "renamed", 0, "other")
+	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), `belong to cluster "default", not to this node's --cluster-name "other"`) {
+		t.Fatalf("cluster renamed: %v", err)
+	}
+
+	// Cilium's cluster configuration names another ID for this name.
+	if _, err := cli.Put(ctx, ClusterConfigPrefix+"default", `{"id":5,"capabilities":{}}`); err != nil {
+		t.Fatal(err)
+	}
+	err = startClusterNodeErr(t, c, "configured", 0, "default")
+	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), "gives cluster \"default\" the ID 5") {
+		t.Fatalf("cluster config mismatch: %v", err)
+	}
+	if _, err := cli.Put(ctx, ClusterConfigPrefix+"default", `{"id":0,"capabilities":{}}`); err != nil {
+		t.Fatal(err)
+	}
+	if err := startClusterNodeErr(t, c, "matching", 0, "default"); err != nil {
+		t.Fatalf("matching cluster refused: %v", err)
+	}
+
+	// A fresh etcd takes any cluster.
+	fresh := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	if err := startClusterNodeErr(t, fresh, "node3", 3, "c3"); err != nil {
+		t.Fatalf("cluster 3 on a fresh etcd: %v", err)
+	}
+}
