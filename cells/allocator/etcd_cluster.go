@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strings"
 
-
 	"github.com/identityd/identityd/identity"
 )
 
@@ -111,4 +110,3 @@ func quoteNames(names []string) string {
 	}
 	return strings.Join(s, ", ")
 }
-
