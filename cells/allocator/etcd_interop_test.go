@@ -523,6 +523,30 @@ func TestEtcdSameNodeName(t *testing.T) {
 	if v, _, _ := getValue(t, cli, NodeKeyPrefix+"restarted"); !strings.Contains(v, n3.backend.claim.Instance) {
 		t.Fatalf("the key of a gone agent was not taken over: %q", v)
 	}
+
+	// So is the key of a killed agent its parent has not reaped yet (a
+	// restart right after a SIGKILL).
+	zombie := exec.Command("sleep", "60")
+	if err := zombie.Start(); err != nil {
+		t.Fatal(err)
+	}
+	zombie.Process.Kill()
+	deadline := time.Now().Add(10 * time.Second)
+	for processAlive(zombie.Process.Pid) {
+		if time.Now().After(deadline) {
+			t.Fatal("a killed, unreaped process counts as running")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	putClaim(t, cli, "killed", nodeClaim{Instance: "cafebabe", Host: host, PID: zombie.Process.Pid})
+	n4 := startEtcdNode(t, c, "killed")
+	if v, _, _ := getValue(t, cli, NodeKeyPrefix+"killed"); !strings.Contains(v, n4.backend.claim.Instance) {
+		t.Fatalf("the key of a killed, unreaped agent was not taken over: %q", v)
+	}
+	zombie.Wait()
+	if !processAlive(os.Getpid()) {
+		t.Fatal("this process counts as gone")
+	}
 }
 
 // TestEtcdNodeNameConflictWhileRunning checks that a second writer of the

@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -143,8 +144,26 @@ func (b *EtcdBackend) claimIsStale(other nodeClaim) bool {
 		_, live := liveInstances.Load(other.Instance)
 		return !live
 	}
-	err := syscall.Kill(other.PID, 0)
-	return errors.Is(err, syscall.ESRCH)
+	return !processAlive(other.PID)
+}
+
+// processAlive reports whether pid names a running process of this host. A
+// zombie (killed, not yet reaped by its parent) is not running: its agent
+// holds nothing any more.
+func processAlive(pid int) bool {
+	if pid <= 0 || errors.Is(syscall.Kill(pid, 0), syscall.ESRCH) {
+		return false
+	}
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return !errors.Is(err, os.ErrNotExist)
+	}
+	// The state follows the command name, which is in parentheses and
+	// may hold anything, so look after the last ")".
+	if i := bytes.LastIndexByte(stat, ')'); i >= 0 && i+2 < len(stat) {
+		return stat[i+2] != 'Z' && stat[i+2] != 'X'
+	}
+	return true
 }
 
 // releaseNodeName forgets this backend's claim in the process; the key
