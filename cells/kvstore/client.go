@@ -120,12 +120,12 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	var e *embeddedEtcd
 	if c.cfg.Embedded() {
 		var err error
-		if e, err = startEmbedded(ctx, c.log, c.dir.Join("etcd")); err != nil {
+		if e, err = startEmbedded(ctx, c.log, c.dir.Join("etcd"), c.dir.Join(embeddedTLSDir)); err != nil {
 			return fmt.Errorf("kvstore: %w", err)
 		}
 		endpoints = []string{e.clientURL}
 	}
-	cli, err := c.connect(ctx, endpoints)
+	cli, err := c.connect(ctx, endpoints, e)
 	if err != nil {
 		if e != nil {
 			e.stop()
@@ -153,7 +153,9 @@ func (c *Client) reportOK() {
 	c.health.OK(fmt.Sprintf("Connected to %s at %s", mode, strings.Join(c.Endpoints(), ",")))
 }
 
-func (c *Client) connect(ctx context.Context, endpoints []string) (*clientv3.Client, error) {
+// connect dials endpoints: those of e when it is the embedded etcd, with
+// the client certificate made for it.
+func (c *Client) connect(ctx context.Context, endpoints []string, e *embeddedEtcd) (*clientv3.Client, error) {
 	cfg := clientv3.Config{
 		Endpoints:            endpoints,
 		DialTimeout:          c.cfg.KVStoreDialTimeout,
@@ -167,11 +169,15 @@ func (c *Client) connect(ctx context.Context, endpoints []string) (*clientv3.Cli
 			grpc.WithChainStreamInterceptor(c.streamInterceptor),
 		},
 	}
-	tlsCfg, err := c.tlsConfig(endpoints)
-	if err != nil {
-		return nil, err
+	if e != nil {
+		cfg.TLS = e.clientTLS
+	} else {
+		tlsCfg, err := c.tlsConfig(endpoints)
+		if err != nil {
+			return nil, err
+		}
+		cfg.TLS = tlsCfg
 	}
-	cfg.TLS = tlsCfg
 	if c.cfg.KVStoreUsername != "" {
 		pw, err := os.ReadFile(c.cfg.KVStorePasswordFile)
 		if err != nil {
