@@ -477,6 +477,10 @@ func (c *IPCache) TakeSnapshot() []ipcachemap.Entry {
 // initialization that follows the last start hook.
 func (c *IPCache) Start(hctx cell.HookContext) error {
 	m, info, err := ipcachemap.Open(c.mapConfig)
+	if info.MountedBPFFS != "" {
+		// Mounting changes the host for every process on it.
+		c.log.Info("Mounted bpffs for the ipcache map, none was mounted", "path", info.MountedBPFFS)
+	}
 	if err != nil {
 		return fmt.Errorf("open ipcache map: %w", err)
 	}
