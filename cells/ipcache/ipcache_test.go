@@ -230,13 +230,13 @@ func TestMetadataMergeAndRelease(t *testing.T) {
 	// Conflicting labels (same key): the greater owner wins regardless of
 	// the order of the upserts.
 	q := pfx("10.9.0.0/16")
-	if err := n.ipc.Upsert(ctx, "z-owner", q, ipcache.Info{Labels: labels.MustParse("cidr:tier=z")}); err != nil {
+	if err := n.ipc.Upsert(ctx, "z-owner", q, ipcache.Info{Labels: labels.MustParse("fqdn:tier=z")}); err != nil {
 		t.Fatal(err)
 	}
 	if err := n.ipc.Upsert(ctx, "a-owner", q, ipcache.Info{Labels: labels.MustParse("fqdn:tier=a")}); err != nil {
 		t.Fatal(err)
 	}
-	if got := mustGet(t, n.ipc, "10.9.0.0/16").Labels.String(); got != "cidr:10.9.0.0/16,cidr:tier=z,reserved:world" {
+	if got := mustGet(t, n.ipc, "10.9.0.0/16").Labels.String(); got != "cidr:10.9.0.0/16,fqdn:tier=z,reserved:world" {
 		t.Fatalf("merged labels %s", got)
 	}
 
