@@ -73,6 +73,12 @@
 // sees an identity without a reference. When the last contribution goes
 // (or a direct identity takes over), the reference is released.
 //
+// Input is checked before anything changes: an owner must be a non-empty,
+// printable [ResourceID] ([ErrInvalidOwner]); a direct identity or a
+// requested ID must be a valid numeric identity
+// (identity.NumericIdentity.Validate); the shell commands refuse IPv6 zones
+// in addresses and prefixes alike (identities do not carry zones).
+//
 // Upserts and removals are synchronous: an allocation failure leaves that
 // prefix as it was and is returned; the other prefixes of the batch are
 // applied. A batch is one allocator batch and one table write transaction.

@@ -614,6 +614,47 @@ func writeMapFile(t testing.TB, file string, entries ...ipcachemap.Entry) {
 	}
 }
 
+// TestBadInput checks the Go API refuses what the shell refuses: a
+// direct identity or requested ID outside the identity space, and owners
+// that cannot be named; the table stays as it was.
+func TestBadInput(t *testing.T) {
+	n := startNode(t)
+	ctx := t.Context()
+	for _, tc := range []struct {
+		owner ipcache.ResourceID
+		info  ipcache.Info
+		want  error
+	}{
+		{"ep", ipcache.Info{Identity: 4294967295}, identity.ErrInvalidNumericIdentity},
+		{"ep", ipcache.Info{Identity: 0x01000000}, identity.ErrInvalidNumericIdentity},
+		{"ep", ipcache.Info{Identity: 0x03000001}, identity.ErrInvalidNumericIdentity},
+		{"ep", ipcache.Info{RequestedID: 0xFF000001}, identity.ErrInvalidNumericIdentity},
+		{"", ipcache.Info{}, ipcache.ErrInvalidOwner},
+		{"a\nb", ipcache.Info{}, ipcache.ErrInvalidOwner},
+		{"a\xffb", ipcache.Info{}, ipcache.ErrInvalidOwner},
+	} {
+		err := n.ipc.Upsert(ctx, tc.owner, pfx("10.0.0.0/8"), tc.info)
+		if !errors.Is(err, tc.want) {
+			t.Errorf("Upsert(%q, %+v) = %v, want %v", tc.owner, tc.info, err, tc.want)
+		}
+	}
+	if _, err := n.ipc.RemoveOwner(ctx, ""); !errors.Is(err, ipcache.ErrInvalidOwner) {
+		t.Errorf("RemoveOwner(\"\") = %v", err)
+	}
+	if err := n.ipc.Remove(ctx, "", pfx("10.0.0.0/8")); !errors.Is(err, ipcache.ErrInvalidOwner) {
+		t.Errorf("Remove(\"\") = %v", err)
+	}
+	if rows := n.ipc.List(); len(rows) != 0 {
+		t.Fatalf("refused input reached the table: %+v", rows)
+	}
+	// The edges of the valid ranges pass.
+	for _, id := range []identity.NumericIdentity{1, 0xFFFFFF, 0x01000001, 0x02FFFFFF} {
+		if err := n.ipc.Upsert(ctx, "ep", pfx("10.0.0.0/8"), ipcache.Info{Identity: id}); err != nil {
+			t.Errorf("identity %d refused: %v", id, err)
+		}
+	}
+}
+
 func TestConfigValidation(t *testing.T) {
 	for _, tc := range []struct {
 		name string
