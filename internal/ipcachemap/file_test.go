@@ -411,6 +411,12 @@ func TestFileCrashSafety(t *testing.T) {
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
+		if i%2 == 0 {
+			// Every other kill waits for the writer to get past the
+			// last generation first, so that progress shows however
+			// slowly a loaded machine starts processes.
+			waitForGeneration(t, path, lastGen)
+		}
 		time.Sleep(time.Duration(5+rand.IntN(40)) * time.Millisecond)
 		if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 			t.Fatal(err)
@@ -457,6 +463,20 @@ func TestFileCrashSafety(t *testing.T) {
 	if _, err := os.Stat(path + tmpSuffix); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("temp file survives open: %v", err)
 	}
+}
+
+// waitForGeneration waits until the map file holds a generation after
+// last.
+func waitForGeneration(t *testing.T, path string, last int) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for time.Now().Before(deadline) {
+		if got, err := ReadFile(path); err == nil && len(got) > 0 && int(got[0].Value.Identity-0x01000000) > last {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Fatalf("the writer did not get past generation %d within a minute", last)
 }
 
 func FuzzDecodeFile(f *testing.F) {
