@@ -277,7 +277,7 @@ func TestRoundTripProperty(t *testing.T) {
 }
 
 func FuzzParseLabel(f *testing.F) {
-	for _, s := range []string{"k8s:app=web", "$host", "app", "a:b:c=d=e", "cidr:0--1/128", "k8s:a;b", "", ":", "=", "x\x00y", "\xff"} {
+	for _, s := range []string{"k8s:app=web", "$host", "app", "a:b:c=d=e", "cidr:0--1/128", "cidr:hello", "cidr:10.0.0.0/33", "cidr:2001:db8::/32", "k8s:a;b", "", ":", "=", "x\x00y", "\xff"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
