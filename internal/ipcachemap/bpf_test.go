@@ -367,6 +367,29 @@ func TestBPFSecondOpenRefused(t *testing.T) {
 	m2.Close()
 }
 
+// TestBPFNotAMapAtPin puts a directory where the map is pinned: Open
+// refuses with an error naming the pin and leaves the directory alone.
+func TestBPFNotAMapAtPin(t *testing.T) {
+	requireBPF(t)
+	pin := testPinPath(t)
+	if err := os.MkdirAll(filepath.Join(pin, "inside"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := Open(Config{Kind: KindBPF, PinPath: pin, MaxEntries: 10})
+	if err == nil || !strings.Contains(err.Error(), "cannot open pinned map "+pin) {
+		t.Fatalf("Open with a directory at the pin: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(pin, "inside")); err != nil {
+		t.Fatalf("directory at the pin touched: %v", err)
+	}
+	// The refused open left the lock free.
+	if err := os.RemoveAll(pin); err != nil {
+		t.Fatal(err)
+	}
+	m, _ := openTestBPF(t, Config{PinPath: pin, MaxEntries: 10})
+	m.Close()
+}
+
 // TestBPFMountsBPFFS lets Open mount a bpffs where none is, and checks that
 // it says so (the agent logs it).
 func TestBPFMountsBPFFS(t *testing.T) {
