@@ -18,8 +18,9 @@ var (
 //
 //   - unquoted spaces and tabs separate words;
 //   - '...' keeps everything between the quotes as it is;
-//   - "..." keeps everything as it is, except that \" stands for " and
-//     \\ for \;
+//   - "..." keeps everything as it is, except that a backslash before ",
+//     \, $ or ` stands for that character (as in POSIX, though $ and `
+//     mean nothing here);
 //   - outside quotes, a backslash makes the next character literal;
 //   - quoted and unquoted parts next to each other form one word, and a
 //     pair of quotes with nothing between them is an empty word.
@@ -63,7 +64,7 @@ func Split(line string) ([]string, error) {
 					closed = true
 					break
 				}
-				if line[i] == '\\' && i+1 < len(line) && (line[i+1] == '"' || line[i+1] == '\\') {
+				if line[i] == '\\' && i+1 < len(line) && strings.IndexByte(`"\$`+"`", line[i+1]) >= 0 {
 					i++
 				}
 				word.WriteByte(line[i])

@@ -21,7 +21,7 @@ func TestSplit(t *testing.T) {
 		{`a "k8s:app=a b"`, []string{"a", "k8s:app=a b"}},
 		{`a k8s:app=a\ b`, []string{"a", "k8s:app=a b"}},
 		{`a 'it'\''s'`, []string{"a", "it's"}},
-		{`a "say \"hi\" \\ \n \$x"`, []string{"a", `say "hi" \ \n \$x`}},
+		{"a \"say \\\"hi\\\" \\\\ \\n \\$x \\`id\\`\"", []string{"a", `say "hi" \ \n $x ` + "`id`"}},
 		{`a '\n \"' \\ \x`, []string{"a", `\n \"`, `\`, "x"}},
 		{`a $HOME ${PATH} $(id) ` + "`id`", []string{"a", "$HOME", "${PATH}", "$(id)", "`id`"}},
 		{"a # not a comment", []string{"a", "#", "not", "a", "comment"}},

@@ -74,6 +74,7 @@ func interactiveShell(ctx context.Context, path string, in io.Reader, stdout, st
 		}
 	}()
 	failed, total := 0, 0
+lines:
 	for {
 		line, readErr := r.ReadString('\n')
 		line = strings.TrimSuffix(strings.TrimSuffix(line, "\n"), "\r")
@@ -82,12 +83,13 @@ func interactiveShell(ctx context.Context, path string, in io.Reader, stdout, st
 			c, err = runLine(ctx, path, c, line, stdout, stderr)
 			switch {
 			case errors.Is(err, errExit):
-				return nil
+				break lines
+			case errors.Is(err, errEmpty):
 			case err != nil:
 				fmt.Fprintf(stderr, "error: %s\n", oneLine(err))
 				failed++
-			}
-			if !errors.Is(err, errEmpty) {
+				total++
+			default:
 				total++
 			}
 		}
@@ -147,7 +149,8 @@ func terminalShell(ctx context.Context, path string, f *os.File, stdout io.Write
 		io.Reader
 		io.Writer
 	}{f, stdout}, "identityd> ")
-	if width, height, err := term.GetSize(int(f.Fd())); err == nil {
+	// A terminal that reports no size (0x0) keeps the default of 80x24.
+	if width, height, err := term.GetSize(int(f.Fd())); err == nil && width > 0 && height > 0 {
 		console.SetSize(width, height)
 	}
 	fmt.Fprintf(console, "identityd shell on %s; 'help' lists the commands, Ctrl-D leaves.\n", path)
