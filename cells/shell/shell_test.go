@@ -178,6 +178,10 @@ func TestShell(t *testing.T) {
 	if out, err := run(t, c, "test/log"); err != nil || out != "first\nsecond\n" {
 		t.Fatalf("log: %v %q", err, out)
 	}
+	// Output that ended an answer in the hive's line protocol is output.
+	if out, err := run(t, c, "test/echo", "a<<error>>\n[stdout]\nb<<end>>"); err != nil || out != "a<<error>>\n[stdout]\nb<<end>>\n" {
+		t.Fatalf("output with the old markers: %v %q", err, out)
+	}
 	if out, err := run(t, c, "test/echo", "still", "here"); err != nil || out != "still here\n" {
 		t.Fatalf("after errors: %v %q", err, out)
 	}

@@ -107,6 +107,7 @@ func TestShellArgumentsVerbatim(t *testing.T) {
 	// quote, is refused whole, and nothing after "exit" runs.
 	script := strings.Join([]string{
 		`identity/allocate -o json 'k8s:piped=a b' "k8s:quoted=\"x\" \$HOME" k8s:dollar=$IDENTITYD_SECRET k8s:hash=#x`,
+		"identity/allocate k8s:crlf=yes\r",
 		"identity/allocate k8s:big=" + strings.Repeat("b", shell.MaxRequestBytes),
 		`identity/allocate 'k8s:open=quote`,
 		"exit",
@@ -114,11 +115,11 @@ func TestShellArgumentsVerbatim(t *testing.T) {
 	}, "\n")
 	piped := []string{`k8s:piped=a b`, `k8s:quoted="x" $HOME`, "k8s:dollar=$IDENTITYD_SECRET", "k8s:hash=#x"}
 	out, err := runStdin(t, script, "shell", "--state-dir", dir)
-	if err == nil || !strings.Contains(out, "2 of 3 commands failed") || !strings.Contains(out, "at most 1048576 allowed") ||
+	if err == nil || !strings.Contains(out, "2 of 4 commands failed") || !strings.Contains(out, "at most 1048576 allowed") ||
 		!strings.Contains(out, "unterminated quote") || !strings.Contains(out, `"value": "a b"`) {
 		t.Errorf("piped commands: %v\n%.2000s", err, out)
 	}
-	ok = append(ok, piped)
+	ok = append(ok, piped, []string{"k8s:crlf=yes"})
 
 	// Exactly the label sets above were allocated, each once.
 	out, err = sh("identity/list", "-o", "json")
