@@ -82,6 +82,7 @@ func newServer(p params) {
 	cmds["help"] = s.helpCmd()
 	p.Lifecycle.Append(s)
 }
+
 func (s *server) Start(cell.HookContext) error {
 	// The state directory's lock is ours, so a socket left here belongs to
 	// a previous run of this agent that did not stop cleanly.
