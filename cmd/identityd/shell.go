@@ -183,11 +183,14 @@ func terminalShell(ctx context.Context, path string, f *os.File, stdout io.Write
 			}
 		}()
 		c, err = runLine(cmdCtx, path, c, line, console, console)
+		interrupted := cmdCtx.Err() != nil && ctx.Err() == nil
 		cancel()
 		switch {
 		case errors.Is(err, errExit):
 			return nil
 		case errors.Is(err, errEmpty):
+		case err != nil && interrupted:
+			fmt.Fprintln(console, "interrupted")
 		case err != nil:
 			fmt.Fprintf(console, "error: %s\n", oneLine(err))
 		}

@@ -267,7 +267,7 @@ func TestShellTerminal(t *testing.T) {
 	typeLine("db/watch identities\r")
 	waitFor("reserved:host", 1)
 	typeLine("\x03")
-	waitFor("error: context canceled", 1)
+	waitFor("interrupted", 1)
 	waitFor("identityd> ", 3)
 	typeLine("identity/get 'k8s:tty=a b' k8s:d=\\$HOME\r")
 	waitFor("k8s:d=$HOME,k8s:tty=a b ", 2)
