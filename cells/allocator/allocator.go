@@ -28,7 +28,34 @@ type params struct {
 	Mesh      *ClusterMesh  `optional:"true"`
 	Metrics   *allocationMetrics
 	Health    cell.Health `optional:"true"`
-	Handlers  []Handler   `group:"identity-handlers"`
+}
+
+// allocatorOut is the Allocator, and the sink through which
+// registerHandlers hands it the handlers of other cells.
+type allocatorOut struct {
+	cell.Out
+
+	Allocator Allocator
+	Sink      *handlerSink
+}
+
+// handlerSink takes the identity handlers before the allocator starts.
+type handlerSink struct{ disp *dispatcher }
+
+type handlersParams struct {
+	cell.In
+
+	Sink     *handlerSink
+	Handlers []Handler `group:"identity-handlers"`
+}
+
+// registerHandlers gives the allocator the handlers other cells provide
+// (NewHandler). It is an invoke rather than a parameter of the allocator's
+// constructor so that a handler's own constructor may depend on the
+// Allocator: as a constructor parameter that would be a dependency cycle.
+// Invokes run before start hooks, so the handlers see every change.
+func registerHandlers(p handlersParams) {
+	p.Sink.disp.handlers = append(p.Sink.disp.handlers, p.Handlers...)
 }
 
 // identityAllocator implements Allocator.
@@ -55,16 +82,16 @@ type identityAllocator struct {
 
 var _ Allocator = (*identityAllocator)(nil)
 
-func newAllocator(p params) (Allocator, error) {
+func newAllocator(p params) (allocatorOut, error) {
 	if err := p.Config.Validate(); err != nil {
-		return nil, err
+		return allocatorOut{}, err
 	}
-	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, p.Handlers, identity.MaxLocalIdentity)
+	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, nil, identity.MaxLocalIdentity)
 	a.metrics = p.Metrics
 	a.mesh = p.Mesh
 	a.health = p.Health
 	p.Lifecycle.Append(a)
-	return a, nil
+	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp}}, nil
 }
 
 func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend GlobalBackend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {

@@ -31,4 +31,5 @@ var Cell = cell.Module(
 		newClusterMeshCommands,
 		newClusterMeshMetrics,
 	),
+	cell.Invoke(registerHandlers),
 )

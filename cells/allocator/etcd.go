@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
+	"path"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -77,6 +79,10 @@ type EtcdConfig struct {
 	IdentityGCRateLimit int64
 	// IdentityGCRateInterval is the window of IdentityGCRateLimit.
 	IdentityGCRateInterval time.Duration
+	// KVStorePeriodicSync is the period at which this node checks that
+	// its reference keys are in etcd as it wrote them, and writes the
+	// missing ones again; 0 disables it.
+	KVStorePeriodicSync time.Duration
 }
 
 // DefaultEtcdConfig is the default configuration of the etcd backend.
@@ -85,6 +91,7 @@ var DefaultEtcdConfig = EtcdConfig{
 	IdentityGCInterval:     15 * time.Minute,
 	IdentityGCRateLimit:    2500,
 	IdentityGCRateInterval: time.Minute,
+	KVStorePeriodicSync:    5 * time.Minute,
 }
 
 // Flags registers the flags of the etcd backend.
@@ -93,6 +100,7 @@ func (def EtcdConfig) Flags(flags *pflag.FlagSet) {
 	flags.Duration("identity-gc-interval", def.IdentityGCInterval, "Interval of the garbage collection of unused global identities in etcd; 0 disables it")
 	flags.Int64("identity-gc-rate-limit", def.IdentityGCRateLimit, "Maximum number of global identities deleted by the garbage collection per --identity-gc-rate-interval")
 	flags.Duration("identity-gc-rate-interval", def.IdentityGCRateInterval, "Window of --identity-gc-rate-limit")
+	flags.Duration("kvstore-periodic-sync", def.KVStorePeriodicSync, "Interval at which this node checks its identity reference keys in etcd and writes missing ones again; 0 disables it")
 }
 
 // Validate checks the configuration.
@@ -106,6 +114,8 @@ func (c EtcdConfig) Validate() error {
 		return errors.New("--identity-gc-rate-limit must be positive")
 	case c.IdentityGCRateInterval <= 0:
 		return errors.New("--identity-gc-rate-interval must be positive")
+	case c.KVStorePeriodicSync < 0:
+		return errors.New("--kvstore-periodic-sync must not be negative")
 	}
 	return nil
 }
@@ -117,6 +127,7 @@ type etcdParams struct {
 	Config     Config
 	EtcdConfig EtcdConfig
 	Log        *slog.Logger
+	Health     cell.Health `optional:"true"`
 }
 
 // newEtcdBackend provides the GlobalBackend when the hive has a kvstore
@@ -129,7 +140,11 @@ func newEtcdBackend(p etcdParams) (GlobalBackend, error) {
 	if err := p.EtcdConfig.Validate(); err != nil {
 		return nil, err
 	}
-	return NewEtcdBackend(p.Log, p.Client, p.Config.ClusterInfo(), p.EtcdConfig), nil
+	b := NewEtcdBackend(p.Log, p.Client, p.Config.ClusterInfo(), p.EtcdConfig)
+	if p.Health != nil {
+		b.health = p.Health.NewScope("node-name")
+	}
+	return b, nil
 }
 
 // EtcdBackend is the GlobalBackend that keeps global identities in etcd
@@ -178,6 +193,14 @@ type EtcdBackend struct {
 	gcLimiter *rate.Limiter
 	gc        gcCounters
 
+	// claim is what this node's key says (see claimNodeName); the checks
+	// of the node's keys count what they find in nodeStats and report a
+	// conflict to health (nil outside a hive with health).
+	claim        nodeClaim
+	nodeStats    nodeCounters
+	conflictSeen atomic.Bool
+	health       cell.Health
+
 	// stopCreates ends the requests creates sends for queued callers.
 	stopCreates context.CancelFunc
 	cancel      context.CancelFunc
@@ -202,6 +225,7 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 		leaseSeen:   make(chan struct{}, 1),
 		lostMasters: map[identity.NumericIdentity]struct{}{},
 		repairWake:  make(chan struct{}, 1),
+		claim:       newNodeClaim(),
 		// A burst of one keeps every window of the interval within the
 		// limit.
 		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),
@@ -222,9 +246,35 @@ func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.Clust
 
 func masterKey(id identity.NumericIdentity) string { return MasterKeyPrefix + id.String() }
 
-func referencePrefix(key string) string { return ReferenceKeyPrefix + key + "/" }
+// Cilium v1.16 builds the reference and lock keys of a label set with
+// path.Join, which cleans the label string inside them ("//" becomes "/",
+// "/./" and "x/../" go), so identityd does the same: a label set holding
+// such sequences then has one reference prefix on every node, whichever
+// wrote it. The master key's value stays the uncleaned string.
 
-func lockPrefix(key string) string { return LockKeyPrefix + key + "/" }
+// referenceBase is the key that this label set's reference keys extend
+// with "/<node>".
+func referenceBase(key string) string { return path.Join(IdentitiesPrefix, "value", key) }
+
+func referencePrefix(key string) string { return referenceBase(key) + "/" }
+
+func lockPrefix(key string) string { return path.Join(IdentitiesPrefix, "locks", key) + "/" }
+
+// ErrKeyLayout: the label set's keys, cleaned the way Cilium cleans them,
+// would leave the key prefix of its kind (a "/../" climbing out of the
+// label string), so it cannot be stored safely.
+var ErrKeyLayout = errors.New("label set cannot be written as an etcd key")
+
+// checkKeyLayout refuses a label set whose cleaned reference or lock keys
+// would land outside their prefixes, where they could pass for another
+// kind of key (a master key, say).
+func checkKeyLayout(key string) error {
+	if !strings.HasPrefix(referencePrefix(key), ReferenceKeyPrefix) || referencePrefix(key) == ReferenceKeyPrefix ||
+		!strings.HasPrefix(lockPrefix(key), LockKeyPrefix) || lockPrefix(key) == LockKeyPrefix {
+		return fmt.Errorf("%w: %q climbs out of %s once cleaned as Cilium cleans keys", ErrKeyLayout, key, IdentitiesPrefix)
+	}
+	return nil
+}
 
 // Start lists the master keys, then watches them in the background. It
 // waits for the first listing at most --allocator-list-timeout; when that
@@ -235,6 +285,20 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 		return fmt.Errorf("%w: the kvstore client is not started", ErrKVStoreUnavailable)
 	}
 	b.events = events
+	// A second live agent with this node name would delete this node's
+	// references when it stops: refuse to run beside it. When etcd does
+	// not answer now, the periodic sync claims the name later.
+	cctx, ccancel := context.WithTimeout(ctx, b.kv.RequestTimeout())
+	err := b.claimNodeName(cctx)
+	ccancel()
+	switch {
+	case errors.Is(err, ErrNodeNameInUse):
+		return err
+	case err != nil:
+		b.log.Warn("Could not claim the node name in etcd yet; the periodic sync retries", "node", b.node, "error", err)
+	case b.health != nil:
+		b.health.OK(fmt.Sprintf("Node name %q claimed", b.node))
+	}
 	runCtx, cancel := context.WithCancel(context.Background())
 	b.cancel = cancel
 	b.wg.Go(func() { b.cacheLoop(runCtx) })
@@ -242,16 +306,39 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 	if b.cfg.IdentityGCInterval > 0 {
 		b.wg.Go(func() { b.gcLoop(runCtx) })
 	}
+	if b.cfg.KVStorePeriodicSync > 0 {
+		b.wg.Go(func() { b.syncLoop(runCtx) })
+	}
 	timer := time.NewTimer(b.cfg.AllocatorListTimeout)
 	defer timer.Stop()
 	select {
 	case <-b.synced:
+		if err := b.checkCluster(ctx); err != nil {
+			// A failed start hook is not stopped: end what started.
+			cancel()
+			b.stopCreates()
+			b.wg.Wait()
+			return err
+		}
+		return nil
 	case <-timer.C:
 		b.log.Warn("Global identities not listed within --allocator-list-timeout; listing continues in the background",
 			"timeout", b.cfg.AllocatorListTimeout)
 	case <-ctx.Done():
 		b.log.Warn("Start ended before global identities were listed; listing continues in the background", "error", ctx.Err())
 	}
+	// Compare the cluster once the listing is complete; too late to
+	// refuse the start, so a mismatch is an error in the log.
+	b.wg.Go(func() {
+		select {
+		case <-b.synced:
+		case <-runCtx.Done():
+			return
+		}
+		if err := b.checkCluster(runCtx); err != nil && runCtx.Err() == nil {
+			b.log.Error("This node's cluster does not match the etcd's; its identities may be another cluster's", "error", err)
+		}
+	})
 	return nil
 }
 
@@ -276,6 +363,7 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	clear(b.held)
 	clear(b.heldByID)
 	b.heldMu.Unlock()
+	b.releaseNodeName()
 	if err := b.kv.RevokeLease(ctx); err != nil {
 		return fmt.Errorf("revoking the node's lease: %w", err)
 	}
@@ -301,20 +389,32 @@ const (
 	outNewID                 // the candidate ID is taken: pick another
 	outLocked                // a Cilium agent holds the label set's lock
 	outWait                  // references point to an ID without master key
+	// outForeign: the reference prefix holds only keys of label sets
+	// whose canonical strings extend this one with "/" (Cilium allows
+	// "/" in sources), none of this label set's: create again, comparing
+	// that nothing under the prefix changed since revision rev.
+	outForeign
 )
 
 type attempt struct {
 	out     outcome
 	id      identity.NumericIdentity
 	created bool
+	rev     int64
 }
 
 // Allocate implements GlobalBackend.
 func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	key := lbls.Canonical()
+	if err := checkKeyLayout(key); err != nil {
+		return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
+	}
 	// A label set the cache knows is adopted directly: one transaction.
 	hint, _ := b.cachedID(key)
 	var conflicts, transient, waits int
+	// foreignRev is set once the label set's reference prefix is known to
+	// hold keys of other label sets only (see outForeign).
+	var foreignRev int64
 	for {
 		if err := ctx.Err(); err != nil {
 			return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
@@ -326,10 +426,10 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 		if hint != 0 {
 			a, err = b.adopt(ctx, key, hint)
 		} else {
-			a, err = b.create(ctx, key, lbls)
+			a, err = b.create(ctx, key, lbls, foreignRev)
 		}
 		if err != nil {
-			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) {
+			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) || errors.Is(err, ErrKeyLayout) {
 				return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
 			}
 			if !retryable(err) || ctx.Err() != nil {
@@ -361,6 +461,8 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 			sleep(ctx, backoff(conflicts+1))
 		case outNewID:
 			hint = 0
+		case outForeign:
+			hint, foreignRev = 0, a.rev
 		}
 		if conflicts++; conflicts > maxConflicts {
 			return 0, false, fmt.Errorf("%w: %s after %d attempts", ErrAllocationConflict, key, conflicts)
@@ -372,7 +474,12 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 // transaction that is safe against every other writer: the ID has no master
 // key, no node references the label set, no Cilium agent holds its lock. On
 // failure the same round trip reads why, so the next step needs no read.
-func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels) (attempt, error) {
+//
+// foreignRev is 0, or a revision at which the label set's reference prefix
+// held keys of other label sets only; then "no node references the label
+// set" is compared as "no key under the prefix was written after
+// foreignRev", since those keys would fail a compare that none exists.
+func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels, foreignRev int64) (attempt, error) {
 	nid := b.pool.LeaseAvailableID()
 	if nid == idpool.NoID {
 		return attempt{}, ErrGlobalSpaceExhausted
@@ -389,7 +496,7 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 	ref := refs + b.node
 	resp, settled, err := b.creates.commit(ctx, &createItem{
 		cli:    cli,
-		req:    createTxn(master, refs, locks, b.node, key, id.String(), lease),
+		req:    createTxn(master, refs, locks, b.node, key, id.String(), lease, foreignRev),
 		master: master,
 		ref:    ref,
 		settle: func(resp *pb.TxnResponse, err error) { b.settleAbandoned(nid, ref, resp, err) },
@@ -414,10 +521,14 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 		if !isReferenceOf(ref.Key, refs) {
 			// Only a label set whose canonical string extends ours
 			// with "/" could own this key; look for one of ours.
-			var err error
-			if ref, err = b.findReference(ctx, cli, refs); err != nil {
+			found, rev, err := b.findReference(ctx, cli, refs)
+			if err != nil {
 				return attempt{}, err
 			}
+			if found == nil {
+				return attempt{out: outForeign, rev: rev}, nil
+			}
+			ref = found
 		}
 		if ref != nil {
 			refID, err := identity.ParseNumericIdentity(string(ref.Value))
@@ -499,12 +610,20 @@ func (b *EtcdBackend) settleAbandoned(nid idpool.ID, ref string, resp *pb.TxnRes
 // of what the client spends on it, taken from the server when both share
 // a small machine. The benchmarks issue the same request without an
 // allocator, to measure what its shape costs the server.
-func createTxn(master, refs, locks, node, value, id string, lease clientv3.LeaseID) *pb.TxnRequest {
+//
+// foreignRev, when not 0, replaces the compare that no reference key exists
+// with one that no key under refs was written after foreignRev (see
+// create).
+func createTxn(master, refs, locks, node, value, id string, lease clientv3.LeaseID, foreignRev int64) *pb.TxnRequest {
 	masterKey, refsKey := []byte(master), []byte(refs)
+	refsCompare := notCreated(refsKey, prefixEnd(refs))
+	if foreignRev != 0 {
+		refsCompare = notWrittenSince(refsKey, prefixEnd(refs), foreignRev)
+	}
 	return &pb.TxnRequest{
 		Compare: []*pb.Compare{
 			notCreated(masterKey, nil),
-			notCreated(refsKey, prefixEnd(refs)),
+			refsCompare,
 			notCreated([]byte(locks), prefixEnd(locks)),
 		},
 		Success: []*pb.RequestOp{
@@ -529,6 +648,18 @@ func notCreated(key, rangeEnd []byte) *pb.Compare {
 		Target:      pb.Compare_CREATE,
 		Result:      pb.Compare_EQUAL,
 		TargetUnion: &pb.Compare_CreateRevision{CreateRevision: 0},
+	}
+}
+
+// notWrittenSince compares that no key in [key, rangeEnd) was written
+// after revision rev; an empty range passes.
+func notWrittenSince(key, rangeEnd []byte, rev int64) *pb.Compare {
+	return &pb.Compare{
+		Key:         key,
+		RangeEnd:    rangeEnd,
+		Target:      pb.Compare_MOD,
+		Result:      pb.Compare_LESS,
+		TargetUnion: &pb.Compare_ModRevision{ModRevision: rev + 1},
 	}
 }
 
@@ -557,20 +688,21 @@ func isReferenceOf(key []byte, prefix string) bool {
 // findReference scans the label set's reference prefix for a key that
 // belongs to it. It is only needed when another label set's keys share the
 // prefix, which identityd's label validation rules out and Cilium's does
-// not.
-func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, prefix string) (*mvccpb.KeyValue, error) {
+// not. With none of the label set's own, it returns the revision of the
+// scan, at which the prefix held other label sets' keys only.
+func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, prefix string) (*mvccpb.KeyValue, int64, error) {
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
 	resp, err := cli.Get(rctx, prefix, clientv3.WithPrefix())
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	for _, kv := range resp.Kvs {
 		if isReferenceOf(kv.Key, prefix) {
-			return kv, nil
+			return kv, 0, nil
 		}
 	}
-	return nil, fmt.Errorf("%w: keys of another label set under %s make the allocation's prefix compare fail", ErrAllocationConflict, prefix)
+	return nil, resp.Header.GetRevision(), nil
 }
 
 // adopt writes this node's reference to id, provided id's master key still
@@ -587,7 +719,7 @@ func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.Numeric
 	resp, err := cli.Txn(rctx).
 		If(clientv3.Compare(clientv3.Value(master), "=", key)).
 		Then(clientv3.OpPut(referencePrefix(key)+b.node, id.String(), clientv3.WithLease(lease))).
-		Else(clientv3.OpGet(master, clientv3.WithKeysOnly())).
+		Else(clientv3.OpGet(master)).
 		Commit()
 	if err != nil {
 		return attempt{}, err
@@ -597,7 +729,15 @@ func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.Numeric
 		b.hold(key, id, resp.Header.GetRevision())
 		return attempt{out: outDone, id: id}, nil
 	}
-	if len(resp.Responses[0].GetResponseRange().GetKvs()) == 0 {
+	kvs := resp.Responses[0].GetResponseRange().GetKvs()
+	if len(kvs) > 0 && referenceBase(string(kvs[0].Value)) == referenceBase(key) {
+		// Another label string that cleans to the same key (x//y and
+		// x/./y) owns the references this node would share: neither
+		// Cilium's layout nor any other can tell the two apart.
+		return attempt{}, fmt.Errorf("%w: its reference keys are those of %q (ID %d) once cleaned as Cilium cleans keys",
+			ErrKeyLayout, kvs[0].Value, id)
+	}
+	if len(kvs) == 0 {
 		// References name an ID whose master key is gone; their
 		// holders re-create it (master-key protection) or their lease
 		// expires. Either way the next create attempt tells.
@@ -815,6 +955,10 @@ func (b *EtcdBackend) repairLoop(ctx context.Context) {
 		case <-b.leaseSeen:
 			cur = clientv3.LeaseID(b.lease.Load())
 		case <-lost:
+			// The node key went with the lease.
+			if err := b.claimNodeName(ctx); err != nil && ctx.Err() == nil {
+				b.log.Warn("Claiming the node name again after the lease was lost failed; the periodic sync retries", "error", err)
+			}
 			cur = b.restoreReferences(ctx)
 		case <-b.repairWake:
 			b.restoreMasters(ctx)
@@ -921,7 +1065,10 @@ func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client
 }
 
 // restoreMasters re-creates deleted master keys of label sets this node
-// references, unless someone re-created the ID meanwhile.
+// references, with this node's reference in the same transaction, unless
+// someone re-created the ID meanwhile. Whoever deleted the master key
+// (another node's GC) saw no reference; without the reference written
+// again the next GC would delete the master key again.
 func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 	b.lostMu.Lock()
 	ids := make([]identity.NumericIdentity, 0, len(b.lostMasters))
@@ -941,13 +1088,10 @@ func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 		if !held || cli == nil {
 			continue
 		}
-		master := masterKey(id)
-		rctx, cancel := b.requestContext(ctx)
-		_, err := cli.Txn(rctx).
-			If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0)).
-			Then(clientv3.OpPut(master, key)).
-			Commit()
-		cancel()
+		lease, err := b.kv.Lease(ctx)
+		if err == nil {
+			err = b.restoreReference(ctx, cli, lease, key, id)
+		}
 		if err != nil && ctx.Err() == nil {
 			b.log.Warn("Re-creating a deleted master key failed; retrying", "id", id, "error", err)
 			b.lostMu.Lock()
@@ -961,4 +1105,92 @@ func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 			})
 		}
 	}
+}
+
+// syncLoop checks this node's reference keys every --kvstore-periodic-sync
+// and writes again those that are missing or not as this node wrote them:
+// a second agent with the same node name deletes them when it stops, an
+// operator may delete them by hand, and the GC then frees numbers this
+// node still uses. (Cilium's agents sync their keys the same way.)
+func (b *EtcdBackend) syncLoop(ctx context.Context) {
+	t := time.NewTicker(b.cfg.KVStorePeriodicSync)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if n, err := b.SyncReferences(ctx); err != nil && ctx.Err() == nil {
+			b.log.Warn("Checking this node's identity reference keys failed", "error", err, "rewritten", n)
+		} else if n > 0 {
+			b.log.Warn("Wrote missing identity reference keys of this node again", "rewritten", n)
+		}
+	}
+}
+
+// SyncReferences checks every reference key this node holds and writes
+// again those that are missing or were written by someone else since this
+// node wrote them, re-creating their master keys if these are gone too. It
+// returns how many it wrote.
+func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
+	cli := b.kv.Client()
+	if cli == nil {
+		return 0, kvstore.ErrStopped
+	}
+	b.conflictSeen.Store(false)
+	if err := b.checkNodeName(ctx, cli); err != nil {
+		return 0, err
+	}
+	b.heldMu.Lock()
+	held := make(map[string]heldRef, len(b.held))
+	maps.Copy(held, b.held)
+	b.heldMu.Unlock()
+
+	var stale []string
+	for key, h := range held {
+		rctx, cancel := b.requestContext(ctx)
+		resp, err := cli.Get(rctx, referencePrefix(key)+b.node)
+		cancel()
+		if err != nil {
+			return 0, fmt.Errorf("%w: reading reference key of %s: %w", ErrKVStoreUnavailable, key, err)
+		}
+		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != h.rev || string(resp.Kvs[0].Value) != h.id.String() {
+			stale = append(stale, key)
+			if len(resp.Kvs) > 0 && resp.Kvs[0].Lease != b.lease.Load() {
+				b.nameConflict(fmt.Errorf("%w: reference key %s was written on lease %x, not this node's",
+					ErrNodeNameInUse, resp.Kvs[0].Key, resp.Kvs[0].Lease))
+			}
+		}
+	}
+	if !b.conflictSeen.Load() && b.health != nil {
+		b.health.OK(fmt.Sprintf("Node name %q claimed; reference keys checked", b.node))
+	}
+	if len(stale) == 0 {
+		return 0, nil
+	}
+	// Writing holds writeMu so that no release of these label sets runs
+	// meanwhile: a reference written after its release would keep the
+	// identity alive for as long as this node's lease lives.
+	b.writeMu.Lock()
+	defer b.writeMu.Unlock()
+	lease, err := b.kv.Lease(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, key := range stale {
+		b.heldMu.Lock()
+		h, still := b.held[key]
+		b.heldMu.Unlock()
+		if !still || h.rev != held[key].rev {
+			continue // released, or written again, since the check
+		}
+		if err := b.restoreReference(ctx, cli, lease, key, h.id); err != nil {
+			return n, err
+		}
+		b.nodeStats.rewritten.Add(1)
+		n++
+	}
+	return n, nil
 }

@@ -28,7 +28,7 @@ func batchItem(tb testing.TB, b *EtcdBackend, lbls labels.Labels, id identity.Nu
 	master, refs := masterKey(id), referencePrefix(key)
 	return &createItem{
 		cli:    b.kv.Client(),
-		req:    createTxn(master, refs, lockPrefix(key), b.node, key, id.String(), lease),
+		req:    createTxn(master, refs, lockPrefix(key), b.node, key, id.String(), lease, 0),
 		master: master,
 		ref:    refs + b.node,
 		done:   make(chan struct{}),

@@ -80,7 +80,7 @@ func shapeRate(b *testing.B, cli *clientv3.Client, d time.Duration, goroutines i
 		id := strconv.FormatInt(256+i, 10)
 		value := "k8s:app=shape-" + id + ";"
 		resp, err := commitTxn(b.Context(), cli, createTxn(prefix+"/id/"+id,
-			prefix+"/value/"+value+"/", prefix+"/locks/"+value+"/", "bench", value, id, lease.ID))
+			prefix+"/value/"+value+"/", prefix+"/locks/"+value+"/", "bench", value, id, lease.ID, 0))
 		if err == nil && !resp.Succeeded {
 			err = fmt.Errorf("shape transaction for %s failed its compares", id)
 		}

@@ -85,7 +85,7 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 	if cli == nil {
 		return 0, 0, fmt.Errorf("%w: the kvstore client is stopped", ErrKVStoreUnavailable)
 	}
-	referenced, err := b.referencedLabelSets(ctx, cli)
+	referenced, listRev, err := b.referencedLabelSets(ctx, cli)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -98,7 +98,7 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 	var candidates []candidate
 	b.cacheMu.RLock()
 	for id, e := range b.byID {
-		if _, ok := referenced[e.key]; !ok {
+		if _, ok := referenced[referenceBase(e.key)]; !ok {
 			candidates = append(candidates, candidate{id, e.key, e.modRev})
 		}
 	}
@@ -110,9 +110,14 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 		}
 		master := masterKey(c.id)
 		rctx, cancel := b.requestContext(ctx)
+		// The listing at listRev found no reference of the label set
+		// under its prefix, though maybe keys of label sets that extend
+		// it (see outForeign); comparing that nothing under the prefix
+		// was written since then proves the same now.
+		refs := referencePrefix(c.key)
 		resp, err := cli.Txn(rctx).If(
 			clientv3.Compare(clientv3.ModRevision(master), "=", c.modRev),
-			clientv3.Compare(clientv3.CreateRevision(referencePrefix(c.key)), "=", 0).WithPrefix(),
+			clientv3.Compare(clientv3.ModRevision(refs), "<", listRev+1).WithRange(clientv3.GetPrefixRangeEnd(refs)),
 			clientv3.Compare(clientv3.CreateRevision(lockPrefix(c.key)), "=", 0).WithPrefix(),
 		).Then(clientv3.OpDelete(master)).Commit()
 		cancel()
@@ -130,9 +135,11 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 	return deleted, skipped, nil
 }
 
-// referencedLabelSets lists the reference keys (keys only, page by page)
-// and returns the label strings that have at least one.
-func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Client) (map[string]struct{}, error) {
+// referencedLabelSets lists the reference keys (keys only, page by page,
+// all at one revision, which it returns) and returns the reference bases (see referenceBase) that have at least
+// one: a label string cleaned as Cilium cleans it, which the master key's
+// value need not be.
+func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Client) (map[string]struct{}, int64, error) {
 	out := map[string]struct{}{}
 	end := clientv3.GetPrefixRangeEnd(ReferenceKeyPrefix)
 	from, rev := ReferenceKeyPrefix, int64(0)
@@ -145,7 +152,7 @@ func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Cli
 		resp, err := cli.Get(rctx, from, opts...)
 		cancel()
 		if err != nil {
-			return nil, fmt.Errorf("%w: listing reference keys: %w", ErrKVStoreUnavailable, err)
+			return nil, 0, fmt.Errorf("%w: listing reference keys: %w", ErrKVStoreUnavailable, err)
 		}
 		if rev == 0 {
 			rev = resp.Header.Revision
@@ -153,13 +160,13 @@ func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Cli
 		for _, kv := range resp.Kvs {
 			// The node name follows the last "/"; label strings
 			// may hold "/" themselves.
-			rest := strings.TrimPrefix(string(kv.Key), ReferenceKeyPrefix)
-			if i := strings.LastIndexByte(rest, '/'); i > 0 {
-				out[rest[:i]] = struct{}{}
+			key := string(kv.Key)
+			if i := strings.LastIndexByte(key, '/'); i >= len(ReferenceKeyPrefix) {
+				out[key[:i]] = struct{}{}
 			}
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
-			return out, nil
+			return out, rev, nil
 		}
 		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}

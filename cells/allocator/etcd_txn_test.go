@@ -45,7 +45,7 @@ func TestCreateTxnMatchesClientBuilder(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		got := createTxn(tc.master, tc.refs, tc.locks, tc.node, tc.value, tc.id, 42)
+		got := createTxn(tc.master, tc.refs, tc.locks, tc.node, tc.value, tc.id, 42, 0)
 		if !proto.Equal(got, capture.req) {
 			t.Errorf("createTxn(%q, ...):\n got %v\nwant %v", tc.master, got, capture.req)
 		}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"slices"
 	"time"
 
 	"github.com/cilium/hive"
@@ -44,13 +45,25 @@ var agentCells = []cell.Cell{
 
 // newHive returns the agent's hive. Every call builds a fresh one, so tests
 // can run several agents in one process.
-func newHive() *hive.Hive {
+func newHive(extra ...cell.Cell) *hive.Hive {
+	return hive.NewWithOptions(agentOptions(), append(slices.Clone(agentCells), extra...)...)
+}
+
+// EnvPrefix is the prefix of the environment variables that set the
+// agent's flags: IDENTITYD_NODE_NAME sets --node-name. Without a prefix,
+// hive would read NODE_NAME, STATE_DIR and the like, which other programs
+// on a host or in a pod set for their own purposes.
+const EnvPrefix = "IDENTITYD_"
+
+// agentOptions are the hive options of the agent.
+func agentOptions() hive.Options {
 	opts := hive.DefaultOptions()
+	opts.EnvPrefix = EnvPrefix
 	// Hooks and invokes that take longer than this are logged at info
 	// level, the others at debug, so that a normal start is a few lines.
 	opts.LogThreshold = 100 * time.Millisecond
 	// Every module reports health in its own scope, so /healthz and the
 	// health command name the module at fault.
 	opts.ModuleDecorators = health.ModuleDecorators
-	return hive.NewWithOptions(opts, agentCells...)
+	return opts
 }

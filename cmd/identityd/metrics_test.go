@@ -53,8 +53,9 @@ func TestAgentServesCellMetrics(t *testing.T) {
 		`identityd_identity_allocation_duration_seconds_count{outcome="success",scope="local"} 2`,
 		`identityd_identity_allocation_duration_seconds_count{outcome="success",scope="global"} 1`,
 		`identityd_identity{type="node_local"} 1`,
-		// The global allocation's transaction, timed by the kvstore client.
-		`identityd_kvstore_operations_duration_seconds_count{action="Txn",kind="KV",outcome="success",scope="cilium/state/identities"} 1`,
+		// The claim of the node name at start and the global
+		// allocation's transaction, timed by the kvstore client.
+		`identityd_kvstore_operations_duration_seconds_count{action="Txn",kind="KV",outcome="success",scope="cilium/state/identities"} 2`,
 	} {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("/metrics lacks %s", want)

@@ -33,6 +33,7 @@ var Cell = cell.Module(
 		kvstoreCollectorOut,
 		ipcacheCollectorOut,
 		gcCollectorOut,
+		nodeCollectorOut,
 		restorationCollectorOut,
 	),
 )
@@ -110,6 +111,16 @@ func gcCollectorOut(p gcParams) metrics.CollectorOut {
 		return metrics.CollectorOut{}
 	}
 	return metrics.NewCollector(NewGCCollector(b))
+}
+
+// nodeCollectorOut reports the checks of this node's keys only of a
+// backend that makes them (the etcd backend).
+func nodeCollectorOut(p gcParams) metrics.CollectorOut {
+	b, ok := p.Backend.(NodeStatser)
+	if !ok {
+		return metrics.CollectorOut{}
+	}
+	return metrics.NewCollector(NewNodeCollector(b))
 }
 
 type restorationParams struct {

@@ -18,6 +18,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/cells/allocator"
@@ -319,6 +320,62 @@ func TestScrapeGC(t *testing.T) {
 		`identityd_identity_gc_entries{status="skipped"}`: 0,
 		`identityd_identity_gc_runs{outcome="success"}`:   1,
 		`identityd_identity_gc_runs{outcome="failure"}`:   1,
+	})
+}
+
+func TestScrapeNodeChecks(t *testing.T) {
+	var (
+		alloc   allocator.Allocator
+		backend allocator.GlobalBackend
+		kv      *kvstore.Client
+		server  *metrics.Server
+	)
+	h := hive.New(
+		health.Cell, metrics.Cell, scrape.Cell, job.Cell, statedb.Cell, statedir.Cell,
+		kvstore.Cell, allocator.Cell,
+		cell.Invoke(func(a allocator.Allocator, b allocator.GlobalBackend, k *kvstore.Client, s *metrics.Server) {
+			alloc, backend, kv, server = a, b, k, s
+		}),
+	)
+	dir := t.TempDir()
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
+	hive.AddConfigOverride(h, func(c *kvstore.Config) { c.NodeName = "scraped" })
+	// The test runs the checks itself, so that the counts are exact.
+	hive.AddConfigOverride(h, func(c *allocator.EtcdConfig) { c.KVStorePeriodicSync = 0 })
+	log := hivetest.Logger(t)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(log, context.Background())
+	etcd := backend.(*allocator.EtcdBackend)
+	expect(t, scrapeMetrics(t, server.Addr()), map[string]float64{
+		`identityd_kvstore_node_name_conflicts_total`:  0,
+		`identityd_kvstore_references_rewritten_total`: 0,
+	})
+
+	l := labels.MustParse("k8s:app=scraped")
+	id, _, err := alloc.Allocate(t.Context(), l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another writer of this node's name rewrites its reference on
+	// another lease.
+	cli := kv.Client()
+	other, err := cli.Grant(t.Context(), 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := allocator.ReferenceKeyPrefix + l.Canonical() + "/scraped"
+	if _, err := cli.Put(t.Context(), ref, id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := etcd.SyncReferences(t.Context()); err != nil || n != 1 {
+		t.Fatalf("sync rewrote %d, err %v; want 1", n, err)
+	}
+	expect(t, scrapeMetrics(t, server.Addr()), map[string]float64{
+		`identityd_kvstore_node_name_conflicts_total`:  1,
+		`identityd_kvstore_references_rewritten_total`: 1,
 	})
 }
 

@@ -1,8 +1,11 @@
 // Command compose shows how an agent outside the identityd module composes
 // identityd's cells into its own hive and uses the identity model: it runs
-// the allocator on an embedded etcd with the checkpoint, the ipcache and
-// restoration, allocates a CIDR and a global identity at start, and prints
-// every identity change it is told of.
+// the allocator on an embedded etcd with the checkpoint, the ipcache,
+// restoration, metrics and health as the identityd binary does, allocates a
+// CIDR and a global identity at start, and prints every identity change it
+// is told of. Its configuration is the cells' flags
+// (compose --state-dir DIR --prometheus-serve-addr 127.0.0.1:9963 ...) or
+// COMPOSE_-prefixed environment variables.
 package main
 
 import (
@@ -11,11 +14,13 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/checkpoint"
@@ -23,6 +28,7 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/cells/metrics/scrape"
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -35,10 +41,14 @@ var myAgent = cell.Module(
 	"my-agent",
 	"An agent that uses identityd",
 
-	cell.Provide(func() allocator.HandlerOut {
+	// A handler may depend on the Allocator (here to look up an
+	// identity's labels); it is told of every change in batches.
+	cell.Provide(func(a allocator.Allocator) allocator.HandlerOut {
 		return allocator.NewHandler(allocator.HandlerFunc(func(added, deleted allocator.IdentityMap) {
-			for id, lbls := range added {
-				fmt.Printf("added %d %s\n", id, lbls)
+			for id := range added {
+				if ident := a.LookupByID(id); ident != nil {
+					fmt.Printf("added %d %s\n", id, ident.Labels)
+				}
 			}
 			for id := range deleted {
 				fmt.Printf("deleted %d\n", id)
@@ -63,16 +73,31 @@ var myAgent = cell.Module(
 			fmt.Printf("%s has global identity %d\n", web, id.ID)
 			return ipc.Upsert(ctx, "my-agent", netip.MustParsePrefix("192.168.0.0/16"), ipcache.Info{})
 		}})
+		// No OnStop that releases identities or removes prefixes: the
+		// final checkpoint and the datapath map are what the next start
+		// restores, so releasing on the way down would give every local
+		// identity a new number after the restart.
 	}),
 )
 
 func main() {
-	h := hive.New(
+	opts := hive.DefaultOptions()
+	// Flags can also be set as COMPOSE_<FLAG> variables; without a prefix
+	// hive would read NODE_NAME, STATE_DIR and the like.
+	opts.EnvPrefix = "COMPOSE_"
+	// Each module reports health in its own scope, so that /healthz and
+	// the health command name the module at fault.
+	opts.ModuleDecorators = health.ModuleDecorators
+	// Hooks slower than this are logged at info level, the others at
+	// debug.
+	opts.LogThreshold = 100 * time.Millisecond
+	h := hive.NewWithOptions(opts,
 		health.Cell,
+		metrics.Cell,
+		scrape.Cell, // metrics derived from the cells' state at scrape time
 		job.Cell,
 		statedb.Cell,
 		statedir.Cell,
-		metrics.Cell,
 		kvstore.Cell,
 		allocator.Cell,
 		checkpoint.Cell,
@@ -80,15 +105,27 @@ func main() {
 		restoration.Cell,
 		myAgent,
 	)
+
+	flags := pflag.NewFlagSet("compose", pflag.ExitOnError)
+	h.RegisterFlags(flags)
+	// Defaults for a run without root or a free metrics port; the command
+	// line overrides them.
 	dir, err := os.MkdirTemp("", "compose-example")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	defer os.RemoveAll(dir)
-	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
-	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = "file" })
-	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "" })
+	for name, value := range map[string]string{"state-dir": dir, "ipcache-map": "file", "prometheus-serve-addr": ""} {
+		if err := flags.Set(name, value); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
+	flags.Parse(os.Args[1:])
+
+	// A long-running agent calls h.Run(log), which stops on SIGINT or
+	// SIGTERM; the example starts and stops once.
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if err := h.Start(log, context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -1,0 +1,662 @@
+package allocator
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/labels"
+)
+
+// ciliumWriter writes global identities the way Cilium v1.16's kvstore
+// allocator does (pkg/kvstore/allocator): keys built with path.Join, a
+// lookup that lists path.Join(value prefix, labels) and keeps the keys
+// whose last "/" follows the prefix, master keys created only if absent,
+// references on the node's lease. It skips Cilium's lock, which changes no
+// key that a reader sees once the allocation is done.
+type ciliumWriter struct {
+	cli   *clientv3.Client
+	node  string
+	lease clientv3.LeaseID
+	next  int
+}
+
+func newCiliumWriter(t *testing.T, cli *clientv3.Client, node string, firstID int) *ciliumWriter {
+	t.Helper()
+	lease, err := cli.Grant(testCtx(t, 10*time.Second), 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &ciliumWriter{cli: cli, node: node, lease: lease.ID, next: firstID}
+}
+
+// lookup is Cilium's kvstoreBackend.Get.
+func (w *ciliumWriter) lookup(t *testing.T, key string) identity.NumericIdentity {
+	t.Helper()
+	prefix := path.Join(IdentitiesPrefix, "value", key)
+	resp, err := w.cli.Get(testCtx(t, 10*time.Second), prefix, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		if strings.LastIndex(string(kv.Key), "/") == len(prefix) {
+			if id, err := strconv.ParseUint(string(kv.Value), 10, 32); err == nil {
+				return identity.NumericIdentity(id)
+			}
+		}
+	}
+	return 0
+}
+
+// allocate references the label set's identity, creating a master key
+// with the next free ID when no node references it.
+func (w *ciliumWriter) allocate(t *testing.T, key string) identity.NumericIdentity {
+	t.Helper()
+	ctx := testCtx(t, 10*time.Second)
+	id := w.lookup(t, key)
+	for id == 0 {
+		master := path.Join(IdentitiesPrefix, "id", strconv.Itoa(w.next))
+		w.next++
+		resp, err := w.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0)).
+			Then(clientv3.OpPut(master, key)).Commit()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.Succeeded {
+			id = identity.NumericIdentity(w.next - 1)
+		}
+	}
+	ref := path.Join(IdentitiesPrefix, "value", key, w.node)
+	if _, err := w.cli.Put(ctx, ref, id.String(), clientv3.WithLease(w.lease)); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// masterKeysOf counts the master keys whose value is key.
+func masterKeysOf(t *testing.T, cli *clientv3.Client, key string) int {
+	t.Helper()
+	resp, err := cli.Get(testCtx(t, 10*time.Second), MasterKeyPrefix, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, kv := range resp.Kvs {
+		if string(kv.Value) == key {
+			n++
+		}
+	}
+	return n
+}
+
+// Label strings that path.Join changes, and ones it leaves alone but that
+// hold characters a key layout could trip on.
+var interopLabelStrings = []string{
+	"k8s:a=x//y;",
+	"k8s:a=u/./v;",
+	"k8s:a=p/q/../r;",
+	"k8s:a=trailing/;",
+	"k8s:a=b=c;k8s:io.kubernetes.pod.namespace=ns;",
+	"k8s:app.kubernetes.io/name=web;k8s:dir//x=1;",
+	"container:a=..;k8s:b=/;",
+}
+
+// TestEtcdMixedWritersCleanedKeys runs identityd nodes beside a writer that
+// builds keys the way Cilium v1.16 does, over label strings that path.Join
+// cleans: each label set ends with one master key and one ID on every
+// node, whichever writes first, and the garbage collection deletes no
+// master key a Cilium node references.
+func TestEtcdMixedWritersCleanedKeys(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	cilium := newCiliumWriter(t, cli, "cilium-node", 40000)
+	ctx := testCtx(t, time.Minute)
+
+	type held struct {
+		key string
+		id  identity.NumericIdentity
+	}
+	var all []held
+	for i, key := range interopLabelStrings {
+		lbls, err := labels.ParseCanonical(key)
+		if err != nil {
+			t.Fatalf("%q: %v", key, err)
+		}
+		var id identity.NumericIdentity
+		if i%2 == 0 {
+			// Cilium first, then identityd adopts.
+			id = cilium.allocate(t, key)
+			got, _, err := n1.alloc.Allocate(ctx, lbls)
+			if err != nil {
+				t.Fatalf("node1 after Cilium, %q: %v", key, err)
+			}
+			if got.ID != id {
+				t.Errorf("%q: Cilium has %d, node1 %d", key, id, got.ID)
+			}
+		} else {
+			// identityd first, then Cilium finds its reference.
+			got, _, err := n1.alloc.Allocate(ctx, lbls)
+			if err != nil {
+				t.Fatalf("node1, %q: %v", key, err)
+			}
+			id = got.ID
+			if cid := cilium.allocate(t, key); cid != id {
+				t.Errorf("%q: node1 has %d, Cilium %d", key, id, cid)
+			}
+		}
+		got, _, err := n2.alloc.Allocate(ctx, lbls)
+		if err != nil {
+			t.Fatalf("node2, %q: %v", key, err)
+		}
+		if got.ID != id {
+			t.Errorf("%q: node2 has %d, others %d", key, got.ID, id)
+		}
+		if n := masterKeysOf(t, cli, key); n != 1 {
+			t.Errorf("%q: %d master keys, want 1", key, n)
+		}
+		// Cilium's lookup finds identityd's references under the key it
+		// builds itself.
+		if w := cilium.lookup(t, key); w != id {
+			t.Errorf("%q: Cilium's lookup finds %d, want %d", key, w, id)
+		}
+		all = append(all, held{key, id})
+	}
+
+	// identityd's nodes release everything; only the Cilium node
+	// references the label sets now. GC must keep every master key.
+	for _, h := range all {
+		lbls, _ := labels.ParseCanonical(h.key)
+		for _, n := range []*etcdNode{n1, n2} {
+			id := n.alloc.LookupByLabels(lbls)
+			if _, err := n.alloc.Release(ctx, id); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, _, err := n1.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range all {
+		if v, _, ok := getValue(t, cli, masterKey(h.id)); !ok || v != h.key {
+			t.Errorf("GC deleted master key %d of %q, which the Cilium node references (now %q, %v)", h.id, h.key, v, ok)
+		}
+	}
+}
+
+// TestEtcdForeignKeysUnderPrefix checks that reference keys of a label set
+// whose canonical string extends another's with "/" (a Cilium label source
+// may hold "/") do not block the shorter label set's allocation.
+func TestEtcdForeignKeysUnderPrefix(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	cilium := newCiliumWriter(t, cli, "cilium-node", 41000)
+	ctx := testCtx(t, time.Minute)
+
+	short := labels.MustParse("k8s:a=x")
+	foreign := short.Canonical() + "/src:b=y;"
+	fid := cilium.allocate(t, foreign)
+
+	got, created, err := n1.alloc.Allocate(ctx, short)
+	if err != nil {
+		t.Fatalf("allocation blocked by a foreign key: %v", err)
+	}
+	if !created || got.ID == fid {
+		t.Fatalf("got %d (created %v), the foreign label set has %d", got.ID, created, fid)
+	}
+	again, _, err := n2.alloc.Allocate(ctx, short)
+	if err != nil || again.ID != got.ID {
+		t.Fatalf("node2: %v, %v; node1 has %d", again, err, got.ID)
+	}
+	if w := cilium.lookup(t, short.Canonical()); w != got.ID {
+		t.Fatalf("Cilium's lookup finds %d, want %d", w, got.ID)
+	}
+	if n := masterKeysOf(t, cli, short.Canonical()); n != 1 {
+		t.Fatalf("%d master keys, want 1", n)
+	}
+
+	// GC keeps what is referenced, the foreign label set included, and
+	// collects the shorter one once nobody references it, whatever lies
+	// under its prefix.
+	if _, _, err := n1.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := masterKeysOf(t, cli, short.Canonical()); n != 1 {
+		t.Fatal("GC deleted a referenced master key")
+	}
+	for _, n := range []*etcdNode{n1, n2} {
+		if _, err := n.alloc.Release(ctx, n.alloc.LookupByLabels(short)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := n1.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := masterKeysOf(t, cli, short.Canonical()); n != 0 {
+		t.Fatal("GC kept an unreferenced master key because of a foreign key under its prefix")
+	}
+	if n := masterKeysOf(t, cli, foreign); n != 1 {
+		t.Fatal("GC deleted the master key of the foreign label set, which the Cilium node references")
+	}
+}
+
+// TestCreateTxnForeignRevision checks the compare that replaces "no
+// reference key exists" when the prefix holds only other label sets' keys:
+// a reference written after that revision makes the transaction fail.
+func TestCreateTxnForeignRevision(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	ctx := testCtx(t, 30*time.Second)
+	key := "k8s:a=x;"
+	refs, locks := referencePrefix(key), lockPrefix(key)
+	put, err := cli.Put(ctx, refs+"src:b=y;/other", "300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := put.Header.Revision
+	lease, err := cli.Grant(ctx, 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// A node references the label set after the scan at seen.
+	if _, err := cli.Put(ctx, refs+"late-node", "301"); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := commitTxn(ctx, cli, createTxn(masterKey(302), refs, locks, "me", key, "302", lease.ID, seen))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Succeeded {
+		t.Fatal("create succeeded although a reference was written after the scan")
+	}
+	if _, err := cli.Delete(ctx, refs+"late-node"); err != nil {
+		t.Fatal(err)
+	}
+
+	// Only the foreign key, unchanged since a later scan: it succeeds.
+	now, err := cli.Get(ctx, refs, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err = commitTxn(ctx, cli, createTxn(masterKey(302), refs, locks, "me", key, "302", lease.ID, now.Header.Revision))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.Succeeded {
+		t.Fatal("create failed with only a foreign key under the prefix")
+	}
+}
+
+// TestEtcdKeyLayoutRefused checks that a label set whose keys, cleaned as
+// Cilium cleans them, would leave their prefix is refused before anything
+// is written.
+func TestEtcdKeyLayoutRefused(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	ctx := testCtx(t, 30*time.Second)
+	for _, s := range []string{"k8s:x/../../id/5=v", "k8s:x/../../../../../etc=v"} {
+		lbls, err := labels.Parse(s)
+		if err != nil {
+			t.Fatalf("%q: %v", s, err)
+		}
+		_, _, err = n1.alloc.Allocate(ctx, lbls)
+		if !errors.Is(err, ErrKeyLayout) {
+			t.Errorf("%q: %v, want ErrKeyLayout", s, err)
+		}
+	}
+	// Only the node's own key (see claimNodeName) is there.
+	if n := countKeys(t, cli, "") - countKeys(t, cli, NodeKeyPrefix); n != 0 {
+		t.Fatalf("%d keys written for refused label sets", n)
+	}
+}
+
+// TestEtcdKeyCollisionRefused checks that of two label strings that clean
+// to the same reference key, the second is refused at once: in Cilium's
+// layout their references cannot be told apart.
+func TestEtcdKeyCollisionRefused(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1")
+	n2 := startEtcdNode(t, c, "node2")
+	ctx := testCtx(t, 30*time.Second)
+	first, _, err := n1.alloc.Allocate(ctx, labels.MustParse("k8s:a=x//y"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := labels.MustParse("k8s:a=x/./y")
+	for _, n := range []*etcdNode{n1, n2} {
+		start := time.Now()
+		got, _, err := n.alloc.Allocate(ctx, second)
+		if !errors.Is(err, ErrKeyLayout) {
+			t.Fatalf("%s: %v, %v; want ErrKeyLayout (the first has %d)", n.name, got, err, first.ID)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("%s: refusal took %v", n.name, d)
+		}
+	}
+	if n := masterKeysOf(t, cli, second.Canonical()); n != 0 {
+		t.Fatalf("%d master keys for the refused label set", n)
+	}
+}
+
+// TestEtcdMasterKeyRecreatedWithReference checks that re-creating a
+// deleted master key writes this node's reference in the same
+// transaction: the master key's deleter (another node's GC, after an agent
+// of the same node name deleted this node's references) saw none, and
+// without it the next GC run deletes the master key again.
+func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	// The periodic sync must not be what writes the reference here.
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = time.Hour })
+	n2 := startEtcdNode(t, c, "node2")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=twice-named")
+	id, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Delete(ctx, refKey(l, "node1")); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := n2.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "master key and reference re-created", func() bool {
+		v, _, ok := getValue(t, cli, masterKey(id.ID))
+		r, _, rok := getValue(t, cli, refKey(l, "node1"))
+		return ok && v == l.Canonical() && rok && r == id.ID.String()
+	})
+	// The next GC keeps it.
+	if _, _, err := n2.backend.RunGC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if v, _, ok := getValue(t, cli, masterKey(id.ID)); !ok || v != l.Canonical() {
+		t.Fatal("the second GC run deleted the master key of an identity node1 uses")
+	}
+}
+
+// TestEtcdPeriodicSyncRestoresReferences deletes a node's reference keys
+// by hand: each node writes its own again within the sync interval, with
+// the same IDs, and a released label set's reference is not written again.
+func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	sync := func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 300 * time.Millisecond }
+	n1 := startEtcdNode(t, c, "node1", sync)
+	n2 := startEtcdNode(t, c, "node2", sync)
+	ctx := testCtx(t, time.Minute)
+	sets := []labels.Labels{labels.MustParse("k8s:app=a"), labels.MustParse("k8s:app=b")}
+	ids := map[string]identity.NumericIdentity{}
+	for _, l := range sets {
+		for _, n := range []*etcdNode{n1, n2} {
+			id, _, err := n.alloc.Allocate(ctx, l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids[l.Canonical()] = id.ID
+		}
+	}
+	released := labels.MustParse("k8s:app=released")
+	rid, _, err := n1.alloc.Allocate(ctx, released)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n1.alloc.Release(ctx, rid); err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := cli.Delete(ctx, ReferenceKeyPrefix, clientv3.WithPrefix()); err != nil {
+		t.Fatal(err)
+	}
+	eventuallyWithin(t, 10*time.Second, "every node's references written again", func() bool {
+		for _, l := range sets {
+			for _, node := range []string{"node1", "node2"} {
+				v, _, ok := getValue(t, cli, refKey(l, node))
+				if !ok || v != ids[l.Canonical()].String() {
+					return false
+				}
+			}
+		}
+		return true
+	})
+	if _, _, ok := getValue(t, cli, refKey(released, "node1")); ok {
+		t.Fatal("the reference of a released label set was written again")
+	}
+}
+
+// startNodeErr starts a node that is expected to fail, and returns the
+// start error.
+func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string) error {
+	t.Helper()
+	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
+		cell.Invoke(func(Allocator) {}))
+	stateDir := t.TempDir()
+	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
+	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
+		cfg.KVStoreEndpoints = c.Endpoints()
+		cfg.NodeName = name
+		cfg.KVStoreRequestTimeout = 5 * time.Second
+	})
+	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
+	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
+	// A failed start leaves the hooks that ran started, as hive.Run's
+	// caller would stop them.
+	h.Stop(hivetest.Logger(t), testCtx(t, time.Minute))
+	return err
+}
+
+// putClaim writes a node key by hand, on a lease of its own.
+func putClaim(t *testing.T, cli *clientv3.Client, node string, claim nodeClaim) {
+	t.Helper()
+	lease, err := cli.Grant(testCtx(t, 10*time.Second), 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, _ := json.Marshal(claim)
+	if _, err := cli.Put(testCtx(t, 10*time.Second), NodeKeyPrefix+node, string(v), clientv3.WithLease(lease.ID)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestEtcdSameNodeName checks that a second live agent with a node name in
+// use on the etcd is refused at start, naming the first, while an agent
+// that finds the key of one that is gone takes the name over.
+func TestEtcdSameNodeName(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "shared")
+	err := startNodeErr(t, c, "shared")
+	if !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), n1.backend.claim.Instance) {
+		t.Fatalf("second agent with the same node name: %v", err)
+	}
+	// The first agent is untouched: its key is still its own.
+	if v, _, ok := getValue(t, cli, NodeKeyPrefix+"shared"); !ok || !strings.Contains(v, n1.backend.claim.Instance) {
+		t.Fatalf("node key after the refused start: %q %v", v, ok)
+	}
+	// Once it stopped, the name is free.
+	n1.stop()
+	if _, _, ok := getValue(t, cli, NodeKeyPrefix+"shared"); ok {
+		t.Fatal("node key left after a clean stop")
+	}
+	n2 := startEtcdNode(t, c, "shared")
+	n2.stop()
+
+	// An agent on another host holds the name: refused.
+	host, _ := os.Hostname()
+	putClaim(t, cli, "remote", nodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()})
+	if err := startNodeErr(t, c, "remote"); !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "-elsewhere") {
+		t.Fatalf("name held on another host: %v", err)
+	}
+
+	// The key of a process of this host that has ended (a SIGKILLed
+	// agent's, its lease not yet expired) is taken over.
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	putClaim(t, cli, "restarted", nodeClaim{Instance: "deadbeef", Host: host, PID: gone.Process.Pid})
+	n3 := startEtcdNode(t, c, "restarted")
+	if v, _, _ := getValue(t, cli, NodeKeyPrefix+"restarted"); !strings.Contains(v, n3.backend.claim.Instance) {
+		t.Fatalf("the key of a gone agent was not taken over: %q", v)
+	}
+}
+
+// TestEtcdNodeNameConflictWhileRunning checks that a second writer of the
+// node's name showing up while it runs (another agent's node key, a
+// reference key on another lease) is counted and reported to health, and
+// that the node writes its keys again.
+func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 0 })
+	prov := health.NewProvider()
+	n.backend.health = prov.Root().NewScope("node-name")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=busy")
+	id, _, err := n.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := prov.Healthy(); !ok || n.backend.NodeStats().NameConflicts != 0 {
+		t.Fatalf("healthy %v, stats %+v before any conflict", ok, n.backend.NodeStats())
+	}
+
+	// Another writer of the name rewrites the reference on its own lease.
+	other, err := cli.Grant(ctx, 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, refKey(l, "busy"), id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
+		t.Fatal(err)
+	}
+	rewritten, err := n.backend.SyncReferences(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := n.backend.NodeStats()
+	if rewritten != 1 || st.NameConflicts != 1 || st.ReferencesRewritten != 1 {
+		t.Fatalf("rewritten %d, stats %+v; want one conflict and one rewrite", rewritten, st)
+	}
+	if ok, _ := prov.Healthy(); ok {
+		t.Fatal("health is OK while another writer uses the node's name")
+	}
+	if _, lease, _ := getValue(t, cli, refKey(l, "busy")); lease == int64(other.ID) {
+		t.Fatal("the reference is still on the other writer's lease")
+	}
+
+	// Another agent's node key.
+	putClaim(t, cli, "busy", nodeClaim{Instance: "0123456789abcdef", Host: "elsewhere", PID: 1})
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n.backend.NodeStats().NameConflicts != 2 {
+		t.Fatalf("stats %+v; the other agent's node key was not counted", n.backend.NodeStats())
+	}
+
+	// Once the other writer is gone, a check finds nothing and health
+	// recovers.
+	if _, err := cli.Delete(ctx, NodeKeyPrefix+"busy"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, bad := prov.Healthy(); !ok {
+		t.Fatalf("health after the conflict ended: %v", bad)
+	}
+	if v, _, ok := getValue(t, cli, NodeKeyPrefix+"busy"); !ok || !strings.Contains(v, n.backend.claim.Instance) {
+		t.Fatalf("node key not claimed again: %q %v", v, ok)
+	}
+}
+
+// startClusterNodeErr starts a node of the given cluster and returns the
+// start error.
+func startClusterNodeErr(t *testing.T, c *etcdtest.Cluster, name string, id uint32, cluster string) error {
+	t.Helper()
+	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
+		cell.Invoke(func(Allocator) {}))
+	stateDir := t.TempDir()
+	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
+	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
+		cfg.KVStoreEndpoints = c.Endpoints()
+		cfg.NodeName = name
+	})
+	hive.AddConfigOverride(h, func(cfg *Config) { cfg.ClusterID, cfg.ClusterName = id, cluster })
+	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
+	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
+	h.Stop(hivetest.Logger(t), testCtx(t, time.Minute))
+	return err
+}
+
+// TestEtcdClusterMismatchRefused checks that a node whose cluster ID or
+// name is not the etcd's refuses to start instead of adopting the etcd
+// cluster's identities.
+func TestEtcdClusterMismatchRefused(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n0 := startEtcdNode(t, c, "node0")
+	ctx := testCtx(t, time.Minute)
+	if _, _, err := n0.alloc.Allocate(ctx, labels.MustParse("k8s:app=web", "k8s:io.cilium.k8s.policy.cluster=default")); err != nil {
+		t.Fatal(err)
+	}
+
+	// Cluster 3 on cluster 0's etcd.
+	err := startClusterNodeErr(t, c, "node3", 3, "c3")
+	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), "cluster ID 0 and none of this node's --cluster-id 3") {
+		t.Fatalf("cluster 3 on cluster 0's etcd: %v", err)
+	}
+
+	// The etcd's identities of cluster ID 0 name cluster "default".
+	err = startClusterNodeErr(t, c, "renamed", 0, "other")
+	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), `belong to cluster "default", not to this node's --cluster-name "other"`) {
+		t.Fatalf("cluster renamed: %v", err)
+	}
+
+	// Cilium's cluster configuration names another ID for this name.
+	if _, err := cli.Put(ctx, ClusterConfigPrefix+"default", `{"id":5,"capabilities":{}}`); err != nil {
+		t.Fatal(err)
+	}
+	err = startClusterNodeErr(t, c, "configured", 0, "default")
+	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), "gives cluster \"default\" the ID 5") {
+		t.Fatalf("cluster config mismatch: %v", err)
+	}
+	if _, err := cli.Put(ctx, ClusterConfigPrefix+"default", `{"id":0,"capabilities":{}}`); err != nil {
+		t.Fatal(err)
+	}
+	if err := startClusterNodeErr(t, c, "matching", 0, "default"); err != nil {
+		t.Fatalf("matching cluster refused: %v", err)
+	}
+
+	// A fresh etcd takes any cluster.
+	fresh := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	if err := startClusterNodeErr(t, fresh, "node3", 3, "c3"); err != nil {
+		t.Fatalf("cluster 3 on a fresh etcd: %v", err)
+	}
+}
