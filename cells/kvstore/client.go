@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/prometheus/client_golang/prometheus"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -23,6 +24,7 @@ import (
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/statedir"
 )
 
@@ -46,6 +48,11 @@ type Client struct {
 	counts  sync.Map      // method name -> *atomic.Uint64
 	metrics *requestMetrics
 	health  cell.Health // nil outside a hive with a health provider
+
+	// lastAnswer is when (Unix nanoseconds) a KV or lease request last
+	// succeeded: proof that etcd answers, which spares the connectivity
+	// job its own request.
+	lastAnswer atomic.Int64
 
 	// grantMu serializes granting and revoking, so concurrent callers of
 	// Lease share one lease instead of each granting their own.
@@ -78,6 +85,9 @@ type params struct {
 	Config    Config
 	Dir       *statedir.Dir `optional:"true"`
 	Health    cell.Health   `optional:"true"`
+	// Jobs runs the connectivity check that keeps Health in step with
+	// etcd; without a registry (or without Health) there is no check.
+	Jobs job.Registry `optional:"true"`
 }
 
 func newClient(p params) (clientOut, error) {
@@ -88,6 +98,11 @@ func newClient(p params) (clientOut, error) {
 	c.metrics = newRequestMetrics()
 	c.health = p.Health
 	p.Lifecycle.Append(c)
+	if p.Health != nil && p.Jobs != nil {
+		// Added after the client's hook: the job starts once the client
+		// is connected and stops before it closes.
+		p.Jobs.NewGroup(p.Health).Add(job.OneShot("etcd-connectivity", c.watchConnectivity))
+	}
 	return clientOut{Client: c, Collectors: []prometheus.Collector{c.metrics.duration, c.metrics.quorum}}, nil
 }
 
@@ -397,7 +412,10 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 			c.log.Debug("Revoked this node's etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)))
 		case current && !stopped:
 			if c.health != nil {
-				c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one", fmt.Errorf("lease %x: %s", int64(l.id), why))
+				// Mostly etcd's doing (unreachable for the whole TTL):
+				// not a reason to restart the agent.
+				c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one",
+					health.External(fmt.Errorf("lease %x: %s", int64(l.id), why)))
 			}
 			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
 				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
@@ -476,6 +494,9 @@ func (c *Client) count(method string) {
 // the reads and writes of data, not lease keepalives or status.
 const kvMethodPrefix = "/etcdserverpb.KV/"
 
+// leaseMethodPrefix is the gRPC service of lease grants and revocations.
+const leaseMethodPrefix = "/etcdserverpb.Lease/"
+
 func (c *Client) unaryInterceptor(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 	if c.limiter != nil && strings.HasPrefix(method, kvMethodPrefix) {
 		if err := c.limiter.Wait(ctx); err != nil {
@@ -488,6 +509,10 @@ func (c *Client) unaryInterceptor(ctx context.Context, method string, req, reply
 	c.metrics.observe(method, req, err, time.Since(start))
 	if err != nil {
 		c.noteError(req, err)
+	} else if strings.HasPrefix(method, kvMethodPrefix) || strings.HasPrefix(method, leaseMethodPrefix) {
+		// A Status answer would prove less: a member answers it without
+		// a leader.
+		c.lastAnswer.Store(time.Now().UnixNano())
 	}
 	return err
 }
