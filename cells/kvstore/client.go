@@ -53,6 +53,9 @@ type Client struct {
 	// succeeded: proof that etcd answers, which spares the connectivity
 	// job its own request.
 	lastAnswer atomic.Int64
+	// healthMu orders the module's health reports, so that the last one
+	// says the state after the last change of the lease.
+	healthMu sync.Mutex
 
 	// grantMu serializes granting and revoking, so concurrent callers of
 	// Lease share one lease instead of each granting their own.
@@ -65,6 +68,12 @@ type Client struct {
 	lease     *nodeLease
 	lastErr   error
 	stopped   bool
+	// lostLease is the lease that was lost (not revoked by this node)
+	// while no new one has been granted yet, with why; 0 otherwise. The
+	// connectivity job grants a new one once etcd answers, so that health
+	// does not stay Degraded on a node that writes nothing for a while.
+	lostLease clientv3.LeaseID
+	lostWhy   string
 
 	wg sync.WaitGroup // keepalive goroutines
 }
@@ -151,14 +160,26 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	c.cli, c.embedded, c.endpoints, c.stopped = cli, e, endpoints, false
 	c.mu.Unlock()
 	c.log.Info("Connected to etcd", "endpoints", endpoints, "embedded", e != nil)
-	c.reportOK()
+	c.reportHealth()
 	return nil
 }
 
-// reportOK tells health the client is connected and holds, or can get, its
-// lease.
-func (c *Client) reportOK() {
+// reportHealth tells health the client is connected and holds, or can get, its
+// lease; or that its lease was lost and no new one granted yet.
+func (c *Client) reportHealth() {
 	if c.health == nil {
+		return
+	}
+	c.healthMu.Lock()
+	defer c.healthMu.Unlock()
+	c.mu.Lock()
+	lost, why := c.lostLease, c.lostWhy
+	c.mu.Unlock()
+	if lost != 0 {
+		// Mostly etcd's doing (unreachable for the whole TTL): not a
+		// reason to restart the agent.
+		c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one",
+			health.External(fmt.Errorf("lease %x: %s", int64(lost), why)))
 		return
 	}
 	mode := "external etcd"
@@ -373,11 +394,12 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	l := &nodeLease{id: resp.ID, lost: make(chan struct{}), cancel: kcancel}
 	c.mu.Lock()
 	c.lease = l
+	c.lostLease, c.lostWhy = 0, ""
 	c.mu.Unlock()
 	c.wg.Add(1)
 	go c.keepAlive(l, ch)
 	c.log.Debug("Granted etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)), "ttl", c.cfg.KVStoreLeaseTTL)
-	c.reportOK()
+	c.reportHealth()
 	return l.id, nil
 }
 
@@ -398,10 +420,13 @@ const reasonRevoked = "revoked by this node"
 func (c *Client) leaseLost(l *nodeLease, why string) {
 	c.mu.Lock()
 	current := c.lease == l
+	stopped := c.stopped
 	if current {
 		c.lease = nil
+		if why != reasonRevoked && !stopped {
+			c.lostLease, c.lostWhy = l.id, why
+		}
 	}
-	stopped := c.stopped
 	c.mu.Unlock()
 	l.cancel()
 	l.lostOnce.Do(func() {
@@ -411,12 +436,7 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 			// Asked for by this node (at stop): not a loss to warn of.
 			c.log.Debug("Revoked this node's etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)))
 		case current && !stopped:
-			if c.health != nil {
-				// Mostly etcd's doing (unreachable for the whole TTL):
-				// not a reason to restart the agent.
-				c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one",
-					health.External(fmt.Errorf("lease %x: %s", int64(l.id), why)))
-			}
+			c.reportHealth()
 			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
 				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
 		}

@@ -45,6 +45,7 @@ func (c *Client) watchConnectivity(ctx context.Context, h cell.Health) error {
 				down = false
 				c.reportConnected(h)
 			}
+			c.regrantLease(ctx)
 			continue
 		}
 		err := c.ping(ctx)
@@ -70,9 +71,27 @@ func (c *Client) watchConnectivity(ctx context.Context, h cell.Health) error {
 			down = false
 			c.log.Info("etcd answers again", "endpoints", c.Endpoints())
 			c.reportConnected(h)
+			c.regrantLease(ctx)
 		default:
 			c.reportConnected(h)
+			c.regrantLease(ctx)
 		}
+	}
+}
+
+// regrantLease grants a new lease after the node's lease was lost, once
+// etcd answers. Whoever wrote keys with the old one writes them again with
+// it; without it a node that writes nothing for a while would show the
+// lost lease in health (and be not ready) until its next write.
+func (c *Client) regrantLease(ctx context.Context) {
+	c.mu.Lock()
+	lost := c.lostLease != 0
+	c.mu.Unlock()
+	if !lost {
+		return
+	}
+	if _, err := c.Lease(ctx); err != nil && ctx.Err() == nil {
+		c.log.Warn("Granting a new etcd lease after the lost one failed; retrying", "error", err)
 	}
 }
 

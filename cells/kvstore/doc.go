@@ -31,7 +31,8 @@
 // # Health
 //
 // The module reports OK once connected, and Degraded when this node's
-// lease is lost (until a new one is granted). In a hive with a job registry
+// lease is lost, until a new one is granted: by the next write that needs
+// one, or by the connectivity job once etcd answers. In a hive with a job registry
 // (job.Cell) and a health provider, the job etcd-connectivity checks every
 // 2s, with a 2s timeout, that etcd answers: a KV or lease request that
 // succeeded meanwhile is enough, otherwise it sends one Status request over
