@@ -40,42 +40,38 @@ func (c *Client) watchConnectivity(ctx context.Context, h cell.Health) error {
 			return nil
 		case <-t.C:
 		}
-		if time.Since(time.Unix(0, c.lastAnswer.Load())) < connectivityInterval {
-			if down {
-				down = false
-				c.reportConnected(h)
-			}
-			c.regrantLease(ctx)
-			continue
+		var err error
+		if time.Since(time.Unix(0, c.lastAnswer.Load())) >= connectivityInterval {
+			err = c.ping(ctx)
 		}
-		err := c.ping(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
-		switch {
-		case err != nil:
+		if err != nil {
 			if !down {
 				c.log.Warn("etcd does not answer; global identities cannot be allocated or released until it does",
 					"endpoints", c.Endpoints(), "error", err)
 			}
 			down = true
-			h.Degraded(fmt.Sprintf("No etcd endpoint answered within %s", connectivityTimeout),
-				health.External(flatError{err}))
+			msg := fmt.Sprintf("No etcd endpoint answered within %s", connectivityTimeout)
+			if errors.Is(err, errNoLeader) {
+				msg = "etcd has no leader"
+			}
+			h.Degraded(msg, health.External(flatError{err}))
 			// gRPC waits longer and longer between reconnection attempts
 			// (up to 2 minutes); without this, etcd's return could go
 			// unnoticed for that long.
 			if cli := c.Client(); cli != nil {
 				cli.ActiveConnection().ResetConnectBackoff()
 			}
-		case down:
+			continue
+		}
+		if down {
 			down = false
 			c.log.Info("etcd answers again", "endpoints", c.Endpoints())
-			c.reportConnected(h)
-			c.regrantLease(ctx)
-		default:
-			c.reportConnected(h)
-			c.regrantLease(ctx)
 		}
+		h.OK("etcd answers at " + strings.Join(c.Endpoints(), ","))
+		c.regrantLease(ctx)
 	}
 }
 
@@ -95,9 +91,8 @@ func (c *Client) regrantLease(ctx context.Context) {
 	}
 }
 
-func (c *Client) reportConnected(h cell.Health) {
-	h.OK("etcd answers at " + strings.Join(c.Endpoints(), ","))
-}
+// errNoLeader is ping's error when etcd answers but cannot serve a write.
+var errNoLeader = errors.New("the etcd member that answered knows no leader")
 
 // ping asks whichever endpoint the client's connection reaches for its
 // status: it needs no permission beyond authentication and counts as a
@@ -114,7 +109,7 @@ func (c *Client) ping(ctx context.Context) error {
 		return err
 	}
 	if resp.Leader == 0 {
-		return errors.New("the etcd member that answered knows no leader")
+		return errNoLeader
 	}
 	return nil
 }
