@@ -44,6 +44,21 @@
 // answers, so an unreachable etcd fails the start with one line naming the
 // endpoints instead of hanging.
 //
+// # Health
+//
+// The module reports OK once connected, and Degraded when this node's
+// lease is lost, until a new one is granted: by the next write that needs
+// one, or by the connectivity job once etcd answers. In a hive with a job registry
+// (job.Cell) and a health provider, the job etcd-connectivity checks every
+// 2s, with a 2s timeout, that etcd answers: a KV or lease request that
+// succeeded meanwhile is enough, otherwise it sends one Status request over
+// the client's connection. While no endpoint answers, or the member that
+// answers knows no leader, its scope is Degraded; OK again at the first
+// answer. These reports mark their cause with health.External, so they make
+// the agent not ready (/readyz) but not dead (/healthz). While etcd is away
+// the job also resets gRPC's reconnection backoff, so that the client tries
+// again at every check instead of after up to 2 minutes.
+//
 // # Flags
 //
 //	--kvstore-endpoints        etcd client URLs; empty: embedded etcd
