@@ -154,9 +154,9 @@ func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
 		wg.Go(func() {
 			sh := a.dial()
 			defer sh.Close()
-			sets := []string{
-				fmt.Sprintf("cidr:10.%d.0.0/16 reserved:world", w),
-				fmt.Sprintf("k8s:app=load%d k8s:io.kubernetes.pod.namespace=health", w%4),
+			sets := [][]string{
+				{fmt.Sprintf("cidr:10.%d.0.0/16", w), "reserved:world"},
+				{fmt.Sprintf("k8s:app=load%d", w%4), "k8s:io.kubernetes.pod.namespace=health"},
 			}
 			for i := 0; ; i++ {
 				select {
@@ -164,7 +164,7 @@ func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
 					return
 				default:
 				}
-				out, err := sh.Run("identity/allocate -o json "+sets[i%len(sets)], time.Now().Add(30*time.Second))
+				out, err := sh.Run(time.Now().Add(30*time.Second), append([]string{"identity/allocate", "-o", "json"}, sets[i%len(sets)]...)...)
 				var entries []struct {
 					Identity struct {
 						ID uint32 `json:"id"`
@@ -178,7 +178,7 @@ func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
 					}
 				}
 				if err == nil {
-					_, err = sh.Run(fmt.Sprintf("identity/release %d", entries[0].Identity.ID), time.Now().Add(30*time.Second))
+					_, err = sh.Run(time.Now().Add(30*time.Second), "identity/release", fmt.Sprint(entries[0].Identity.ID))
 				}
 				mu.Lock()
 				ops++
@@ -210,11 +210,11 @@ func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
 
 	sh := a.dial()
 	defer sh.Close()
-	status, err := sh.Run("identity/restore-status -o json", time.Now().Add(10*time.Second))
+	status, err := sh.Run(time.Now().Add(10*time.Second), "identity/restore-status", "-o", "json")
 	if err != nil || !strings.Contains(status, `"state": "released"`) {
 		t.Errorf("restoration did not release after its grace period: %v\n%s", err, status)
 	}
-	healthOut, err := sh.Run("health", time.Now().Add(10*time.Second))
+	healthOut, err := sh.Run(time.Now().Add(10*time.Second), "health")
 	if err != nil || !strings.Contains(healthOut, "restoration.job-restore-grace-period: level=Stopped") {
 		t.Errorf("health after the grace period: %v\n%s", err, healthOut)
 	}
@@ -253,7 +253,7 @@ func TestHealthWhileExternalEtcdDown(t *testing.T) {
 	allocate := func() error {
 		n++
 		app := fmt.Sprintf("k8s:app=web%d", n)
-		out, err := sh.Run("identity/allocate k8s:io.kubernetes.pod.namespace=health "+app, time.Now().Add(30*time.Second))
+		out, err := sh.Run(time.Now().Add(30*time.Second), "identity/allocate", "k8s:io.kubernetes.pod.namespace=health", app)
 		if err == nil && !strings.Contains(out, app) {
 			err = fmt.Errorf("unexpected answer %q", out)
 		}
@@ -274,7 +274,7 @@ func TestHealthWhileExternalEtcdDown(t *testing.T) {
 		t.Errorf("/readyz does not name the kvstore:\n%s", body)
 	}
 	t.Logf("/readyz turned 503 %s after etcd was killed", took.Round(time.Millisecond))
-	out, err := sh.Run("health", time.Now().Add(10*time.Second))
+	out, err := sh.Run(time.Now().Add(10*time.Second), "health")
 	if err == nil || !strings.Contains(out, "kvstore: level=Degraded") {
 		t.Errorf("health command with etcd down: %v\n%s", err, out)
 	}
