@@ -7,6 +7,7 @@
 package identity
 
 import (
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -74,6 +75,28 @@ func ParseNumericIdentity(s string) (NumericIdentity, error) {
 		return InvalidIdentity, fmt.Errorf("invalid numeric identity %q: %w", s, err)
 	}
 	return NumericIdentity(n), nil
+}
+
+// ErrInvalidNumericIdentity is wrapped by NumericIdentity.Validate.
+var ErrInvalidNumericIdentity = errors.New("invalid numeric identity")
+
+// Validate checks that id can stand for a label set: not 0, and in the
+// global range (1 .. 0xFFFFFF, reserved and every cluster's range) or in a
+// local scope with a non-zero counter (0x01000001 .. 0x01FFFFFF and
+// 0x02000001 .. 0x02FFFFFF). Anything else is no identity any allocator
+// hands out, and a datapath map must not get it.
+func (id NumericIdentity) Validate() error {
+	switch counter := id &^ ScopeMask; {
+	case id == InvalidIdentity:
+		return fmt.Errorf("%w: 0 is the unknown identity", ErrInvalidNumericIdentity)
+	case id.Scope() == ScopeGlobal:
+		return nil
+	case !id.Scope().IsLocal():
+		return fmt.Errorf("%w: %d has scope byte %#02x (want 0x00 global, 0x01 local or 0x02 remote-node)", ErrInvalidNumericIdentity, uint32(id), uint32(id)>>24)
+	case counter == 0:
+		return fmt.Errorf("%w: %d is the base of the %s scope, not an identity", ErrInvalidNumericIdentity, uint32(id), id.Scope())
+	}
+	return nil
 }
 
 // String returns "global", "local" or "remote-node".

@@ -118,6 +118,34 @@ func TestNumericIdentity(t *testing.T) {
 	}
 }
 
+func TestNumericIdentityValidate(t *testing.T) {
+	for _, tc := range []struct {
+		id NumericIdentity
+		ok bool
+	}{
+		{0, false},
+		{1, true},
+		{255, true},
+		{256, true},
+		{0xFFFFFF, true},
+		{0x01000000, false},
+		{0x01000001, true},
+		{0x01FFFFFF, true},
+		{0x02000000, false},
+		{0x02000001, true},
+		{0x02FFFFFF, true},
+		{0x03000000, false},
+		{0x03000001, false},
+		{0xFF000001, false},
+		{4294967295, false},
+	} {
+		err := tc.id.Validate()
+		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, ErrInvalidNumericIdentity)) {
+			t.Errorf("Validate(%d) = %v, want ok=%v", tc.id, err, tc.ok)
+		}
+	}
+}
+
 func TestClusterRanges(t *testing.T) {
 	for _, tc := range []struct {
 		maxc, id uint32

@@ -25,6 +25,14 @@ func TestParseLabel(t *testing.T) {
 		{"k8s:a=b:c", Label{Source: "k8s", Key: "a", Value: "b:c"}},
 		{":key", Label{Source: SourceUnspec, Key: "key"}},
 		{"cidr:2001-db8--0/32", Label{Source: SourceCIDR, Key: "2001-db8--0/32"}},
+		// Every key CIDRKey writes, as Cilium writes them.
+		{"cidr:0--1/128", Label{Source: SourceCIDR, Key: "0--1/128"}},
+		{"cidr:0--0/0", Label{Source: SourceCIDR, Key: "0--0/0"}},
+		{"cidr:0.0.0.0/0", Label{Source: SourceCIDR, Key: "0.0.0.0/0"}},
+		{"cidr:fe80--0/10", Label{Source: SourceCIDR, Key: "fe80--0/10"}},
+		{"cidr:2001-db8--1-0/128", Label{Source: SourceCIDR, Key: "2001-db8--1-0/128"}},
+		{"cidr:0--ffff-10.0.0.0/104", Label{Source: SourceCIDR, Key: "0--ffff-10.0.0.0/104"}},
+		{"cidr:192.168.1.10/32", Label{Source: SourceCIDR, Key: "192.168.1.10/32"}},
 	} {
 		got, err := ParseLabel(tc.in)
 		if err != nil || got != tc.want {
@@ -48,6 +56,22 @@ func TestParseLabelErrors(t *testing.T) {
 		{"k8s:a=\x7f", ErrControlChar},
 		{"k8s:a=\xff", ErrInvalidUTF8},
 		{"k/s:a", ErrBadSource},
+		// A cidr label is a masked prefix as CIDRKey writes it, without
+		// a value.
+		{"cidr:hello", ErrBadCIDR},
+		{"cidr:10.0.0.0/33", ErrBadCIDR},
+		{"cidr:10.0.0.0", ErrBadCIDR},
+		{"cidr:10.0.0.1/8", ErrBadCIDR},
+		{"cidr:010.0.0.0/8", ErrBadCIDR},
+		{"cidr:10.0.0.0/08", ErrBadCIDR},
+		{"cidr:10.0.0.0/8=x", ErrBadCIDR},
+		{"cidr:2001:db8::/32", ErrBadCIDR},
+		{"cidr:2001-0db8--0/32", ErrBadCIDR},
+		{"cidr:2001-DB8--0/32", ErrBadCIDR},
+		{"cidr:--1/128", ErrBadCIDR},
+		{"cidr:fe80--1%eth0/128", ErrBadCIDR},
+		{"cidr:2001-db8--0/129", ErrBadCIDR},
+		{"cidr:", ErrEmptyKey},
 	} {
 		_, err := ParseLabel(tc.in)
 		if !errors.Is(err, tc.want) {
@@ -204,12 +228,24 @@ func randomLabels(r *rand.Rand) Labels {
 	seen := map[string]bool{}
 	var ls []Label
 	for range n {
-		key := pick(keyChars, 1+r.IntN(10))
-		if seen[key] {
+		l := Label{Source: sources[r.IntN(len(sources))], Key: pick(keyChars, 1+r.IntN(10)), Value: pick(valChars, r.IntN(8))}
+		if l.Source == SourceCIDR {
+			// A cidr label is a prefix's key without a value.
+			var a [16]byte
+			for i := range a {
+				a[i] = byte(r.Uint32())
+			}
+			addr := netip.AddrFrom16(a)
+			if r.IntN(2) == 0 {
+				addr = netip.AddrFrom4([4]byte(a[:4]))
+			}
+			l.Key, l.Value = CIDRKey(netip.PrefixFrom(addr, r.IntN(addr.BitLen()+1))), ""
+		}
+		if seen[l.Key] {
 			continue
 		}
-		seen[key] = true
-		ls = append(ls, Label{Source: sources[r.IntN(len(sources))], Key: key, Value: pick(valChars, r.IntN(8))})
+		seen[l.Key] = true
+		ls = append(ls, l)
 	}
 	out, err := New(ls...)
 	if err != nil {
@@ -241,7 +277,7 @@ func TestRoundTripProperty(t *testing.T) {
 }
 
 func FuzzParseLabel(f *testing.F) {
-	for _, s := range []string{"k8s:app=web", "$host", "app", "a:b:c=d=e", "cidr:0--1/128", "k8s:a;b", "", ":", "=", "x\x00y", "\xff"} {
+	for _, s := range []string{"k8s:app=web", "$host", "app", "a:b:c=d=e", "cidr:0--1/128", "cidr:hello", "cidr:10.0.0.0/33", "cidr:2001:db8::/32", "k8s:a;b", "", ":", "=", "x\x00y", "\xff"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {

@@ -3,6 +3,7 @@ package labels
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"strings"
 	"unicode/utf8"
 )
@@ -22,6 +23,11 @@ var (
 	ErrMissingTerminal = errors.New("canonical string does not end with ';'")
 	ErrMissingEquals   = errors.New("canonical label has no '='")
 	ErrMissingColon    = errors.New("canonical label has no ':'")
+	// ErrBadCIDR: a cidr label whose key is not a masked IP prefix written
+	// as CIDRKey writes it (the error says how it would be written), or
+	// which has a value. One prefix has exactly one cidr label, so a
+	// prefix's identity cannot be split between spellings.
+	ErrBadCIDR = errors.New("bad cidr label")
 )
 
 // InvalidLabelError says which label was refused and why.
@@ -82,7 +88,40 @@ func (l Label) check() error {
 	if err := checkField(l.Key, false, true); err != nil {
 		return err
 	}
-	return checkField(l.Value, false, false)
+	if err := checkField(l.Value, false, false); err != nil {
+		return err
+	}
+	if l.Source == SourceCIDR {
+		return checkCIDR(l.Key, l.Value)
+	}
+	return nil
+}
+
+// checkCIDR checks that a cidr label is what FromPrefix makes for some
+// prefix: the key CIDRKey writes (masked, IPv6 with '-' for ':', no zone)
+// and no value, as Cilium writes them.
+func checkCIDR(key, value string) error {
+	if value != "" {
+		return fmt.Errorf("%w: a cidr label has no value", ErrBadCIDR)
+	}
+	text := key
+	dashed := strings.IndexByte(key, '-') >= 0
+	if dashed {
+		text = strings.ReplaceAll(key, "-", ":")
+	}
+	p, err := netip.ParsePrefix(text)
+	if err != nil {
+		return fmt.Errorf("%w: key %q is not an IP prefix (want e.g. 10.0.0.0/8 or 2001-db8--0/32)", ErrBadCIDR, key)
+	}
+	// An IPv4 prefix that netip parses has no leading zeros, so a masked
+	// one is in canonical form: no key to build for the common case.
+	if !dashed && p.Addr().Is4() && p.Masked() == p {
+		return nil
+	}
+	if want := CIDRKey(p); want != key {
+		return fmt.Errorf("%w: key %q is not in canonical form, want %q", ErrBadCIDR, key, want)
+	}
+	return nil
 }
 
 // Byte classes for checkField: one table lookup per byte instead of a

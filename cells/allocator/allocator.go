@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
@@ -162,7 +163,9 @@ func (a *identityAllocator) reportHealth() {
 			a.health.OK("Global identities listed and watched")
 		}
 	default:
-		a.health.Degraded("Global identities not listed yet", errors.New("the first listing of the kvstore did not complete"))
+		// The kvstore's doing: the listing goes on and reports OK when it
+		// completes; restarting the agent would not help.
+		a.health.Degraded("Global identities not listed yet", health.External(errors.New("the first listing of the kvstore did not complete")))
 	}
 }
 

@@ -88,6 +88,11 @@ func releaseCmd(a Allocator) script.Cmd {
 			if err != nil {
 				return nil, err
 			}
+			if nid.IsReserved() {
+				// Release of a reserved identity is a no-op, which
+				// "reference dropped" would misreport.
+				return nil, fmt.Errorf("identity %d is reserved: it is not reference-counted, there is no reference to release", nid)
+			}
 			id := a.LookupByID(nid)
 			if id == nil {
 				return nil, fmt.Errorf("%w: %d", ErrUnknownIdentity, nid)

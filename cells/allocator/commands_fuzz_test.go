@@ -11,10 +11,10 @@ import (
 )
 
 // FuzzCommandLine feeds arbitrary argument lines to the identity/* shell
-// commands, through the same script engine the agent's shell uses: word
+// commands, through the script engine that runs testdata scripts: word
 // splitting and quoting, flags, label parsing and numeric ID parsing. No
-// input may panic, and every error must fit on one line: the shell
-// protocol ends an error with a marker on its line.
+// input may panic, and every error must fit on one line, as the shell
+// shows a command's error on one line.
 func FuzzCommandLine(f *testing.F) {
 	verbs := []string{"identity/allocate", "identity/release", "identity/get", "identity/list"}
 	for _, seed := range []struct {
@@ -44,7 +44,7 @@ func FuzzCommandLine(f *testing.F) {
 	}
 	dir := f.TempDir()
 	f.Fuzz(func(t *testing.T, verb uint8, args string) {
-		// The shell reads one line per command; a trailing '&' would run
+		// A script runs one line per command; a trailing '&' would run
 		// the command in the background of a state nobody waits on.
 		if strings.ContainsAny(args, "\r\n") || strings.HasSuffix(strings.TrimSpace(args), "&") {
 			return

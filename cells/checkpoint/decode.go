@@ -321,6 +321,17 @@ func validate(id identity.NumericIdentity, ls labels.Labels) error {
 		if err := ls.Validate(); err != nil {
 			return fmt.Errorf("%w: %w", ErrBadLabels, err)
 		}
+	} else {
+		// Plain bytes say nothing of a cidr label's prefix, which the
+		// allocator would refuse: check those labels alone.
+		for _, l := range ls {
+			if l.Source != labels.SourceCIDR {
+				continue
+			}
+			if err := l.Validate(); err != nil {
+				return fmt.Errorf("%w: %w", ErrBadLabels, err)
+			}
+		}
 	}
 	for _, l := range ls {
 		allReserved = allReserved && l.Source == labels.SourceReserved

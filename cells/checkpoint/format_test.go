@@ -146,6 +146,8 @@ func TestDecodeInvalidEntries(t *testing.T) {
 		{`{"id":16777222,"labels":[]}`, ErrBadLabels},
 		{`{"id":16777223,"labels":{"a;b":"cidr:a;b"}}`, ErrBadLabels},
 		{`{"id":16777224,"labels":{"x":{"key":"y","source":"cidr"}}}`, ErrBadLabels},
+		{`{"id":16777229,"labels":{"hello":{"key":"hello","source":"cidr"},"world":"reserved:world"}}`, ErrBadLabels},
+		{`{"id":16777230,"labels":{"10.0.0.0/33":"cidr:10.0.0.0/33","world":"reserved:world"}}`, ErrBadLabels},
 		{`{"id":16777225,"labels":{"x":{"key":"x","source":5}}}`, ErrBadLabels},
 		{`{"id":16777226,"labels":{}}`, ErrBadLabels},
 		{`{"id":16777217,"labels":{"10.0.0.3/32":"cidr:10.0.0.3/32","world":"reserved:world"}}`, ErrDuplicateID},

@@ -18,11 +18,13 @@ func newCommands(p *Provider) hive.ScriptCmdsOut {
 // statusRow is a Status as the health command prints it with -o json or
 // yaml, with the field names of the other commands' objects.
 type statusRow struct {
-	Name    string     `json:"name"`
-	Level   string     `json:"level"`
-	Message string     `json:"message,omitempty"`
-	Error   string     `json:"error,omitempty"`
-	Updated *time.Time `json:"updated,omitempty"`
+	Name    string `json:"name"`
+	Level   string `json:"level"`
+	Message string `json:"message,omitempty"`
+	Error   string `json:"error,omitempty"`
+	// External says the Degraded report's cause lies outside the agent.
+	External bool       `json:"external,omitempty"`
+	Updated  *time.Time `json:"updated,omitempty"`
 }
 
 // TableHeader implements shellfmt.Tabular; the table itself is Format's
@@ -33,7 +35,7 @@ func (statusRow) TableHeader() []string { return []string{"Name", "Level", "Mess
 func (r statusRow) TableRow() []string { return []string{r.Name, r.Level, r.Message, r.Error} }
 
 func rowOf(st Status) statusRow {
-	r := statusRow{Name: st.Name, Level: string(st.Level), Message: st.Message, Error: st.Error}
+	r := statusRow{Name: st.Name, Level: string(st.Level), Message: st.Message, Error: st.Error, External: st.External}
 	if !st.Updated.IsZero() {
 		r.Updated = &st.Updated
 	}
@@ -49,7 +51,9 @@ func healthCmd(p *Provider) script.Cmd {
 				"parents first, or a list of objects with -o json or yaml. The",
 				"level of a scope includes the scopes below it. Fails when a",
 				"scope is not OK, so that scripts can wait for health with",
-				"'* health' or expect '! health'.",
+				"'* health' or expect '! health'. This is readiness, as on",
+				"/readyz: a scope Degraded for a cause outside the agent",
+				"(cause=external) fails it too, though not /healthz.",
 			},
 			Flags: shellfmt.AddFlag,
 		},

@@ -9,6 +9,19 @@
 // nothing below it that has never reported is Unknown, so a module counts as
 // healthy only once it (or every job it runs) said OK.
 //
+// A closed scope stays in the tree: hive closes a one-shot job's scope when
+// the job returns, and a module whose jobs have all finished their work must
+// not fall back to Unknown (a liveness probe would restart the agent for
+// doing its work). It stays Stopped, with its last message, unless it closed
+// while Degraded (a job that failed for good), which it then stays. A new
+// scope of the same name replaces it.
+//
+// Two questions are asked of the tree. Healthy (readiness): is every scope
+// OK or Stopped? Live (liveness): is every scope OK or Stopped, or Degraded
+// only for a cause outside the process, marked with External (etcd
+// unreachable: restarting the agent would not bring it back, and its local
+// work still runs)?
+//
 // Use it in place of cell.SimpleHealthCell:
 //
 //	opts := hive.DefaultOptions()
@@ -18,6 +31,7 @@ package health
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -63,6 +77,9 @@ type Status struct {
 	Message string
 	// Error is the error of the last Degraded report, "" otherwise.
 	Error string
+	// External is true when the last Degraded report's error is marked
+	// with External: the cause lies outside the process.
+	External bool
 	// Updated is when the scope last reported (zero if never).
 	Updated time.Time
 }
@@ -70,6 +87,26 @@ type Status struct {
 // OK reports whether the level counts as healthy: OK or Stopped (a job that
 // finished its work is not a fault).
 func (s Status) OK() bool { return s.Level == cell.StatusOK || s.Level == cell.StatusStopped }
+
+// ErrExternal marks the error of a Degraded report whose cause lies outside
+// the process, such as an unreachable etcd. Such a report makes the agent
+// not ready, but not dead: see Provider.Live.
+var ErrExternal = errors.New("cause outside the agent")
+
+// External marks err (which may be nil) as caused outside the process, for
+// cell.Health's Degraded. Its message is err's.
+func External(err error) error { return externalError{err} }
+
+type externalError struct{ err error }
+
+func (e externalError) Error() string {
+	if e.err == nil {
+		return ErrExternal.Error()
+	}
+	return e.err.Error()
+}
+
+func (e externalError) Unwrap() []error { return []error{ErrExternal, e.err} }
 
 // Provider keeps the health tree of a hive. One per hive: there is no
 // process-wide state.
@@ -119,10 +156,26 @@ func (p *Provider) All() []Status {
 
 // Healthy reports whether every scope is OK (or Stopped), and returns the
 // statuses of the scopes that cause it not to be: the ones an operator must
-// look at (not their parents). An empty tree is healthy.
+// look at (not their parents). An empty tree is healthy. It answers
+// readiness: whether the agent can do all its work now.
 func (p *Provider) Healthy() (bool, []Status) {
 	_, bad := p.walk()
 	return len(bad) == 0, bad
+}
+
+// Live is Healthy without the scopes that are Degraded for a cause marked
+// External: it answers liveness, whether the process's own work runs (a
+// restart could help), and returns the scopes that say it does not. Unknown
+// scopes count against it, as during start.
+func (p *Provider) Live() (bool, []Status) {
+	_, bad := p.walk()
+	own := bad[:0]
+	for _, st := range bad {
+		if !st.External {
+			own = append(own, st)
+		}
+	}
+	return len(own) == 0, own
 }
 
 // walk lists every scope, and apart the ones whose own state is bad.
@@ -133,11 +186,12 @@ func (p *Provider) walk() (all, bad []Status) {
 	visit = func(s *scope, name string) {
 		if s.parent != nil || s.reported {
 			st := Status{
-				Name:    name,
-				Level:   s.effective(),
-				Message: s.message,
-				Error:   s.err,
-				Updated: s.updated,
+				Name:     name,
+				Level:    s.effective(),
+				Message:  s.message,
+				Error:    s.err,
+				External: s.external,
+				Updated:  s.updated,
 			}
 			if st.Name == "" {
 				st.Name = "(root)"
@@ -175,6 +229,7 @@ type scope struct {
 	level    cell.Level
 	message  string
 	err      string
+	external bool
 	updated  time.Time
 	closed   bool
 }
@@ -244,8 +299,10 @@ func (s *scope) report(level cell.Level, msg string, err error) {
 	s.level = level
 	s.message = msg
 	s.err = ""
+	s.external = false
 	if err != nil {
 		s.err = err.Error()
+		s.external = level == cell.StatusDegraded && errors.Is(err, ErrExternal)
 	}
 	s.updated = s.p.now()
 }
@@ -269,13 +326,23 @@ func (s *scope) NewScope(name string) cell.Health {
 	return c
 }
 
-// Close implements cell.Health: the scope and everything below it vanish.
+// Close implements cell.Health. The scope stays in the tree with its last
+// report, as Stopped (its work is done) unless it was Degraded; the scopes
+// below it vanish and later reports to it are ignored. Without this a module
+// whose one-shot jobs have all returned would have nothing below it and no
+// report of its own, and count as Unknown for the rest of its life.
 func (s *scope) Close() {
 	s.p.mu.Lock()
 	defer s.p.mu.Unlock()
+	if s.closed {
+		return
+	}
 	s.closed = true
-	if s.parent != nil && s.parent.children[s.name] == s {
-		delete(s.parent.children, s.name)
+	s.children = nil
+	if !s.reported || s.level != cell.StatusDegraded {
+		s.reported = true
+		s.level = cell.StatusStopped
+		s.updated = s.p.now()
 	}
 }
 
@@ -286,6 +353,9 @@ func Format(statuses []Status) string {
 		fmt.Fprintf(&b, "%s: level=%s message=%q", st.Name, st.Level, st.Message)
 		if st.Error != "" {
 			fmt.Fprintf(&b, " error=%q", st.Error)
+		}
+		if st.External {
+			b.WriteString(" cause=external")
 		}
 		b.WriteByte('\n')
 	}

@@ -30,8 +30,17 @@ func newCommands(c *IPCache) hive.ScriptCmdsOut {
 	})
 }
 
-// parsePrefix accepts a prefix or a bare address (a /32 or /128).
+// errZone is why an address or prefix with an IPv6 zone is refused: an
+// identity is for an address, whatever the interface it was seen on, and
+// netip would drop the zone of a bare address silently.
+var errZone = errors.New("IPv6 zones are not allowed (identities do not carry zones): give the address without %zone")
+
+// parsePrefix accepts a prefix or a bare address (a /32 or /128), without
+// an IPv6 zone.
 func parsePrefix(s string) (netip.Prefix, error) {
+	if strings.Contains(s, "%") {
+		return netip.Prefix{}, fmt.Errorf("%w %q: %w", ErrInvalidPrefix, s, errZone)
+	}
 	if strings.Contains(s, "/") {
 		p, err := netip.ParsePrefix(s)
 		if err != nil {
@@ -173,6 +182,9 @@ func lookupCmd(c *IPCache) script.Cmd {
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			if len(args) != 1 {
 				return nil, script.ErrUsage
+			}
+			if strings.Contains(args[0], "%") {
+				return nil, fmt.Errorf("invalid address %q: %w", args[0], errZone)
 			}
 			addr, err := netip.ParseAddr(args[0])
 			if err != nil {

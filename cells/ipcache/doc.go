@@ -30,7 +30,9 @@
 //	--ipcache-map-max-entries=N         capacity (default 512000, up to 16777216)
 //	--ipcache-dual-stack                world-ipv4/world-ipv6 labels instead of world
 //
-// The file backend keeps <state-dir>/ipcache.map.
+// The file backend keeps <state-dir>/ipcache.map. The start fails when
+// another agent holds the map (ipcachemap.ErrInUse): two agents on one map
+// would prune each other's entries.
 //
 // # Contributions and precedence
 //
@@ -70,6 +72,12 @@
 // the old one released after the table is updated, so the datapath never
 // sees an identity without a reference. When the last contribution goes
 // (or a direct identity takes over), the reference is released.
+//
+// Input is checked before anything changes: an owner must be a non-empty,
+// printable [ResourceID] ([ErrInvalidOwner]); a direct identity or a
+// requested ID must be a valid numeric identity
+// (identity.NumericIdentity.Validate); the shell commands refuse IPv6 zones
+// in addresses and prefixes alike (identities do not carry zones).
 //
 // Upserts and removals are synchronous: an allocation failure leaves that
 // prefix as it was and is returned; the other prefixes of the batch are

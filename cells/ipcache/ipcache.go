@@ -29,6 +29,8 @@ var (
 	ErrInvalidInfo = errors.New("invalid ipcache info")
 	// ErrNotStarted: the map is read before the hive started.
 	ErrNotStarted = errors.New("ipcache map is not open")
+	// ErrInvalidOwner: the ResourceID is empty or unprintable.
+	ErrInvalidOwner = errors.New("invalid owner")
 )
 
 // selfInitializer is the table initializer the ipcache holds until every
@@ -130,6 +132,9 @@ func (c *IPCache) Upsert(ctx context.Context, owner ResourceID, prefix netip.Pre
 // is left as it was; the others are applied, and the error joins every
 // failure. When a prefix appears more than once, its last update wins.
 func (c *IPCache) UpsertBatch(ctx context.Context, owner ResourceID, updates []Update) error {
+	if err := owner.Validate(); err != nil {
+		return err
+	}
 	changes := make([]change, len(updates))
 	for i, u := range updates {
 		info := u.Info
@@ -142,6 +147,9 @@ func (c *IPCache) UpsertBatch(ctx context.Context, owner ResourceID, updates []U
 // without contributions leaves the table and releases its identity.
 // Prefixes owner does not contribute to are ignored.
 func (c *IPCache) Remove(ctx context.Context, owner ResourceID, prefixes ...netip.Prefix) error {
+	if err := owner.Validate(); err != nil {
+		return err
+	}
 	changes := make([]change, len(prefixes))
 	for i, p := range prefixes {
 		changes[i] = change{prefix: p, owner: owner}
@@ -152,6 +160,9 @@ func (c *IPCache) Remove(ctx context.Context, owner ResourceID, prefixes ...neti
 // RemoveOwner drops every contribution of owner, in one batch found through
 // the owner index (no table scan), and returns how many prefixes it had.
 func (c *IPCache) RemoveOwner(ctx context.Context, owner ResourceID) (int, error) {
+	if err := owner.Validate(); err != nil {
+		return 0, err
+	}
 	var changes []change
 	for e := range c.table.List(c.db.ReadTxn(), OwnerIndex.Query(owner)) {
 		changes = append(changes, change{prefix: e.Prefix, owner: owner})
@@ -477,6 +488,10 @@ func (c *IPCache) TakeSnapshot() []ipcachemap.Entry {
 // initialization that follows the last start hook.
 func (c *IPCache) Start(hctx cell.HookContext) error {
 	m, info, err := ipcachemap.Open(c.mapConfig)
+	if info.MountedBPFFS != "" {
+		// Mounting changes the host for every process on it.
+		c.log.Info("Mounted bpffs for the ipcache map, none was mounted", "path", info.MountedBPFFS)
+	}
 	if err != nil {
 		return fmt.Errorf("open ipcache map: %w", err)
 	}

@@ -230,13 +230,13 @@ func TestMetadataMergeAndRelease(t *testing.T) {
 	// Conflicting labels (same key): the greater owner wins regardless of
 	// the order of the upserts.
 	q := pfx("10.9.0.0/16")
-	if err := n.ipc.Upsert(ctx, "z-owner", q, ipcache.Info{Labels: labels.MustParse("cidr:tier=z")}); err != nil {
+	if err := n.ipc.Upsert(ctx, "z-owner", q, ipcache.Info{Labels: labels.MustParse("fqdn:tier=z")}); err != nil {
 		t.Fatal(err)
 	}
 	if err := n.ipc.Upsert(ctx, "a-owner", q, ipcache.Info{Labels: labels.MustParse("fqdn:tier=a")}); err != nil {
 		t.Fatal(err)
 	}
-	if got := mustGet(t, n.ipc, "10.9.0.0/16").Labels.String(); got != "cidr:10.9.0.0/16,cidr:tier=z,reserved:world" {
+	if got := mustGet(t, n.ipc, "10.9.0.0/16").Labels.String(); got != "cidr:10.9.0.0/16,fqdn:tier=z,reserved:world" {
 		t.Fatalf("merged labels %s", got)
 	}
 
@@ -611,6 +611,47 @@ func writeMapFile(t testing.TB, file string, entries ...ipcachemap.Entry) {
 	}
 	if err := m.Close(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestBadInput checks the Go API refuses what the shell refuses: a
+// direct identity or requested ID outside the identity space, and owners
+// that cannot be named; the table stays as it was.
+func TestBadInput(t *testing.T) {
+	n := startNode(t)
+	ctx := t.Context()
+	for _, tc := range []struct {
+		owner ipcache.ResourceID
+		info  ipcache.Info
+		want  error
+	}{
+		{"ep", ipcache.Info{Identity: 4294967295}, identity.ErrInvalidNumericIdentity},
+		{"ep", ipcache.Info{Identity: 0x01000000}, identity.ErrInvalidNumericIdentity},
+		{"ep", ipcache.Info{Identity: 0x03000001}, identity.ErrInvalidNumericIdentity},
+		{"ep", ipcache.Info{RequestedID: 0xFF000001}, identity.ErrInvalidNumericIdentity},
+		{"", ipcache.Info{}, ipcache.ErrInvalidOwner},
+		{"a\nb", ipcache.Info{}, ipcache.ErrInvalidOwner},
+		{"a\xffb", ipcache.Info{}, ipcache.ErrInvalidOwner},
+	} {
+		err := n.ipc.Upsert(ctx, tc.owner, pfx("10.0.0.0/8"), tc.info)
+		if !errors.Is(err, tc.want) {
+			t.Errorf("Upsert(%q, %+v) = %v, want %v", tc.owner, tc.info, err, tc.want)
+		}
+	}
+	if _, err := n.ipc.RemoveOwner(ctx, ""); !errors.Is(err, ipcache.ErrInvalidOwner) {
+		t.Errorf("RemoveOwner(\"\") = %v", err)
+	}
+	if err := n.ipc.Remove(ctx, "", pfx("10.0.0.0/8")); !errors.Is(err, ipcache.ErrInvalidOwner) {
+		t.Errorf("Remove(\"\") = %v", err)
+	}
+	if rows := n.ipc.List(); len(rows) != 0 {
+		t.Fatalf("refused input reached the table: %+v", rows)
+	}
+	// The edges of the valid ranges pass.
+	for _, id := range []identity.NumericIdentity{1, 0xFFFFFF, 0x01000001, 0x02FFFFFF} {
+		if err := n.ipc.Upsert(ctx, "ep", pfx("10.0.0.0/8"), ipcache.Info{Identity: id}); err != nil {
+			t.Errorf("identity %d refused: %v", id, err)
+		}
 	}
 }
 

@@ -2,6 +2,7 @@ package ipcache_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -45,8 +46,29 @@ func TestScript(t *testing.T) {
 					}
 				}
 			})
-			return scriptengine.New(t, h, testCmds(dir, func() *ipcache.IPCache { return ipc }))
+			e := scriptengine.New(t, h, testCmds(dir, func() *ipcache.IPCache { return ipc }))
+			for name, c := range e.Cmds {
+				// Only the cells' commands: the script's own (stdout, …)
+				// must keep the previous command's output.
+				if strings.Contains(name, "/") {
+					e.Cmds[name] = errToStderr{c}
+				}
+			}
+			return e
 		}, nil, "testdata/*.txtar")
+}
+
+// errToStderr makes a command's error its stderr, so that a script can
+// check what a refused command said (`! cmd` then `stderr 'reason'`), as
+// `identityd shell` prints it.
+type errToStderr struct{ script.Cmd }
+
+func (c errToStderr) Run(s *script.State, args ...string) (script.WaitFunc, error) {
+	wait, err := c.Cmd.Run(s, args...)
+	if err != nil && wait == nil && !errors.Is(err, script.ErrUsage) {
+		return func(*script.State) (string, string, error) { return "", err.Error() + "\n", err }, nil
+	}
+	return wait, err
 }
 
 // testCmds are commands that only tests need: they write the map file

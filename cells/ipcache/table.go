@@ -6,6 +6,8 @@ import (
 	"iter"
 	"net/netip"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
@@ -41,9 +43,26 @@ func (s Source) String() string {
 func (s Source) MarshalJSON() ([]byte, error) { return json.Marshal(s.String()) }
 
 // ResourceID names the owner of a contribution, e.g. "restored",
-// "k8s/cidrgroup/default/foo" or "shell". It is free text; an owner uses the
-// same ID to update and to remove what it contributed.
+// "k8s/cidrgroup/default/foo" or "shell". It is free text, but not empty
+// and without control characters (it is printed in tables and logs); an
+// owner uses the same ID to update and to remove what it contributed.
 type ResourceID string
+
+// Validate checks that the ID can name an owner.
+func (r ResourceID) Validate() error {
+	if r == "" {
+		return fmt.Errorf("%w: empty owner", ErrInvalidOwner)
+	}
+	if !utf8.ValidString(string(r)) {
+		return fmt.Errorf("%w %q: not UTF-8", ErrInvalidOwner, string(r))
+	}
+	for _, c := range string(r) {
+		if unicode.IsControl(c) {
+			return fmt.Errorf("%w %q: control character", ErrInvalidOwner, string(r))
+		}
+	}
+	return nil
+}
 
 // Info is what one owner says about one prefix. It is either metadata
 // (Labels and/or RequestedID, resolved to an identity through the
@@ -73,6 +92,10 @@ func (i Info) IsDirect() bool { return i.Identity != 0 }
 // and that its tunnel endpoint fits the map.
 func (i Info) Validate() error {
 	if i.IsDirect() {
+		// The map holds any uint32; only a real identity may get there.
+		if err := i.Identity.Validate(); err != nil {
+			return fmt.Errorf("%w: identity: %w", ErrInvalidInfo, err)
+		}
 		if len(i.Labels) > 0 || i.RequestedID != 0 {
 			return fmt.Errorf("%w: a direct identity excludes labels and a requested ID", ErrInvalidInfo)
 		}
@@ -83,6 +106,11 @@ func (i Info) Validate() error {
 	}
 	if i.TunnelEndpoint.IsValid() || i.EncryptKey != 0 {
 		return fmt.Errorf("%w: tunnel endpoint and encryption key need a direct identity", ErrInvalidInfo)
+	}
+	if i.RequestedID != 0 {
+		if err := i.RequestedID.Validate(); err != nil {
+			return fmt.Errorf("%w: requested ID: %w", ErrInvalidInfo, err)
+		}
 	}
 	if err := i.Labels.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidInfo, err)

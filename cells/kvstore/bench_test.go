@@ -20,3 +20,15 @@ func BenchmarkRawTxn(b *testing.B) {
 		etcdtest.BenchRawTxn(b, cli, "bench/par", 8)
 	})
 }
+
+// BenchmarkEmbeddedRawTxn is BenchmarkRawTxn on the embedded etcd through
+// the agent's client: what the TLS of its listeners costs a request.
+func BenchmarkEmbeddedRawTxn(b *testing.B) {
+	cli := startNode(b, nil, nil).client.Client()
+	b.Run("sequential", func(b *testing.B) {
+		etcdtest.BenchRawTxn(b, cli, "bench/seq", 1)
+	})
+	b.Run("goroutines=8", func(b *testing.B) {
+		etcdtest.BenchRawTxn(b, cli, "bench/par", 8)
+	})
+}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/prometheus/client_golang/prometheus"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -23,6 +24,7 @@ import (
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/statedir"
 )
 
@@ -47,6 +49,14 @@ type Client struct {
 	metrics *requestMetrics
 	health  cell.Health // nil outside a hive with a health provider
 
+	// lastAnswer is when (Unix nanoseconds) a KV or lease request last
+	// succeeded: proof that etcd answers, which spares the connectivity
+	// job its own request.
+	lastAnswer atomic.Int64
+	// healthMu orders the module's health reports, so that the last one
+	// says the state after the last change of the lease.
+	healthMu sync.Mutex
+
 	// grantMu serializes granting and revoking, so concurrent callers of
 	// Lease share one lease instead of each granting their own.
 	grantMu sync.Mutex
@@ -58,6 +68,12 @@ type Client struct {
 	lease     *nodeLease
 	lastErr   error
 	stopped   bool
+	// lostLease is the lease that was lost (not revoked by this node)
+	// while no new one has been granted yet, with why; 0 otherwise. The
+	// connectivity job grants a new one once etcd answers, so that health
+	// does not stay Degraded on a node that writes nothing for a while.
+	lostLease clientv3.LeaseID
+	lostWhy   string
 
 	wg sync.WaitGroup // keepalive goroutines
 }
@@ -78,6 +94,9 @@ type params struct {
 	Config    Config
 	Dir       *statedir.Dir `optional:"true"`
 	Health    cell.Health   `optional:"true"`
+	// Jobs runs the connectivity check that keeps Health in step with
+	// etcd; without a registry (or without Health) there is no check.
+	Jobs job.Registry `optional:"true"`
 }
 
 func newClient(p params) (clientOut, error) {
@@ -88,6 +107,11 @@ func newClient(p params) (clientOut, error) {
 	c.metrics = newRequestMetrics()
 	c.health = p.Health
 	p.Lifecycle.Append(c)
+	if p.Health != nil && p.Jobs != nil {
+		// Added after the client's hook: the job starts once the client
+		// is connected and stops before it closes.
+		p.Jobs.NewGroup(p.Health).Add(job.OneShot("etcd-connectivity", c.watchConnectivity))
+	}
 	return clientOut{Client: c, Collectors: []prometheus.Collector{c.metrics.duration, c.metrics.quorum}}, nil
 }
 
@@ -120,12 +144,12 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	var e *embeddedEtcd
 	if c.cfg.Embedded() {
 		var err error
-		if e, err = startEmbedded(ctx, c.log, c.dir.Join("etcd")); err != nil {
+		if e, err = startEmbedded(ctx, c.log, c.dir.Join("etcd"), c.dir.Join(embeddedTLSDir)); err != nil {
 			return fmt.Errorf("kvstore: %w", err)
 		}
 		endpoints = []string{e.clientURL}
 	}
-	cli, err := c.connect(ctx, endpoints)
+	cli, err := c.connect(ctx, endpoints, e)
 	if err != nil {
 		if e != nil {
 			e.stop()
@@ -136,14 +160,26 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	c.cli, c.embedded, c.endpoints, c.stopped = cli, e, endpoints, false
 	c.mu.Unlock()
 	c.log.Info("Connected to etcd", "endpoints", endpoints, "embedded", e != nil)
-	c.reportOK()
+	c.reportHealth()
 	return nil
 }
 
-// reportOK tells health the client is connected and holds, or can get, its
-// lease.
-func (c *Client) reportOK() {
+// reportHealth tells health the client is connected and holds, or can get, its
+// lease; or that its lease was lost and no new one granted yet.
+func (c *Client) reportHealth() {
 	if c.health == nil {
+		return
+	}
+	c.healthMu.Lock()
+	defer c.healthMu.Unlock()
+	c.mu.Lock()
+	lost, why := c.lostLease, c.lostWhy
+	c.mu.Unlock()
+	if lost != 0 {
+		// Mostly etcd's doing (unreachable for the whole TTL): not a
+		// reason to restart the agent.
+		c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one",
+			health.External(fmt.Errorf("lease %x: %s", int64(lost), why)))
 		return
 	}
 	mode := "external etcd"
@@ -153,7 +189,9 @@ func (c *Client) reportOK() {
 	c.health.OK(fmt.Sprintf("Connected to %s at %s", mode, strings.Join(c.Endpoints(), ",")))
 }
 
-func (c *Client) connect(ctx context.Context, endpoints []string) (*clientv3.Client, error) {
+// connect dials endpoints: those of e when it is the embedded etcd, with
+// the client certificate made for it.
+func (c *Client) connect(ctx context.Context, endpoints []string, e *embeddedEtcd) (*clientv3.Client, error) {
 	cfg := clientv3.Config{
 		Endpoints:            endpoints,
 		DialTimeout:          c.cfg.KVStoreDialTimeout,
@@ -167,11 +205,15 @@ func (c *Client) connect(ctx context.Context, endpoints []string) (*clientv3.Cli
 			grpc.WithChainStreamInterceptor(c.streamInterceptor),
 		},
 	}
-	tlsCfg, err := c.tlsConfig(endpoints)
-	if err != nil {
-		return nil, err
+	if e != nil {
+		cfg.TLS = e.clientTLS
+	} else {
+		tlsCfg, err := c.tlsConfig(endpoints)
+		if err != nil {
+			return nil, err
+		}
+		cfg.TLS = tlsCfg
 	}
-	cfg.TLS = tlsCfg
 	if c.cfg.KVStoreUsername != "" {
 		pw, err := os.ReadFile(c.cfg.KVStorePasswordFile)
 		if err != nil {
@@ -358,11 +400,12 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	l := &nodeLease{id: resp.ID, lost: make(chan struct{}), cancel: kcancel}
 	c.mu.Lock()
 	c.lease = l
+	c.lostLease, c.lostWhy = 0, ""
 	c.mu.Unlock()
 	c.wg.Add(1)
 	go c.keepAlive(l, ch)
 	c.log.Debug("Granted etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)), "ttl", c.cfg.KVStoreLeaseTTL)
-	c.reportOK()
+	c.reportHealth()
 	return l.id, nil
 }
 
@@ -383,10 +426,13 @@ const reasonRevoked = "revoked by this node"
 func (c *Client) leaseLost(l *nodeLease, why string) {
 	c.mu.Lock()
 	current := c.lease == l
+	stopped := c.stopped
 	if current {
 		c.lease = nil
+		if why != reasonRevoked && !stopped {
+			c.lostLease, c.lostWhy = l.id, why
+		}
 	}
-	stopped := c.stopped
 	c.mu.Unlock()
 	l.cancel()
 	l.lostOnce.Do(func() {
@@ -396,9 +442,7 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 			// Asked for by this node (at stop): not a loss to warn of.
 			c.log.Debug("Revoked this node's etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)))
 		case current && !stopped:
-			if c.health != nil {
-				c.health.Degraded("Lost this node's etcd lease; its keys are written again with a new one", fmt.Errorf("lease %x: %s", int64(l.id), why))
-			}
+			c.reportHealth()
 			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
 				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
 		}
@@ -476,6 +520,9 @@ func (c *Client) count(method string) {
 // the reads and writes of data, not lease keepalives or status.
 const kvMethodPrefix = "/etcdserverpb.KV/"
 
+// leaseMethodPrefix is the gRPC service of lease grants and revocations.
+const leaseMethodPrefix = "/etcdserverpb.Lease/"
+
 func (c *Client) unaryInterceptor(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 	if c.limiter != nil && strings.HasPrefix(method, kvMethodPrefix) {
 		if err := c.limiter.Wait(ctx); err != nil {
@@ -488,6 +535,10 @@ func (c *Client) unaryInterceptor(ctx context.Context, method string, req, reply
 	c.metrics.observe(method, req, err, time.Since(start))
 	if err != nil {
 		c.noteError(req, err)
+	} else if strings.HasPrefix(method, kvMethodPrefix) || strings.HasPrefix(method, leaseMethodPrefix) {
+		// A Status answer would prove less: a member answers it without
+		// a leader.
+		c.lastAnswer.Store(time.Now().UnixNano())
 	}
 	return err
 }

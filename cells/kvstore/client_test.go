@@ -114,7 +114,7 @@ func TestEmbeddedPersistsAcrossRestart(t *testing.T) {
 		t.Fatal("not embedded")
 	}
 	eps := c.Endpoints()
-	if len(eps) != 1 || !strings.HasPrefix(eps[0], "http://127.0.0.1:") || strings.HasSuffix(eps[0], ":0") {
+	if len(eps) != 1 || !strings.HasPrefix(eps[0], "https://127.0.0.1:") || strings.HasSuffix(eps[0], ":0") {
 		t.Fatalf("embedded endpoint %v, want an ephemeral loopback port", eps)
 	}
 	if _, err := c.Client().Put(ctxT(t), "persist", "yes"); err != nil {

@@ -114,7 +114,7 @@ func (c Config) Validate() error {
 		errs = append(errs, errors.New("--kvstore-username and --kvstore-password-file must be given together"))
 	}
 	if c.Embedded() {
-		// The embedded etcd listens on loopback only, without TLS or auth:
+		// The embedded etcd makes its own certificates and needs no auth:
 		// such settings would be silently ignored, which hides mistakes.
 		for _, f := range []struct{ flag, value string }{
 			{"--kvstore-ca-file", c.KVStoreCAFile},
@@ -122,7 +122,7 @@ func (c Config) Validate() error {
 			{"--kvstore-username", c.KVStoreUsername},
 		} {
 			if f.value != "" {
-				errs = append(errs, fmt.Errorf("%s needs --kvstore-endpoints (the embedded etcd uses neither TLS nor auth)", f.flag))
+				errs = append(errs, fmt.Errorf("%s needs --kvstore-endpoints (the embedded etcd uses certificates of its own in <state-dir>/etcd-tls)", f.flag))
 			}
 		}
 	}

@@ -19,14 +19,45 @@
 //     last request error.
 //
 // With no --kvstore-endpoints the cell runs an embedded single-member etcd
-// with its data in <state-dir>/etcd (needs the statedir cell), listening on
-// loopback ports chosen by the kernel, and logging warnings through the
-// agent's logger. It starts in the start hook, bounded by the hook's
-// context, and stops in the stop hook after the client is closed.
+// with its data in <state-dir>/etcd (needs the statedir cell), logging
+// warnings through the agent's logger. It starts in the start hook, bounded
+// by the hook's context, and stops in the stop hook after the client is
+// closed.
+//
+// Only the agent's user can reach the embedded etcd. Its client and peer
+// listeners are TLS on two free loopback ports picked at each start, and
+// both require a client certificate signed by a CA made at that start,
+// whose key is never stored. The CA, the server's and the client's
+// certificate and key are written to <state-dir>/etcd-tls (0700, files
+// 0600) and replaced at every start. Any local user can connect to the
+// ports; without those files no one completes a TLS handshake, so no one
+// else reads, writes or reconfigures the store. The member record
+// advertises the real URLs (the peer URL is rewritten when the ports
+// changed), so that etcdctl and kvstore/status show usable addresses.
+//
+// Unix sockets in the state directory were not used: etcd's embed takes a
+// unix peer URL's host only, so a peer socket cannot have an absolute path,
+// and socket paths are limited to 108 bytes, which a deep --state-dir
+// exceeds. TLS works for both listeners and any state directory path.
 //
 // At start the client checks within --kvstore-dial-timeout that an endpoint
 // answers, so an unreachable etcd fails the start with one line naming the
 // endpoints instead of hanging.
+//
+// # Health
+//
+// The module reports OK once connected, and Degraded when this node's
+// lease is lost, until a new one is granted: by the next write that needs
+// one, or by the connectivity job once etcd answers. In a hive with a job registry
+// (job.Cell) and a health provider, the job etcd-connectivity checks every
+// 2s, with a 2s timeout, that etcd answers: a KV or lease request that
+// succeeded meanwhile is enough, otherwise it sends one Status request over
+// the client's connection. While no endpoint answers, or the member that
+// answers knows no leader, its scope is Degraded; OK again at the first
+// answer. These reports mark their cause with health.External, so they make
+// the agent not ready (/readyz) but not dead (/healthz). While etcd is away
+// the job also resets gRPC's reconnection backoff, so that the client tries
+// again at every check instead of after up to 2 minutes.
 //
 // # Flags
 //
@@ -42,8 +73,8 @@
 //	--kvstore-rate-limit       KV requests per second, 0 = unlimited (default 0)
 //	--node-name                this node's key suffix (default: host name)
 //
-// TLS and auth apply to external endpoints only; setting them without
-// --kvstore-endpoints is an error.
+// The TLS and auth flags apply to external endpoints only; setting them
+// without --kvstore-endpoints is an error.
 //
 // # Shell commands
 //

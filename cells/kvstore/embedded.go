@@ -2,13 +2,21 @@ package kvstore
 
 import (
 	"context"
+	"crypto/tls"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/url"
 	"os"
+	"slices"
+	"strconv"
 	"sync/atomic"
+	"syscall"
+	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
+	"go.etcd.io/etcd/server/v3/etcdserver/api/membership"
 	"go.uber.org/zap/zapcore"
 )
 
@@ -16,11 +24,19 @@ import (
 // that the data directory stays valid when --node-name changes.
 const embeddedName = "identityd"
 
-// embeddedEtcd is a single-member etcd running inside the agent, listening
-// on loopback ports the kernel picks so that nothing is fixed or shared.
+// portAttempts bounds how often the start picks new ports when another
+// process took a picked port before etcd bound it.
+const portAttempts = 5
+
+// embeddedEtcd is a single-member etcd running inside the agent. Both its
+// listeners are TLS on loopback and require a client certificate that only
+// the agent's user can read (see embeddedCerts): any local user can open a
+// TCP connection, none but the agent's user can complete a handshake.
 type embeddedEtcd struct {
 	etcd      *embed.Etcd
 	clientURL string
+	peerURL   string
+	clientTLS *tls.Config
 	stopping  *atomic.Bool
 }
 
@@ -31,49 +47,127 @@ var benignWarnings = map[string]bool{
 	"simple token is not cryptographically signed":                                         true,
 }
 
-func startEmbedded(ctx context.Context, log *slog.Logger, dataDir string) (*embeddedEtcd, error) {
+// startEmbedded starts the embedded etcd with its data in dataDir and its
+// certificates in tlsDir.
+func startEmbedded(ctx context.Context, log *slog.Logger, dataDir, tlsDir string) (*embeddedEtcd, error) {
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating embedded etcd data directory: %w", err)
 	}
-	// Port 0: the listeners get ephemeral ports; the actual client address
-	// is read back from the listener below.
-	ephemeral := url.URL{Scheme: "http", Host: "127.0.0.1:0"}
-	cfg := embed.NewConfig()
-	cfg.Name = embeddedName
-	cfg.Dir = dataDir
-	cfg.ListenClientUrls = []url.URL{ephemeral}
-	cfg.AdvertiseClientUrls = []url.URL{ephemeral}
-	cfg.ListenPeerUrls = []url.URL{ephemeral}
-	cfg.AdvertisePeerUrls = []url.URL{ephemeral}
-	cfg.InitialCluster = cfg.InitialClusterFromName(embeddedName)
-	cfg.LogLevel = "warn"
+	certs, err := writeEmbeddedCerts(tlsDir, time.Now())
+	if err != nil {
+		return nil, err
+	}
 	// While stopping, the server reports its closed listeners as errors:
 	// expected then, so they are kept out of the agent's warnings.
 	stopping := new(atomic.Bool)
 	demote := func(msg string) bool { return stopping.Load() || benignWarnings[msg] }
-	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(newZapLogger(log.With("component", "embedded-etcd"), zapcore.WarnLevel, demote))
-	// Keep the history from growing without bound: identities churn.
-	cfg.AutoCompactionMode = embed.CompactorModePeriodic
-	cfg.AutoCompactionRetention = "1h"
+	zapLog := newZapLogger(log.With("component", "embedded-etcd"), zapcore.WarnLevel, demote)
 
-	e, err := embed.StartEtcd(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("starting embedded etcd in %s: %w", dataDir, err)
+	var lastErr error
+	for range portAttempts {
+		// The advertised URLs are stored in the member record and shown
+		// by etcdctl and kvstore/status: they must name the real ports,
+		// so the ports are picked before etcd starts rather than left to
+		// the kernel (port 0) at bind time.
+		ports, err := freeLoopbackPorts(2)
+		if err != nil {
+			return nil, fmt.Errorf("picking ports for the embedded etcd: %w", err)
+		}
+		clientURL := url.URL{Scheme: "https", Host: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0]))}
+		peerURL := url.URL{Scheme: "https", Host: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[1]))}
+
+		cfg := embed.NewConfig()
+		cfg.Name = embeddedName
+		cfg.Dir = dataDir
+		cfg.ListenClientUrls = []url.URL{clientURL}
+		cfg.AdvertiseClientUrls = []url.URL{clientURL}
+		cfg.ListenPeerUrls = []url.URL{peerURL}
+		cfg.AdvertisePeerUrls = []url.URL{peerURL}
+		cfg.InitialCluster = cfg.InitialClusterFromName(embeddedName)
+		cfg.ClientTLSInfo = certs.serverTLSInfo()
+		cfg.PeerTLSInfo = certs.serverTLSInfo()
+		// Nothing uses etcd's JSON gateway: one protocol less to expose.
+		cfg.EnableGRPCGateway = false
+		cfg.LogLevel = "warn"
+		cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zapLog)
+		// Keep the history from growing without bound: identities churn.
+		cfg.AutoCompactionMode = embed.CompactorModePeriodic
+		cfg.AutoCompactionRetention = "1h"
+
+		e, err := embed.StartEtcd(cfg)
+		if errors.Is(err, syscall.EADDRINUSE) {
+			// Another process took a port between picking and binding.
+			lastErr = err
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("starting embedded etcd in %s: %w", dataDir, err)
+		}
+		select {
+		case <-e.Server.ReadyNotify():
+		case err := <-e.Err():
+			e.Close()
+			return nil, fmt.Errorf("embedded etcd in %s failed: %w", dataDir, err)
+		case <-ctx.Done():
+			e.Close()
+			return nil, fmt.Errorf("embedded etcd in %s not ready in time: %w", dataDir, ctx.Err())
+		}
+		ee := &embeddedEtcd{
+			etcd:      e,
+			clientURL: clientURL.String(),
+			peerURL:   peerURL.String(),
+			clientTLS: certs.clientTLS,
+			stopping:  stopping,
+		}
+		if err := ee.updatePeerURL(ctx); err != nil {
+			ee.stop()
+			return nil, fmt.Errorf("embedded etcd in %s: %w", dataDir, err)
+		}
+		return ee, nil
 	}
-	select {
-	case <-e.Server.ReadyNotify():
-	case err := <-e.Err():
-		e.Close()
-		return nil, fmt.Errorf("embedded etcd in %s failed: %w", dataDir, err)
-	case <-ctx.Done():
-		e.Close()
-		return nil, fmt.Errorf("embedded etcd in %s not ready in time: %w", dataDir, ctx.Err())
+	return nil, fmt.Errorf("starting embedded etcd in %s: no free loopback ports after %d attempts: %w", dataDir, portAttempts, lastErr)
+}
+
+// updatePeerURL rewrites the member's peer URL when it differs from the
+// one listened on now. etcd publishes the client URLs at every start but
+// keeps the peer URL of the first start (or of an agent that advertised
+// port 0); the ports change with every start.
+func (e *embeddedEtcd) updatePeerURL(ctx context.Context) error {
+	srv := e.etcd.Server
+	m := srv.Cluster().Member(srv.MemberID())
+	if m == nil {
+		return fmt.Errorf("member %s is missing from its own cluster", srv.MemberID())
 	}
-	return &embeddedEtcd{
-		etcd:      e,
-		clientURL: "http://" + e.Clients[0].Addr().String(),
-		stopping:  stopping,
-	}, nil
+	want := []string{e.peerURL}
+	if slices.Equal(m.PeerURLs, want) {
+		return nil
+	}
+	update := membership.Member{ID: m.ID, RaftAttributes: membership.RaftAttributes{PeerURLs: want}}
+	if _, err := srv.UpdateMember(ctx, update); err != nil {
+		return fmt.Errorf("updating the member's peer URL from %v to %s: %w", m.PeerURLs, e.peerURL, err)
+	}
+	return nil
+}
+
+// freeLoopbackPorts returns n distinct loopback ports that were free a
+// moment ago. All are held open together, so they differ.
+func freeLoopbackPorts(n int) ([]int, error) {
+	ports := make([]int, 0, n)
+	var lns []net.Listener
+	defer func() {
+		for _, l := range lns {
+			l.Close()
+		}
+	}()
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		lns = append(lns, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
 }
 
 func (e *embeddedEtcd) stop() {

@@ -10,8 +10,8 @@ import (
 
 // Config is the metrics cell's configuration.
 type Config struct {
-	// PrometheusServeAddr is the host:port of the /metrics and /healthz
-	// endpoint; empty disables the HTTP server (the registry still
+	// PrometheusServeAddr is the host:port of the /metrics, /healthz and
+	// /readyz endpoint; empty disables the HTTP server (the registry still
 	// exists). Port 0 picks a free port, which Server.Addr reports.
 	PrometheusServeAddr string
 }
@@ -25,7 +25,7 @@ var DefaultConfig = Config{
 // Flags registers the metrics flags.
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("prometheus-serve-addr", def.PrometheusServeAddr,
-		"Address (host:port) to serve Prometheus metrics on /metrics and health on /healthz; empty disables the endpoint")
+		"Address (host:port) to serve Prometheus metrics on /metrics and health on /healthz (liveness) and /readyz (readiness); empty disables the endpoint")
 }
 
 // Validate checks the configuration.

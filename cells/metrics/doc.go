@@ -17,10 +17,15 @@
 // a free port, reported by (*Server).Addr and logged):
 //
 //   - /metrics: the Prometheus text format.
-//   - /healthz: 200 when every health scope of the hive is OK (or Stopped),
-//     503 otherwise, with one line per scope at fault. The scopes come from
-//     the cells/health provider (optional: without it /healthz only tells
-//     that the process is up).
+//   - /healthz (liveness): 200 when every health scope of the hive is OK
+//     or Stopped, or Degraded only for a cause outside the agent
+//     (health.External, such as an unreachable etcd); 503 otherwise, with
+//     one line per scope at fault.
+//   - /readyz (readiness): 200 when every health scope is OK or Stopped,
+//     503 otherwise, external causes included.
+//
+// The scopes come from the cells/health provider (optional: without it
+// both endpoints only tell that the process is up).
 //
 // The server listens in its start hook, so an address in use fails the
 // start with an error naming the flag, and it is the first hook to start

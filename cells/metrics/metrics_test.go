@@ -120,14 +120,51 @@ func TestHealthz(t *testing.T) {
 	if strings.Contains(body, "allocator: level") {
 		t.Errorf("parent listed as a cause:\n%s", body)
 	}
-	// A finished job's scope goes away with it.
+	// A finished job leaves its module healthy, with nothing below it
+	// running.
+	job.OK("finished")
 	job.Close()
-	if code, body := get(t, url); code != http.StatusServiceUnavailable || !strings.Contains(body, "allocator: level=Unknown") {
-		t.Fatalf("closed child leaves an unreported module: %d %s", code, body)
+	if code, body := get(t, url); code != http.StatusOK || !strings.Contains(body, `allocator.job-gc: level=Stopped message="finished"`) {
+		t.Fatalf("finished job: %d %s", code, body)
 	}
-	mod.Stopped("done")
-	if code, body := get(t, url); code != http.StatusOK {
-		t.Fatalf("stopped: %d %s", code, body)
+}
+
+// /healthz is liveness and /readyz readiness: a scope Degraded for a cause
+// outside the agent (etcd unreachable) turns only /readyz to 503, and both
+// show it.
+func TestReadyz(t *testing.T) {
+	th := newHive(t, "127.0.0.1:0")
+	if err := th.start(t); err != nil {
+		t.Fatal(err)
+	}
+	live := "http://" + th.server.Addr() + metrics.HealthPath
+	ready := "http://" + th.server.Addr() + metrics.ReadyPath
+
+	kv := th.health.NewScope("kvstore")
+	if code, body := get(t, ready); code != http.StatusServiceUnavailable || !strings.HasPrefix(body, "not ready: 1 health scopes not OK\nkvstore: level=Unknown") {
+		t.Fatalf("unknown: %d %s", code, body)
+	}
+	kv.OK("connected")
+	if code, body := get(t, ready); code != http.StatusOK || body != "ready\nkvstore: level=OK message=\"connected\"\n" {
+		t.Fatalf("ok: %d %q", code, body)
+	}
+	kv.Degraded("etcd does not answer", health.External(errors.New("deadline exceeded")))
+	line := `kvstore: level=Degraded message="etcd does not answer" error="deadline exceeded" cause=external`
+	if code, body := get(t, ready); code != http.StatusServiceUnavailable || !strings.Contains(body, line) {
+		t.Fatalf("readyz, external cause: %d %s", code, body)
+	}
+	if code, body := get(t, live); code != http.StatusOK || !strings.Contains(body, line) {
+		t.Fatalf("healthz, external cause: %d %s", code, body)
+	}
+	kv.Degraded("lease refused", errors.New("bug"))
+	if code, body := get(t, live); code != http.StatusServiceUnavailable {
+		t.Fatalf("healthz, own fault: %d %s", code, body)
+	}
+	kv.OK("connected")
+	for _, url := range []string{live, ready} {
+		if code, body := get(t, url); code != http.StatusOK {
+			t.Fatalf("%s after recovery: %d %s", url, code, body)
+		}
 	}
 }
 

@@ -19,14 +19,20 @@ import (
 // Paths served by Server.
 const (
 	MetricsPath = "/metrics"
-	HealthPath  = "/healthz"
+	// HealthPath answers liveness: 503 only when the agent's own work
+	// does not run (see health.Provider.Live).
+	HealthPath = "/healthz"
+	// ReadyPath answers readiness: 503 also while a cause outside the
+	// agent, such as an unreachable etcd, keeps it from its work (see
+	// health.Provider.Healthy).
+	ReadyPath = "/readyz"
 )
 
 // readHeaderTimeout bounds how long a client may take to send its request
 // headers, so idle or malicious connections cannot pile up.
 const readHeaderTimeout = 10 * time.Second
 
-// Server serves /metrics and /healthz. It listens in its start hook and
+// Server serves /metrics, /healthz and /readyz. It listens in its start hook and
 // shuts down in its stop hook.
 type Server struct {
 	log    *slog.Logger
@@ -97,28 +103,29 @@ func NewHandler(reg *prometheus.Registry, h *health.Provider, log *slog.Logger) 
 			// A failing collector must not hide every other metric.
 			ErrorHandling: promhttp.ContinueOnError,
 		})))
-	mux.Handle("GET "+HealthPath, healthHandler(h))
+	mux.Handle("GET "+HealthPath, healthHandler(h, "ok", "unhealthy", (*health.Provider).Live))
+	mux.Handle("GET "+ReadyPath, healthHandler(h, "ready", "not ready", (*health.Provider).Healthy))
 	return mux
 }
 
-// healthHandler answers 200 when every health scope is OK (or Stopped) and
-// 503 otherwise, with one line per scope, so that a probe and a human read
-// the same thing.
-func healthHandler(h *health.Provider) http.Handler {
+// healthHandler answers 200 when check passes and 503 otherwise, with one
+// line per scope (every scope when it passes, the ones at fault when it
+// does not), so that a probe and a human read the same thing.
+func healthHandler(h *health.Provider, good, bad string, check func(*health.Provider) (bool, []health.Status)) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
 		if h == nil {
-			fmt.Fprintln(w, "ok: no health provider in this hive, only liveness is reported")
+			fmt.Fprintln(w, good+": no health provider in this hive, only liveness is reported")
 			return
 		}
-		ok, bad := h.Healthy()
+		ok, faults := check(h)
 		if !ok {
 			w.WriteHeader(http.StatusServiceUnavailable)
-			fmt.Fprintf(w, "unhealthy: %d health scopes not OK\n%s", len(bad), health.Format(bad))
+			fmt.Fprintf(w, "%s: %d health scopes not OK\n%s", bad, len(faults), health.Format(faults))
 			return
 		}
-		fmt.Fprintf(w, "ok\n%s", health.Format(h.All()))
+		fmt.Fprintf(w, "%s\n%s", good, health.Format(h.All()))
 	})
 }
 
@@ -146,7 +153,7 @@ func (s *Server) Start(cell.HookContext) error {
 		}
 	}()
 	s.log.Info("Serving metrics and health", "address", ln.Addr().String(),
-		"metrics", MetricsPath, "health", HealthPath)
+		"metrics", MetricsPath, "health", HealthPath, "ready", ReadyPath)
 	return nil
 }
 

@@ -1,8 +1,15 @@
 // Package shell serves the hive's script commands on a unix socket in the
 // state directory (<state-dir>/identityd.sock, mode 0600), so that every
 // command a cell registers is usable on the running agent through
-// `identityd shell`. It speaks the protocol of github.com/cilium/hive/shell,
-// whose client it works with.
+// `identityd shell`, and provides the client for it (Client, Split).
+//
+// A request is one line: a JSON array of strings, the command's name and
+// its arguments, at most MaxRequestBytes long. The server runs that command
+// with exactly those arguments, once: no line is ever handed to the script
+// engine's parser, so nothing is split, expanded from an environment,
+// taken as a comment or as a second command. The answer is a series of
+// JSON lines, {"output": "..."} as the command writes and one
+// {"end": "ok"} or {"end": "error", "error": "..."} at its end.
 //
 // Unlike the hive's own server it never removes a socket another agent is
 // serving: the state directory's instance lock is held before the socket is
@@ -12,29 +19,28 @@ package shell
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
+	"regexp"
 	"runtime/debug"
+	"strings"
 	"sync"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/script"
+	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/cells/statedir"
 )
 
 // SocketName is the socket's file name in the state directory.
 const SocketName = "identityd.sock"
-
-// Markers of the hive shell protocol.
-const (
-	endMarker   = "<<end>>"
-	errorMarker = "<<error>>"
-)
 
 // Cell serves the shell.
 var Cell = cell.Module(
@@ -54,9 +60,10 @@ type params struct {
 }
 
 type server struct {
-	log      *slog.Logger
-	path     string
+	log *slog.Logger
+	// engine holds the commands a request may name; help lists them.
 	engine   *script.Engine
+	path     string
 	workDir  string
 	listener net.Listener
 	ctx      context.Context
@@ -66,13 +73,13 @@ type server struct {
 
 func newServer(p params) {
 	cmds := p.Cmds.Map()
-	cmds["help"] = script.DefaultCmds()["help"]
 	s := &server{
 		log:     p.Log,
 		path:    p.Dir.Join(SocketName),
 		engine:  &script.Engine{Cmds: cmds},
 		workDir: p.Dir.Path(),
 	}
+	cmds["help"] = s.helpCmd()
 	p.Lifecycle.Append(s)
 }
 
@@ -134,47 +141,136 @@ func (s *server) serve(conn net.Conn) {
 	defer stop()
 	defer conn.Close()
 
-	state, err := script.NewState(ctx, s.workDir, nil)
+	// An empty environment: nothing the agent's environment holds can
+	// reach a command, even one that expands variables itself.
+	state, err := script.NewState(ctx, s.workDir, []string{})
 	if err != nil {
 		s.log.Error("Shell state", "error", err)
 		return
 	}
-	w := &cancelOnErrorWriter{conn: conn, cancel: cancel}
+	w := &frameWriter{enc: json.NewEncoder(conn), cancel: cancel}
+	w.enc.SetEscapeHTML(false)
 	r := bufio.NewReader(conn)
 	for {
-		line, _, err := r.ReadLine()
+		line, err := readRequest(r)
+		if errors.Is(err, ErrRequestTooLarge) {
+			w.end(err)
+			continue
+		}
 		if err != nil {
 			return
 		}
-		switch string(line) {
-		case "stop", "exit", "quit":
-			return
+		args, err := decodeRequest(line)
+		if err == nil {
+			err = s.execute(state, args, w)
 		}
-		if err := s.execute(state, string(line), w); err != nil {
-			fmt.Fprintf(w, "%s%s\n", oneLine(err), errorMarker)
-		} else {
-			fmt.Fprintln(w, endMarker)
-		}
+		w.end(err)
 		if ctx.Err() != nil {
 			return
 		}
 	}
 }
 
-// execute runs one line; a panicking command becomes an error on the line
-// instead of taking the agent down.
-func (s *server) execute(state *script.State, line string, w *cancelOnErrorWriter) (err error) {
+// execute runs one command; a panicking command becomes its error instead
+// of taking the agent down.
+func (s *server) execute(state *script.State, args []string, w io.Writer) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			s.log.Error("Panic in shell command", "line", line, "panic", r, "stack", string(debug.Stack()))
-			err = fmt.Errorf("internal error: %v", r)
+			s.log.Error("Panic in shell command", "command", args[0], "panic", r, "stack", string(debug.Stack()))
+			err = fmt.Errorf("%s: internal error: %v", args[0], r)
 		}
 	}()
-	return s.engine.ExecuteLine(state, line, w)
+	name := args[0]
+	cmd, ok := s.engine.Cmds[name]
+	if !ok {
+		return fmt.Errorf("unknown command %q; 'help' lists the commands", name)
+	}
+	// The engine is what flushes a command's log to the connection, also
+	// while the command runs (db/watch does). It gets a fixed line naming
+	// one command that runs the requested one with the argument vector
+	// as received, so the engine's parser never sees what a client sent.
+	const dispatch = "run"
+	run := script.Command(script.CmdUsage{Summary: "run the requested command"},
+		func(st *script.State, _ ...string) (script.WaitFunc, error) {
+			return nil, s.invoke(st, name, cmd, args[1:])
+		})
+	err = (&script.Engine{Cmds: map[string]script.Cmd{dispatch: run}}).ExecuteLine(state, dispatch, w)
+	if cmdErr := (*script.CommandError)(nil); errors.As(err, &cmdErr) && cmdErr.Op == dispatch {
+		err = cmdErr.Err
+	}
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, script.ErrUsage) {
+		return fmt.Errorf("%s: %w; usage: %s %s", name, err, name, cmd.Usage().Args)
+	}
+	return fmt.Errorf("%s: %w", name, err)
 }
 
-// oneLine keeps an error on a single line, as the client reads the error
-// marker at the end of a line.
+// invoke runs cmd with args the way the script engine would after its
+// parsing: a command that declares flags has them parsed (pflag: "-o json",
+// "--owner=x", "--" ends the flags, -h shows its help); a command without
+// flags gets its arguments as they are. Output goes to the state's log,
+// which the engine writes to the connection.
+func (s *server) invoke(st *script.State, name string, cmd script.Cmd, args []string) error {
+	usage := cmd.Usage()
+	fs := pflag.NewFlagSet(name, pflag.ContinueOnError)
+	fs.Usage = func() {}
+	fs.SetOutput(io.Discard)
+	if usage.Flags != nil {
+		usage.Flags(fs)
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, pflag.ErrHelp) {
+				return s.engine.ListCmds(st.LogWriter(), true, "^"+regexp.QuoteMeta(name)+"$")
+			}
+			return err
+		}
+		args = fs.Args()
+	} else if err := fs.Parse(nil); err != nil {
+		return err
+	}
+	// A command without flags that reads st.Flags finds an empty set, not
+	// the previous command's.
+	st.Flags = fs
+	wait, err := cmd.Run(st, args...)
+	if err != nil || wait == nil {
+		return err
+	}
+	stdout, stderr, err := wait(st)
+	io.WriteString(st.LogWriter(), stdout)
+	io.WriteString(st.LogWriter(), stderr)
+	return err
+}
+
+func (s *server) helpCmd() script.Cmd {
+	return script.Command(
+		script.CmdUsage{
+			Summary: "list the commands; with a regexp, the matching ones in full",
+			Args:    "[-v] [regexp]",
+		},
+		func(st *script.State, args ...string) (script.WaitFunc, error) {
+			verbose := false
+			if len(args) > 0 && args[0] == "-v" {
+				verbose, args = true, args[1:]
+			}
+			if len(args) > 1 {
+				return nil, script.ErrUsage
+			}
+			re := ""
+			if len(args) == 1 {
+				verbose, re = true, args[0]
+			}
+			var b strings.Builder
+			if err := s.engine.ListCmds(&b, verbose, re); err != nil {
+				return nil, err
+			}
+			out := b.String()
+			return func(*script.State) (string, string, error) { return out, "", nil }, nil
+		})
+}
+
+// oneLine keeps an error on a single line, as terminals and logs show the
+// error of a command as one line.
 func oneLine(err error) string {
 	b := []byte(err.Error())
 	for i, c := range b {
@@ -185,15 +281,41 @@ func oneLine(err error) string {
 	return string(b)
 }
 
-type cancelOnErrorWriter struct {
-	conn   net.Conn
+// frameWriter sends what a command writes as output frames and ends each
+// answer with its end frame. A failed write cancels the connection's
+// context, so a command whose client is gone stops.
+type frameWriter struct {
+	enc    *json.Encoder
 	cancel context.CancelFunc
+	failed bool
 }
 
-func (w *cancelOnErrorWriter) Write(b []byte) (int, error) {
-	n, err := w.conn.Write(b)
-	if err != nil {
-		w.cancel()
+func (w *frameWriter) Write(b []byte) (int, error) {
+	if len(b) == 0 {
+		return 0, nil
 	}
-	return n, err
+	if err := w.send(frame{Output: string(b)}); err != nil {
+		return 0, err
+	}
+	return len(b), nil
+}
+
+func (w *frameWriter) end(err error) {
+	if err == nil {
+		w.send(frame{End: endOK})
+		return
+	}
+	w.send(frame{End: endError, Error: oneLine(err)})
+}
+
+func (w *frameWriter) send(f frame) error {
+	if w.failed {
+		return net.ErrClosed
+	}
+	if err := w.enc.Encode(f); err != nil {
+		w.failed = true
+		w.cancel()
+		return err
+	}
+	return nil
 }

@@ -3,7 +3,8 @@
 // datapath map and the shell socket.
 //
 // On start the directory is created with mode 0700 (an existing one is
-// tightened to 0700) and an exclusive lock is taken on
+// tightened to 0700; one owned by another user than the agent's is refused
+// with ErrNotOwner) and an exclusive lock is taken on
 // <state-dir>/identityd.lock, so that a second agent on the same directory
 // fails with a clear error instead of sharing or taking over its files.
 package statedir
@@ -51,6 +52,9 @@ const LockFileName = "identityd.lock"
 // ErrLocked is returned when another process holds the state directory.
 var ErrLocked = errors.New("state directory is in use by another identityd")
 
+// ErrNotOwner is returned when the state directory belongs to another user.
+var ErrNotOwner = errors.New("state directory is owned by another user")
+
 // Dir is the state directory.
 type Dir struct {
 	path string
@@ -83,7 +87,8 @@ func (d *Dir) Join(elem ...string) string {
 	return filepath.Join(append([]string{d.path}, elem...)...)
 }
 
-// Prepare creates the directory with mode 0700, or tightens an existing one.
+// Prepare creates the directory with mode 0700, or tightens an existing one
+// that the agent's user owns; another user's directory is refused.
 func (d *Dir) Prepare() error {
 	if err := os.MkdirAll(d.path, 0o700); err != nil {
 		return fmt.Errorf("cannot create state directory %s: %w", d.path, err)
@@ -94,6 +99,14 @@ func (d *Dir) Prepare() error {
 	}
 	if !fi.IsDir() {
 		return fmt.Errorf("state directory %s is not a directory", d.path)
+	}
+	// The owner of the directory can read, replace or remove every state
+	// file in it whatever their modes: only the agent's own user may own
+	// it. (Tightening another user's directory to 0700 would hide nothing
+	// from that user.)
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
+		return fmt.Errorf("%w: %s is owned by uid %d, the agent runs as uid %d; chown it to the agent's user or choose another --state-dir",
+			ErrNotOwner, d.path, st.Uid, os.Geteuid())
 	}
 	if fi.Mode().Perm() != 0o700 {
 		if err := os.Chmod(d.path, 0o700); err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/cilium/hive"
@@ -70,5 +71,51 @@ func TestNotADirectory(t *testing.T) {
 	h.Stop(hivetest.Logger(t), context.Background())
 	if err == nil {
 		t.Fatal("a file was accepted as the state directory")
+	}
+}
+
+// TestOwnedByAnotherUser gives the state directory to uid 65534: the
+// agent (root here) must refuse it with a clear error, and leave its mode
+// and contents alone, instead of keeping its state where that user can
+// read and replace it.
+func TestOwnedByAnotherUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to give a directory to another user (uid 65534)")
+	}
+	path := filepath.Join(t.TempDir(), "state")
+	if err := os.Mkdir(path, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(path, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	_, h, err := start(t, path)
+	h.Stop(hivetest.Logger(t), context.Background())
+	if !errors.Is(err, ErrNotOwner) {
+		t.Fatalf("start on another user's directory: %v, want ErrNotOwner", err)
+	}
+	for _, want := range []string{path, "uid 65534", "uid 0"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name %q", err, want)
+		}
+	}
+	fi, _ := os.Stat(path)
+	if fi.Mode().Perm() != 0o755 {
+		t.Errorf("mode changed to %v", fi.Mode().Perm())
+	}
+	if _, err := os.Stat(filepath.Join(path, LockFileName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("lock file created in another user's directory: %v", err)
+	}
+	// Given back to the agent's user, it is used (and tightened).
+	if err := os.Chown(path, 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	_, h, err = start(t, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Stop(hivetest.Logger(t), context.Background())
+	if fi, _ := os.Stat(path); fi.Mode().Perm() != 0o700 {
+		t.Fatalf("mode %v, want 0700", fi.Mode().Perm())
 	}
 }

@@ -62,7 +62,7 @@ func agentOptions() hive.Options {
 	// Hooks and invokes that take longer than this are logged at info
 	// level, the others at debug, so that a normal start is a few lines.
 	opts.LogThreshold = 100 * time.Millisecond
-	// Every module reports health in its own scope, so /healthz and the
+	// Every module reports health in its own scope, so /healthz, /readyz and the
 	// health command name the module at fault.
 	opts.ModuleDecorators = health.ModuleDecorators
 	return opts

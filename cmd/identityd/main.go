@@ -13,7 +13,6 @@ import (
 	"strings"
 
 	"github.com/cilium/hive"
-	hiveshell "github.com/cilium/hive/shell"
 	"github.com/lmittmann/tint"
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
@@ -116,21 +115,19 @@ func newShellCmd(stdout io.Writer) *cobra.Command {
 		Use:   "shell [-- command [args...]]",
 		Short: "Run a command in the running agent's shell, or open an interactive shell",
 		Long: "Connects to the agent's shell socket (<state-dir>/" + shell.SocketName + ").\n" +
-			"With a command, runs it and exits non-zero if it fails; without, starts an interactive shell.\n" +
-			"Example: identityd shell --state-dir .identityd -- identity/list",
+			"With a command, runs it with its arguments exactly as given (nothing is split,\n" +
+			"expanded or taken as a comment) and exits non-zero if it fails; without, reads\n" +
+			"commands line by line, split like a POSIX shell's words (quotes and backslashes,\n" +
+			"no expansion). See docs/operations.md, \"Shell protocol\".\n" +
+			"Example: identityd shell --state-dir .identityd -- identity/allocate 'k8s:app=a b'",
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if sockPath == "" {
 				sockPath = statedir.New(stateDir).Join(shell.SocketName)
 			}
-			cfg := hiveshell.Config{ShellSockPath: sockPath}
 			if len(args) > 0 {
-				return hiveshell.ShellExchange(cfg, stdout, "%s", strings.Join(args, " "))
+				return runShellCommand(cmd.Context(), sockPath, stdout, cmd.ErrOrStderr(), args)
 			}
-			interactive := hiveshell.ShellCmd(sockPath, "identityd> ", func(w io.Writer) {
-				fmt.Fprintf(w, "identityd shell on %s; 'help' lists the commands, Ctrl-D leaves.\n", sockPath)
-			})
-			interactive.Run(interactive, nil)
-			return nil
+			return interactiveShell(cmd.Context(), sockPath, cmd.InOrStdin(), stdout, cmd.ErrOrStderr())
 		},
 	}
 	cmd.Flags().StringVar(&stateDir, "state-dir", statedir.DefaultConfig.StateDir, "State directory of the agent to reach")

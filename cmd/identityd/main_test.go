@@ -2,6 +2,8 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,10 +14,17 @@ import (
 )
 
 // TestMain lets the test binary act as identityd when IDENTITYD_AS_MAIN is
-// set, so process tests run the real main without a separate build.
+// set, so process tests run the real main without a separate build. The
+// arguments come as a JSON array in IDENTITYD_ARGV, so that they reach main
+// exactly as given (spaces, quotes and all).
 func TestMain(m *testing.M) {
 	if os.Getenv("IDENTITYD_AS_MAIN") == "1" {
-		os.Args = append([]string{"identityd"}, strings.Fields(os.Getenv("IDENTITYD_ARGS"))...)
+		var args []string
+		if err := json.Unmarshal([]byte(os.Getenv("IDENTITYD_ARGV")), &args); err != nil {
+			fmt.Fprintf(os.Stderr, "IDENTITYD_ARGV: %s\n", err)
+			os.Exit(2)
+		}
+		os.Args = append([]string{"identityd"}, args...)
 		main()
 		os.Exit(0)
 	}
@@ -23,8 +32,12 @@ func TestMain(m *testing.M) {
 }
 
 func agentCmd(t *testing.T, args ...string) *exec.Cmd {
+	argv, err := json.Marshal(args)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cmd := exec.Command(os.Args[0])
-	cmd.Env = append(os.Environ(), "IDENTITYD_AS_MAIN=1", "IDENTITYD_ARGS="+strings.Join(args, " "))
+	cmd.Env = append(os.Environ(), "IDENTITYD_AS_MAIN=1", "IDENTITYD_ARGV="+string(argv))
 	return cmd
 }
 

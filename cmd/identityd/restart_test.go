@@ -124,8 +124,8 @@ func (p *proc) stop(sig syscall.Signal) {
 func testProcessRestart(t *testing.T, bin string, sig syscall.Signal) {
 	dir := t.TempDir()
 	p := startProc(t, bin, dir)
-	// The shell's protocol reads one line of at most 4 KiB per command,
-	// so a call carries a few hundred prefixes.
+	// A call carries a few hundred prefixes, as an operator's would (a
+	// request may be up to shell.MaxRequestBytes, 1 MiB).
 	const n, perCall = 10_000, 200
 	for c := 0; c < n/perCall; c++ {
 		args := []string{"ipcache/upsert"}

@@ -8,8 +8,10 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -21,6 +23,10 @@ import (
 // cost vanishes, small enough that buffers stay in cache and a 1M-entry
 // update does not need a second copy of everything.
 const batchSize = 4096
+
+// incompatibleSuffix (and the unix time) names a pinned map of another
+// layout once it is moved aside. bpffs refuses names with a '.'.
+const incompatibleSuffix = "-incompatible-"
 
 // mapName is the kernel-visible name (at most 15 characters).
 const mapName = "identityd_ipc"
@@ -61,26 +67,27 @@ func layoutMismatch(m *ebpf.Map, want *ebpf.MapSpec) string {
 }
 
 // ensureBPFFS makes sure dir will live on a bpffs, mounting one at root when
-// dir is below root and nothing is mounted there yet.
-func ensureBPFFS(dir, root string) error {
+// dir is below root and nothing is mounted there yet. It reports whether
+// it mounted one: a mount changes the host, so the caller logs it.
+func ensureBPFFS(dir, root string) (mounted bool, err error) {
 	if onBPFFS(dir) {
-		return nil
+		return false, nil
 	}
 	rel, err := filepath.Rel(root, dir)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
-		return fmt.Errorf("pin directory %s is not on a bpffs and not below %s", dir, root)
+		return false, fmt.Errorf("pin directory %s is not on a bpffs and not below %s", dir, root)
 	}
 	var st unix.Statfs_t
 	if err := unix.Statfs(root, &st); err == nil && st.Type == unix.BPF_FS_MAGIC {
-		return nil
+		return false, nil
 	}
 	if err := os.MkdirAll(root, 0o755); err != nil {
-		return fmt.Errorf("cannot create bpffs mount point %s: %w", root, err)
+		return false, fmt.Errorf("cannot create bpffs mount point %s: %w", root, err)
 	}
 	if err := unix.Mount("bpffs", root, "bpf", 0, ""); err != nil {
-		return fmt.Errorf("cannot mount bpffs at %s: %w", root, err)
+		return false, fmt.Errorf("cannot mount bpffs at %s: %w", root, err)
 	}
-	return nil
+	return true, nil
 }
 
 // onBPFFS reports whether the nearest existing ancestor of dir is on a
@@ -105,27 +112,50 @@ func openBPF(cfg Config) (Map, OpenInfo, error) {
 	_ = rlimit.RemoveMemlock()
 
 	dir := filepath.Dir(cfg.PinPath)
-	if err := ensureBPFFS(dir, cfg.BPFFSRoot); err != nil {
+	mounted, err := ensureBPFFS(dir, cfg.BPFFSRoot)
+	if err != nil {
 		return nil, info, err
+	}
+	if mounted {
+		info.MountedBPFFS = cfg.BPFFSRoot
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, info, fmt.Errorf("cannot create pin directory %s: %w", dir, err)
 	}
 
+	// Nothing at the pin is read before the lock is held: a second agent
+	// must fail here, before its snapshot or its pruning can touch the
+	// first agent's entries.
+	lock, err := lockMap(cfg.PinPath, cfg.PinPath+PinLockSuffix, true)
+	if err != nil {
+		return nil, info, err
+	}
+	m, err := openPinned(cfg, &info)
+	if err != nil {
+		lock.release()
+		return nil, info, err
+	}
+	m.lock = lock
+	return m, info, nil
+}
+
+// openPinned opens, creates or replaces the map at the pin; the caller
+// holds the pin's lock.
+func openPinned(cfg Config, info *OpenInfo) (*bpfMap, error) {
 	spec := bpfSpec(cfg.MaxEntries)
 	old, err := ebpf.LoadPinnedMap(cfg.PinPath, nil)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		m, err := createPinned(spec, cfg.PinPath)
 		if err != nil {
-			return nil, info, err
+			return nil, err
 		}
 		info.Created = true
 		info.Reason = fmt.Sprintf("created and pinned BPF LPM trie %s (max %d entries)", cfg.PinPath, cfg.MaxEntries)
-		return m, info, nil
+		return m, nil
 
 	case err != nil:
-		return nil, info, fmt.Errorf("cannot open pinned map %s: %w", cfg.PinPath, err)
+		return nil, fmt.Errorf("cannot open pinned map %s (is something other than a map pinned there?): %w", cfg.PinPath, err)
 	}
 
 	mismatch := layoutMismatch(old, spec)
@@ -134,10 +164,10 @@ func openBPF(cfg Config) (Map, OpenInfo, error) {
 		info.Snapshot, info.Skipped, err = m.snapshot()
 		if err != nil {
 			old.Close()
-			return nil, info, fmt.Errorf("cannot read pinned map %s: %w", cfg.PinPath, err)
+			return nil, fmt.Errorf("cannot read pinned map %s: %w", cfg.PinPath, err)
 		}
 		info.Reason = fmt.Sprintf("reusing pinned BPF LPM trie %s with %d entries", cfg.PinPath, len(info.Snapshot))
-		return m, info, nil
+		return m, nil
 	}
 
 	// A map of another layout is never reused: the datapath would read it
@@ -155,15 +185,21 @@ func openBPF(cfg Config) (Map, OpenInfo, error) {
 		info.Warnings = append(info.Warnings, fmt.Sprintf("replaced map %s has key/value sizes %d/%d, its entries are not restored", cfg.PinPath, old.KeySize(), old.ValueSize()))
 	}
 	old.Close()
-	if err := os.Remove(cfg.PinPath); err != nil {
-		return nil, info, fmt.Errorf("cannot unpin incompatible map %s: %w", cfg.PinPath, err)
+	// The old map is kept pinned under another name rather than
+	// unpinned: whoever made it may still need it, and an unpinned map
+	// nobody holds is gone for good.
+	aside, err := moveAsideAs(cfg.PinPath, cfg.PinPath+incompatibleSuffix+strconv.FormatInt(time.Now().Unix(), 10), "-")
+	if err != nil {
+		return nil, fmt.Errorf("cannot move incompatible pinned map %s aside: %w", cfg.PinPath, err)
 	}
+	info.MovedAside = aside
+	info.Warnings = append(info.Warnings, fmt.Sprintf("incompatible pinned map %s (%s) kept as %s; remove it once it is not needed, it holds kernel memory", cfg.PinPath, mismatch, aside))
 	m, err := createPinned(spec, cfg.PinPath)
 	if err != nil {
-		return nil, info, err
+		return nil, err
 	}
-	info.Reason = fmt.Sprintf("replaced incompatible pinned map %s (%s) with a new BPF LPM trie (max %d entries)", cfg.PinPath, mismatch, cfg.MaxEntries)
-	return m, info, nil
+	info.Reason = fmt.Sprintf("replaced incompatible pinned map %s (%s, kept as %s) with a new BPF LPM trie (max %d entries)", cfg.PinPath, mismatch, aside, cfg.MaxEntries)
+	return m, nil
 }
 
 func createPinned(spec *ebpf.MapSpec, path string) (*bpfMap, error) {
@@ -182,6 +218,8 @@ func createPinned(spec *ebpf.MapSpec, path string) (*bpfMap, error) {
 type bpfMap struct {
 	m    *ebpf.Map
 	path string
+	// lock keeps other agents off the pin while the map is open.
+	lock *mapLock
 	// noBatch is set once the kernel refused a batch syscall, so later
 	// calls go straight to single-element syscalls.
 	noBatch atomic.Bool
@@ -507,5 +545,5 @@ func (b *bpfMap) Close() error {
 	if b.closed.Swap(true) {
 		return nil
 	}
-	return b.m.Close()
+	return errors.Join(b.m.Close(), b.lock.release())
 }

@@ -31,7 +31,7 @@ func requireBPF(t testing.TB) {
 		t.Skip("bpf backend tests need root (CAP_BPF and CAP_SYS_ADMIN to mount bpffs)")
 	}
 	bpfProbeOnce.Do(func() {
-		if err := ensureBPFFS(DefaultBPFFSRoot, DefaultBPFFSRoot); err != nil {
+		if _, err := ensureBPFFS(DefaultBPFFSRoot, DefaultBPFFSRoot); err != nil {
 			bpfProbeErr = err
 			return
 		}
@@ -209,6 +209,14 @@ func TestBPFReplaceDifferentLayout(t *testing.T) {
 			t.Fatalf("Replaced = %q", info.Replaced)
 		}
 		equalEntries(t, info.Snapshot, entries)
+		// The old map is kept pinned aside, whole, not destroyed.
+		kept := keptAside(t, pin, info)
+		if kept.MaxEntries() != 100 {
+			t.Fatalf("kept map has max entries %d", kept.MaxEntries())
+		}
+		if n := countRaw(t, kept); n != 30 {
+			t.Fatalf("kept map holds %d entries, want 30", n)
+		}
 		if n, _ := m.Len(); n != 0 {
 			t.Fatalf("replacement map has %d entries, want an empty map", n)
 		}
@@ -238,13 +246,36 @@ func TestBPFReplaceDifferentLayout(t *testing.T) {
 		}
 		h.Close()
 
-		_, info := openTestBPF(t, Config{PinPath: pin, MaxEntries: 100})
+		m1, info := openTestBPF(t, Config{PinPath: pin, MaxEntries: 100})
+		m1.Close()
 		if !strings.Contains(info.Replaced, "type Hash, want LPMTrie") || !strings.Contains(info.Replaced, "key size 8, want 24") {
 			t.Fatalf("Replaced = %q", info.Replaced)
 		}
-		if len(info.Snapshot) != 0 || len(info.Warnings) != 1 {
+		// One warning that its entries are not restored, one that says
+		// where it is kept.
+		if len(info.Snapshot) != 0 || len(info.Warnings) != 2 || !strings.Contains(info.Warnings[1], info.MovedAside) {
 			t.Fatalf("snapshot %v warnings %q", info.Snapshot, info.Warnings)
 		}
+		kept := keptAside(t, pin, info)
+		var v uint64
+		if kept.Type() != ebpf.Hash || kept.Lookup(uint64(1), &v) != nil || v != 2 {
+			t.Fatalf("kept map %v lost its entry (%d)", kept, v)
+		}
+		// A second replacement keeps the first one kept aside too.
+		h2, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 8, ValueSize: 8, MaxEntries: 4})
+		if err != nil {
+			t.Fatal(err)
+		}
+		os.Remove(pin)
+		if err := h2.Pin(pin); err != nil {
+			t.Fatal(err)
+		}
+		h2.Close()
+		_, info2 := openTestBPF(t, Config{PinPath: pin, MaxEntries: 100})
+		if info2.MovedAside == "" || info2.MovedAside == info.MovedAside {
+			t.Fatalf("second replacement kept at %q, first at %q", info2.MovedAside, info.MovedAside)
+		}
+		keptAside(t, pin, info)
 		raw, err := ebpf.LoadPinnedMap(pin, nil)
 		if err != nil {
 			t.Fatal(err)
@@ -282,6 +313,106 @@ func TestBPFReplaceDifferentLayout(t *testing.T) {
 		}
 		equalEntries(t, info.Snapshot, []Entry{e})
 	})
+}
+
+// keptAside opens the map that replacing the one at pin kept aside.
+func keptAside(t *testing.T, pin string, info OpenInfo) *ebpf.Map {
+	t.Helper()
+	if !strings.HasPrefix(info.MovedAside, pin+incompatibleSuffix) {
+		t.Fatalf("incompatible map moved to %q", info.MovedAside)
+	}
+	kept, err := ebpf.LoadPinnedMap(info.MovedAside, nil)
+	if err != nil {
+		t.Fatalf("incompatible map not kept: %v", err)
+	}
+	t.Cleanup(func() { kept.Close() })
+	return kept
+}
+
+func countRaw(t *testing.T, m *ebpf.Map) int {
+	t.Helper()
+	var k, v []byte
+	n := 0
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		n++
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestBPFSecondOpenRefused opens one pin twice, in this process and from a
+// child process: the second open must fail with ErrInUse, naming the pin
+// and this process as the holder, without touching the entries; once the
+// first closes, the pin opens again.
+func TestBPFSecondOpenRefused(t *testing.T) {
+	pin := testPinPath(t)
+	m, _ := openTestBPF(t, Config{PinPath: pin, MaxEntries: 1000})
+	entries := testEntries(100)
+	if err := m.UpdateBatch(entries); err != nil {
+		t.Fatal(err)
+	}
+	testSecondOpenRefused(t, m, "bpf-open", Config{Kind: KindBPF, PinPath: pin, MaxEntries: 1000})
+	testSecondOpenRefused(t, m, "bpf-open", Config{Kind: KindAuto, PinPath: pin, FilePath: tempFilePath(t), MaxEntries: 1000})
+	got, err := Snapshot(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	equalEntries(t, got, entries)
+	m.Close()
+	m2, info := openTestBPF(t, Config{PinPath: pin, MaxEntries: 1000})
+	equalEntries(t, info.Snapshot, entries)
+	m2.Close()
+}
+
+// TestBPFNotAMapAtPin puts a directory where the map is pinned: Open
+// refuses with an error naming the pin and leaves the directory alone.
+func TestBPFNotAMapAtPin(t *testing.T) {
+	requireBPF(t)
+	pin := testPinPath(t)
+	if err := os.MkdirAll(filepath.Join(pin, "inside"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := Open(Config{Kind: KindBPF, PinPath: pin, MaxEntries: 10})
+	if err == nil || !strings.Contains(err.Error(), "cannot open pinned map "+pin) {
+		t.Fatalf("Open with a directory at the pin: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(pin, "inside")); err != nil {
+		t.Fatalf("directory at the pin touched: %v", err)
+	}
+	// The refused open left the lock free.
+	if err := os.RemoveAll(pin); err != nil {
+		t.Fatal(err)
+	}
+	m, _ := openTestBPF(t, Config{PinPath: pin, MaxEntries: 10})
+	m.Close()
+}
+
+// TestBPFMountsBPFFS lets Open mount a bpffs where none is, and checks that
+// it says so (the agent logs it).
+func TestBPFMountsBPFFS(t *testing.T) {
+	requireBPF(t)
+	root := filepath.Join(t.TempDir(), "bpffs")
+	pin := filepath.Join(root, "identityd", "ipcache")
+	m, info, err := Open(Config{Kind: KindBPF, PinPath: pin, BPFFSRoot: root, MaxEntries: 10})
+	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+	if info.MountedBPFFS != root {
+		t.Fatalf("MountedBPFFS = %q, want %q", info.MountedBPFFS, root)
+	}
+	m, info, err = Open(Config{Kind: KindBPF, PinPath: pin, BPFFSRoot: root, MaxEntries: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+	if info.MountedBPFFS != "" {
+		t.Fatalf("second open mounted again at %q", info.MountedBPFFS)
+	}
 }
 
 func TestAutoPicksBPF(t *testing.T) {

@@ -15,7 +15,10 @@
 // [Open] picks the backend ("auto" prefers bpf) and, before returning the map
 // to anyone who could write to it, reads its old contents into
 // [OpenInfo.Snapshot]: restoration after a restart needs the prefix →
-// identity pairs the previous run left behind.
+// identity pairs the previous run left behind. An open map holds an
+// exclusive lock beside it until [Map.Close], so a second opener (another
+// agent, or a second hive in one process) gets [ErrInUse] before it can
+// read or prune anything.
 //
 // Typical use by the ipcache cell:
 //

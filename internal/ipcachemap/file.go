@@ -24,32 +24,42 @@ func openFile(cfg Config) (Map, OpenInfo, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, info, fmt.Errorf("cannot create directory of ipcache map file %s: %w", cfg.FilePath, err)
 	}
+	// The state directory's lock keeps a second agent out already; this
+	// one keeps out any other opener of the same file, as the pin's lock
+	// does for the bpf backend.
+	lock, err := lockMap(cfg.FilePath, cfg.FilePath+FileLockSuffix, false)
+	if err != nil {
+		return nil, info, err
+	}
+	m, err := openFileLocked(cfg, &info)
+	if err != nil {
+		lock.release()
+		return nil, info, err
+	}
+	m.lock = lock
+	return m, info, nil
+}
+
+func openFileLocked(cfg Config, info *OpenInfo) (*fileMap, error) {
 	if err := os.Remove(cfg.FilePath + tmpSuffix); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return nil, info, fmt.Errorf("cannot remove stale temporary file: %w", err)
+		return nil, fmt.Errorf("cannot remove stale temporary file: %w", err)
 	}
 
 	entries := map[rawKey]rawValue{}
-	data, err := os.ReadFile(cfg.FilePath)
+	data, err := readMapFile(cfg.FilePath)
+	var bad error
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		info.Created = true
 		info.Reason = fmt.Sprintf("created map file %s", cfg.FilePath)
+	case errors.Is(err, errNotRegular):
+		bad = err
 	case err != nil:
-		return nil, info, fmt.Errorf("cannot read ipcache map file: %w", err)
+		return nil, fmt.Errorf("cannot read ipcache map file: %w", err)
 	default:
 		raw, derr := decodeFile(data)
 		if derr != nil {
-			// Keep the evidence for the operator, start empty: the agent
-			// must come up, and restoration degrades to what the
-			// checkpoint knows.
-			aside, err := moveAside(cfg.FilePath, time.Now())
-			if err != nil {
-				return nil, info, fmt.Errorf("%s: %w; cannot move it aside: %w", cfg.FilePath, derr, err)
-			}
-			info.MovedAside = aside
-			info.Warnings = append(info.Warnings, fmt.Sprintf("%s: %v; moved to %s, starting empty", cfg.FilePath, derr, aside))
-			info.Created = true
-			info.Reason = fmt.Sprintf("replaced corrupt map file %s with an empty one", cfg.FilePath)
+			bad = derr
 			break
 		}
 		entries = raw
@@ -59,13 +69,44 @@ func openFile(cfg Config) (Map, OpenInfo, error) {
 			info.Warnings = append(info.Warnings, fmt.Sprintf("map file %s holds %d entries, more than max entries %d; new keys are refused until it shrinks", cfg.FilePath, len(raw), cfg.MaxEntries))
 		}
 	}
-	f := &fileMap{
+	if bad != nil {
+		// Keep the evidence for the operator, start empty: the agent
+		// must come up, and restoration degrades to what the checkpoint
+		// knows. Whatever is in the way (a corrupt file, a directory)
+		// is moved, as the checkpoint loader does.
+		aside, err := moveAside(cfg.FilePath, time.Now())
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w; cannot move it aside: %w", cfg.FilePath, bad, err)
+		}
+		info.MovedAside = aside
+		info.Warnings = append(info.Warnings, fmt.Sprintf("%s: %v; moved to %s, starting empty", cfg.FilePath, bad, aside))
+		info.Created = true
+		info.Reason = fmt.Sprintf("replaced corrupt map file %s with an empty one", cfg.FilePath)
+	}
+	return &fileMap{
 		path:      cfg.FilePath,
 		max:       int(cfg.MaxEntries),
 		syncDelay: cfg.SyncDelay,
 		entries:   entries,
+	}, nil
+}
+
+// errNotRegular is the reason a path that holds something other than a
+// regular file (a directory, a FIFO, a socket) is moved aside.
+var errNotRegular = errors.New("not a regular file")
+
+// readMapFile reads the map file, refusing anything but a regular file
+// before opening it (opening a FIFO would block). A symbolic link is
+// followed, as the checkpoint loader does.
+func readMapFile(path string) ([]byte, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, err
 	}
-	return f, info, nil
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w (%s)", errNotRegular, fi.Mode().Type())
+	}
+	return os.ReadFile(path)
 }
 
 // fileMap is the file backend: the records live in memory in their binary
@@ -86,6 +127,9 @@ type fileMap struct {
 	timer   *time.Timer // armed write-behind, nil when none
 	timerWG sync.WaitGroup
 	syncErr error // last write-behind failure, returned by the next Sync
+
+	// lock keeps other openers off the file while the map is open.
+	lock *mapLock
 }
 
 func (f *fileMap) Kind() Kind   { return KindFile }
@@ -358,7 +402,8 @@ func (f *fileMap) Close() error {
 	f.entries = nil
 	f.buf = nil
 	f.mu.Unlock()
-	return err
+	// The final write is done: only now may another agent take the file.
+	return errors.Join(err, f.lock.release())
 }
 
 // writeFileAtomic replaces path with data so that a crash at any moment
@@ -413,11 +458,17 @@ func syncDir(dir string) error {
 // .1, .2, … when that name is taken, so that no earlier evidence is
 // overwritten.
 func moveAside(path string, now time.Time) (string, error) {
-	base := path + ".corrupt-" + strconv.FormatInt(now.Unix(), 10)
+	return moveAsideAs(path, path+".corrupt-"+strconv.FormatInt(now.Unix(), 10), ".")
+}
+
+// moveAsideAs renames path to base, or to base<sep>1, base<sep>2, … when
+// taken. The caller holds the lock beside path, so no other agent creates
+// names there between the check and the rename.
+func moveAsideAs(path, base, sep string) (string, error) {
 	for i := 0; i < 1000; i++ {
 		aside := base
 		if i > 0 {
-			aside += "." + strconv.Itoa(i)
+			aside += sep + strconv.Itoa(i)
 		}
 		if _, err := os.Lstat(aside); err == nil {
 			continue
@@ -428,5 +479,5 @@ func moveAside(path string, now time.Time) (string, error) {
 		_ = syncDir(filepath.Dir(path))
 		return aside, nil
 	}
-	return "", fmt.Errorf("too many corrupt files named %s*", base)
+	return "", fmt.Errorf("too many files named %s*", base)
 }

@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -25,6 +26,116 @@ func openTestFile(t testing.TB, path string) (Map, OpenInfo) {
 	}
 	t.Cleanup(func() { m.Close() })
 	return m, info
+}
+
+// TestFileSecondOpenRefused is TestBPFSecondOpenRefused for the map file.
+func TestFileSecondOpenRefused(t *testing.T) {
+	path := tempFilePath(t)
+	m, _ := openTestFile(t, path)
+	entries := testEntries(100)
+	if err := m.UpdateBatch(entries); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	testSecondOpenRefused(t, m, "file-open", Config{Kind: KindFile, FilePath: path, MaxEntries: 1000})
+	got, err := Snapshot(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	equalEntries(t, got, entries)
+	m.Close()
+	_, info := openTestFile(t, path)
+	equalEntries(t, info.Snapshot, entries)
+}
+
+// TestFileNotRegular puts a directory and a FIFO where the map file
+// belongs: each is moved aside, as the checkpoint loader does, and the map
+// starts empty instead of keeping the agent from starting (or blocking on
+// the FIFO).
+func TestFileNotRegular(t *testing.T) {
+	for name, mk := range map[string]func(string) error{
+		"directory": func(p string) error {
+			if err := os.Mkdir(p, 0o700); err != nil {
+				return err
+			}
+			return os.WriteFile(filepath.Join(p, "inside"), []byte("kept"), 0o600)
+		},
+		"fifo": func(p string) error { return syscall.Mkfifo(p, 0o600) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			path := tempFilePath(t)
+			if err := mk(path); err != nil {
+				t.Fatal(err)
+			}
+			m, info := openTestFile(t, path)
+			if !strings.HasPrefix(filepath.Base(info.MovedAside), FileName+".corrupt-") ||
+				len(info.Warnings) != 1 || !strings.Contains(info.Warnings[0], "not a regular file") {
+				t.Fatalf("open info %+v", info)
+			}
+			if name == "directory" {
+				if b, err := os.ReadFile(filepath.Join(info.MovedAside, "inside")); err != nil || string(b) != "kept" {
+					t.Fatalf("directory not kept whole: %q %v", b, err)
+				}
+			}
+			m.Update(testEntries(1)[0].Key, testEntries(1)[0].Value)
+			if err := m.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if got, err := ReadFile(path); err != nil || len(got) != 1 {
+				t.Fatalf("map file after replacing the %s: %v %v", name, got, err)
+			}
+		})
+	}
+}
+
+// testSecondOpenRefused opens cfg again while first holds it, here and
+// in a child process.
+func testSecondOpenRefused(t *testing.T, first Map, childMode string, cfg Config) {
+	t.Helper()
+	_, _, err := Open(cfg)
+	if !errors.Is(err, ErrInUse) {
+		t.Fatalf("second open of %s: %v, want ErrInUse", first.Path(), err)
+	}
+	for _, want := range []string{first.Path(), fmt.Sprintf("pid %d", os.Getpid()), "this process"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name %q", err, want)
+		}
+	}
+	if cfg.Kind == KindAuto {
+		return // the child opens with the backend's own kind
+	}
+	cmd := childCommand(t, childMode, first.Path())
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 3 {
+		t.Fatalf("child open: %v\n%s", err, out)
+	}
+	for _, want := range []string{first.Path(), fmt.Sprintf("pid %d", os.Getpid())} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("child's error %q does not name %q", out, want)
+		}
+	}
+}
+
+// childOpen opens the map at path as an agent would and exits 3 when it is
+// refused as in use, 0 when it opened.
+func childOpen(mode, path string) int {
+	cfg := Config{Kind: KindBPF, PinPath: path, MaxEntries: 1000}
+	if mode == "file-open" {
+		cfg = Config{Kind: KindFile, FilePath: path, MaxEntries: 1000}
+	}
+	m, _, err := Open(cfg)
+	if err != nil {
+		fmt.Println(err)
+		if errors.Is(err, ErrInUse) {
+			return 3
+		}
+		return 1
+	}
+	m.Close()
+	return 0
 }
 
 func TestFilePersistence(t *testing.T) {
@@ -189,6 +300,7 @@ func TestFileCorrupt(t *testing.T) {
 				t.Fatalf("map after corrupt file has %d entries", n)
 			}
 			// The next open of an equally corrupt file keeps both.
+			m.Close()
 			os.WriteFile(path, tc.data, 0o600)
 			_, info2 := openTestFile(t, path)
 			if info2.MovedAside == info.MovedAside {
@@ -299,6 +411,12 @@ func TestFileCrashSafety(t *testing.T) {
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
+		if i%2 == 0 {
+			// Every other kill waits for the writer to get past the
+			// last generation first, so that progress shows however
+			// slowly a loaded machine starts processes.
+			waitForGeneration(t, path, lastGen)
+		}
 		time.Sleep(time.Duration(5+rand.IntN(40)) * time.Millisecond)
 		if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 			t.Fatal(err)
@@ -330,7 +448,7 @@ func TestFileCrashSafety(t *testing.T) {
 
 		names, _ := filepath.Glob(filepath.Join(dir, "*"))
 		for _, n := range names {
-			if n != path && n != path+tmpSuffix {
+			if n != path && n != path+tmpSuffix && n != path+FileLockSuffix {
 				t.Fatalf("kill %d: unexpected file %s", i, n)
 			}
 		}
@@ -345,6 +463,20 @@ func TestFileCrashSafety(t *testing.T) {
 	if _, err := os.Stat(path + tmpSuffix); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("temp file survives open: %v", err)
 	}
+}
+
+// waitForGeneration waits until the map file holds a generation after
+// last.
+func waitForGeneration(t *testing.T, path string, last int) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for time.Now().Before(deadline) {
+		if got, err := ReadFile(path); err == nil && len(got) > 0 && int(got[0].Value.Identity-0x01000000) > last {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Fatalf("the writer did not get past generation %d within a minute", last)
 }
 
 func FuzzDecodeFile(f *testing.F) {

@@ -29,6 +29,8 @@ func TestMain(m *testing.M) {
 		os.Exit(childBPFDump(os.Getenv(childPathEnv)))
 	case "file-writer":
 		os.Exit(childFileWriter(os.Getenv(childPathEnv)))
+	case "bpf-open", "file-open":
+		os.Exit(childOpen(mode, os.Getenv(childPathEnv)))
 	default:
 		fmt.Fprintf(os.Stderr, "unknown child mode %q\n", mode)
 		os.Exit(2)

@@ -128,18 +128,29 @@ type OpenInfo struct {
 	Snapshot []Entry
 	// Skipped counts old entries that could not be decoded.
 	Skipped int
-	// Replaced describes an incompatible pinned map that was unpinned and
-	// replaced by a new empty one; empty when none was.
+	// Replaced describes an incompatible pinned map that was moved aside
+	// (to MovedAside) and replaced by a new empty one; empty when none was.
 	Replaced string
-	// MovedAside is where a corrupt map file was moved; empty when none was.
+	// MovedAside is where a corrupt map file (or whatever else was at the
+	// file's path, such as a directory) or an incompatible pinned map was
+	// moved; empty when nothing was.
 	MovedAside string
+	// MountedBPFFS is where Open mounted a bpffs because none was
+	// mounted; empty when it mounted nothing.
+	MountedBPFFS string
 	// Warnings are problems the caller should log as warnings.
 	Warnings []string
 }
 
 // Open opens or creates the map that cfg selects and snapshots its old
 // contents. With KindAuto it tries bpf first and falls back to file,
-// saying why in OpenInfo.Reason.
+// saying why in OpenInfo.Reason; a map that another agent holds
+// (ErrInUse) is an error, never a reason to fall back.
+//
+// The open map holds an exclusive lock beside it (see PinLockSuffix, FileLockSuffix) until
+// Close, so that two agents never share one map: the second Open fails
+// with ErrInUse, naming the holder's pid when /proc/locks shows it. The
+// OpenInfo is filled as far as Open got, also on error.
 func Open(cfg Config) (Map, OpenInfo, error) {
 	cfg = cfg.withDefaults()
 	switch cfg.Kind {
@@ -156,12 +167,18 @@ func Open(cfg Config) (Map, OpenInfo, error) {
 			info.Reason = "auto: " + info.Reason
 			return m, info, nil
 		}
+		if errors.Is(err, ErrInUse) {
+			// bpf works, but another agent owns the map: a file map
+			// instead would leave this agent without a datapath.
+			return nil, info, err
+		}
 		if cfg.FilePath == "" {
-			return nil, OpenInfo{}, fmt.Errorf("bpf ipcache map unavailable and no file path for the file backend: %w", err)
+			return nil, info, fmt.Errorf("bpf ipcache map unavailable and no file path for the file backend: %w", err)
 		}
 		fm, finfo, ferr := openFile(cfg)
+		finfo.MountedBPFFS = info.MountedBPFFS
 		if ferr != nil {
-			return nil, OpenInfo{}, fmt.Errorf("bpf ipcache map unavailable (%v), file backend failed: %w", err, ferr)
+			return nil, finfo, fmt.Errorf("bpf ipcache map unavailable (%v), file backend failed: %w", err, ferr)
 		}
 		finfo.Reason = fmt.Sprintf("auto: bpf backend unavailable (%v); %s", err, finfo.Reason)
 		return fm, finfo, nil

@@ -115,7 +115,7 @@ func (a *agent) start() error {
 
 	deadline := time.Now().Add(90 * time.Second)
 	for {
-		out, err := a.run("identity/restore-status -o json", 5*time.Second)
+		out, err := a.run(5*time.Second, "identity/restore-status", "-o", "json")
 		if err == nil && !strings.Contains(out, `"state": "pending"`) && !strings.Contains(out, `"state": "restoring"`) {
 			break
 		}
@@ -168,13 +168,13 @@ func (a *agent) stop() {
 }
 
 // run runs one command on a connection of its own.
-func (a *agent) run(line string, timeout time.Duration) (string, error) {
+func (a *agent) run(timeout time.Duration, args ...string) (string, error) {
 	sh, err := DialShell(a.socket(), timeout)
 	if err != nil {
 		return "", err
 	}
 	defer sh.Close()
-	return sh.Run(line, time.Now().Add(timeout))
+	return sh.Run(time.Now().Add(timeout), args...)
 }
 
 // listEntry is the part of an `identity/list -o json` or
@@ -202,7 +202,7 @@ func parseEntries(out string) ([]listEntry, error) {
 
 // heldGlobal returns the global label sets the agent references.
 func (a *agent) heldGlobal() (map[string]identity.NumericIdentity, error) {
-	out, err := a.run("identity/list --source global -o json", 10*time.Second)
+	out, err := a.run(10*time.Second, "identity/list", "--source", "global", "-o", "json")
 	if err != nil {
 		return nil, err
 	}

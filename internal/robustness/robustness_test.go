@@ -77,7 +77,7 @@ func runSeed(t *testing.T) uint64 {
 // labelSet is one label set of the workload: its shell arguments and its
 // canonical form, which names it in the history and in etcd keys.
 type labelSet struct {
-	args      string
+	args      []string
 	canonical string
 	global    bool
 }
@@ -92,7 +92,7 @@ func workloadSets(t *testing.T) []labelSet {
 		if identity.ScopeForLabels(lbls).IsLocal() == global {
 			t.Fatalf("%v: unexpected scope", args)
 		}
-		sets = append(sets, labelSet{args: strings.Join(args, " "), canonical: lbls.Canonical(), global: global})
+		sets = append(sets, labelSet{args: args, canonical: lbls.Canonical(), global: global})
 	}
 	for i := range globalSets {
 		add(true, fmt.Sprintf("k8s:app=app%d", i), "k8s:io.kubernetes.pod.namespace=robustness")
@@ -378,14 +378,14 @@ func (w *worker) release(hd held) {
 // do runs one operation on sh and records it. ok is false when the
 // connection must be dropped.
 func do(sh *Shell, h *History, node string, kind OpKind, set labelSet, id identity.NumericIdentity) (Op, bool) {
-	line := "identity/allocate -o json " + set.args
+	args := append([]string{"identity/allocate", "-o", "json"}, set.args...)
 	if kind == OpRelease {
-		line = "identity/release " + id.String()
+		args = []string{"identity/release", id.String()}
 	}
 	op := Op{Node: node, Kind: kind, Labels: set.canonical, Global: set.global, ID: id}
 	op.Start = time.Now()
 	op.Deadline = op.Start.Add(allocTimeout + opSlack)
-	out, err := sh.Run(line, op.Deadline.Add(observe))
+	out, err := sh.Run(op.Deadline.Add(observe), args...)
 	op.End = time.Now()
 	var cmdErr *CommandError
 	switch {

@@ -1,21 +1,12 @@
 package robustness
 
 import (
-	"bufio"
+	"context"
 	"errors"
-	"fmt"
-	"net"
 	"strings"
 	"time"
-)
 
-// Markers of the hive shell protocol (github.com/cilium/hive/shell): the
-// agent ends a command's output with a line ending in one of them.
-const (
-	endMarker    = "<<end>>"
-	errorMarker  = "<<error>>"
-	stdoutMarker = "[stdout]"
-	stderrMarker = "[stderr]"
+	"github.com/identityd/identityd/cells/shell"
 )
 
 // CommandError is a command the agent ran and that failed: its outcome is
@@ -29,56 +20,33 @@ func (e *CommandError) Error() string { return e.Msg }
 // small next to the agent's, so the workload measures the agent. A Shell
 // runs one command at a time.
 type Shell struct {
-	conn net.Conn
-	r    *bufio.Reader
+	c *shell.Client
 }
 
 // DialShell connects to the shell socket at path.
 func DialShell(path string, timeout time.Duration) (*Shell, error) {
-	conn, err := net.DialTimeout("unix", path, timeout)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	c, err := shell.Dial(ctx, path)
 	if err != nil {
 		return nil, err
 	}
-	return &Shell{conn: conn, r: bufio.NewReaderSize(conn, 64<<10)}, nil
+	return &Shell{c: c}, nil
 }
 
-// Close closes the connection; the agent cancels a command still running
-// on it.
-func (s *Shell) Close() error { return s.conn.Close() }
+// Close closes the connection.
+func (s *Shell) Close() error { return s.c.Close() }
 
-// Run sends one command line and returns its output. A *CommandError says
-// the command failed; any other error means the outcome is unknown (the
-// connection broke or the answer did not come before deadline), and the
-// Shell must be closed.
-func (s *Shell) Run(line string, deadline time.Time) (string, error) {
-	if strings.ContainsAny(line, "\r\n") {
-		return "", fmt.Errorf("command line holds a line break: %q", line)
-	}
-	s.conn.SetDeadline(deadline)
-	if _, err := s.conn.Write([]byte(line + "\n")); err != nil {
-		return "", err
-	}
+// Run runs one command, args[0] with the arguments args[1:] as they are,
+// and returns its output. A *CommandError says the command failed; any
+// other error means the outcome is unknown (the connection broke or the
+// answer did not come before deadline), and the Shell must be closed.
+func (s *Shell) Run(deadline time.Time, args ...string) (string, error) {
+	s.c.SetDeadline(deadline)
 	var out strings.Builder
-	for {
-		l, err := s.r.ReadString('\n')
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) || l == "" {
-				return out.String(), fmt.Errorf("reading the answer to %q: %w", line, err)
-			}
-			return out.String(), fmt.Errorf("reading the answer to %q: %w (partial line %q)", line, err, l)
-		}
-		l = strings.TrimSuffix(l, "\n")
-		if l == stdoutMarker || l == stderrMarker {
-			continue
-		}
-		if rest, ok := strings.CutSuffix(l, endMarker); ok {
-			out.WriteString(rest)
-			return out.String(), nil
-		}
-		if rest, ok := strings.CutSuffix(l, errorMarker); ok {
-			return out.String(), &CommandError{Msg: rest}
-		}
-		out.WriteString(l)
-		out.WriteByte('\n')
+	err := s.c.Run(context.Background(), &out, args...)
+	if cmdErr := (*shell.CommandError)(nil); errors.As(err, &cmdErr) {
+		return out.String(), &CommandError{Msg: cmdErr.Msg}
 	}
+	return out.String(), err
 }
