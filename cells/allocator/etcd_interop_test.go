@@ -591,6 +591,9 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if ok, _ := prov.Healthy(); ok {
 		t.Fatal("health is OK while another writer uses the node's name")
 	}
+	if live, _ := prov.Live(); !live {
+		t.Fatal("a node-name conflict makes the agent not live: a liveness probe would restart it for nothing")
+	}
 	if _, lease, _ := getValue(t, cli, refKey(l, "busy")); lease == int64(other.ID) {
 		t.Fatal("the reference is still on the other writer's lease")
 	}

@@ -14,6 +14,8 @@ import (
 	"syscall"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/cells/health"
 )
 
 // NodeKeyPrefix precedes a node name: the key names the agent that uses
@@ -198,6 +200,8 @@ func (b *EtcdBackend) nameConflict(err error) {
 	b.conflictSeen.Store(true)
 	b.log.Error("Another agent uses this node's name in etcd; each agent needs its own --node-name", "node", b.node, "error", err)
 	if b.health != nil {
-		b.health.Degraded("Another agent uses this node's name in etcd", err)
+		// Not ready, but not dead: restarting this agent would not
+		// stop the other writer.
+		b.health.Degraded("Another agent uses this node's name in etcd", health.External(err))
 	}
 }
