@@ -29,6 +29,10 @@ var (
 	ErrInvalidInfo = errors.New("invalid ipcache info")
 	// ErrNotStarted: the map is read before the hive started.
 	ErrNotStarted = errors.New("ipcache map is not open")
+	// ErrNotWritten: WaitDurable found a prefix whose write to the
+	// datapath map failed; the reconciler retries it, and the pair is not
+	// durable until the retry succeeds.
+	ErrNotWritten = errors.New("not written to the datapath map")
 )
 
 // selfInitializer is the table initializer the ipcache holds until every
@@ -50,6 +54,7 @@ type IPCache struct {
 	db        *statedb.DB
 	table     statedb.RWTable[*Entry]
 	alloc     allocator.Allocator
+	localSync allocator.LocalIdentitySyncer // nil without a checkpoint
 	mapConfig ipcachemap.Config
 	dualStack bool
 	rec       reconciler.Reconciler[*Entry]
