@@ -101,5 +101,8 @@ func newIPCache(p params) (*IPCache, error) {
 	}
 	c.rec = rec
 	p.Jobs.Add(job.OneShot("ipcache-map-sync", c.syncLoop))
+	// Appended after the reconciler's jobs, this hook stops before them:
+	// rows upserted but not yet written reach the map before it closes.
+	p.Lifecycle.Append(cell.Hook{OnStop: c.drain})
 	return c, nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
@@ -56,6 +57,24 @@ func (c *IPCache) WaitDurable(ctx context.Context, prefixes ...netip.Prefix) err
 		}
 	}
 	return err
+}
+
+// drain waits, on stop, until the reconciler has processed every change of
+// the table, so that a clean stop keeps every pair, answered with waiting
+// or not: the map is written (and its file, on close) after.
+func (c *IPCache) drain(ctx cell.HookContext) error {
+	// ready is closed as soon as the start hooks are over, even if the
+	// hive stops right after its start.
+	select {
+	case <-c.ready:
+	case <-ctx.Done():
+		return fmt.Errorf("ipcache rows not written to the datapath map before stop: %w", ctx.Err())
+	}
+	rev := c.table.Revision(c.db.ReadTxn())
+	if _, _, err := c.rec.WaitUntilReconciled(ctx, rev); err != nil {
+		return fmt.Errorf("ipcache rows not all written to the datapath map before stop: %w", err)
+	}
+	return nil
 }
 
 // holdsLocal tells whether a row of the prefixes holds a local identity.

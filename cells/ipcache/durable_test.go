@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/hivetest"
 
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/ipcache"
@@ -186,4 +187,43 @@ func TestWaitDurableRemove(t *testing.T) {
 
 func hiveOverrideCheckpointInterval(n *node, d time.Duration) {
 	hive.AddConfigOverride(n.hive, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = d })
+}
+
+// TestStopWritesPendingRows stops the hive right after upserts that nobody
+// waited for: the stop writes them to the map before closing it, so that a
+// clean stop keeps every pair. The reconciler runs a round at most every
+// 20ms, so without that the second batch is still pending at the stop.
+func TestStopWritesPendingRows(t *testing.T) {
+	n := newNode(t, nil)
+	log := hivetest.Logger(t)
+	if err := n.hive.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	want := map[netip.Prefix]identity.NumericIdentity{}
+	for batch := range 2 {
+		var updates []ipcache.Update
+		for i := range 500 {
+			updates = append(updates, ipcache.Update{Prefix: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(batch), byte(i >> 8), byte(i)}), 32)})
+		}
+		if err := n.ipc.UpsertBatch(ctx, "test", updates); err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range updates {
+			want[u.Prefix] = mustGet(t, n.ipc, u.Prefix.String()).Identity
+		}
+	}
+	if err := n.hive.Stop(log, context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	pairs, _ := crashState(t, n.dir)
+	lost := 0
+	for p, id := range want {
+		if pairs[p] != id {
+			lost++
+		}
+	}
+	if lost > 0 {
+		t.Fatalf("%d of %d pairs not in the map file after a clean stop", lost, len(want))
+	}
 }
