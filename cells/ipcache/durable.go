@@ -30,7 +30,9 @@ import (
 // ErrNotWritten, for a prefix whose map write failed (the reconciler keeps
 // retrying it), and with ctx's error when ctx ends first; either way the
 // upsert itself stays applied. Prefixes that are not valid are ignored, as
-// the upsert refused them.
+// the upsert refused them. The reconciler writes nothing before every start
+// hook has run, so a start hook must not wait for WaitDurable: it would
+// wait for its own end.
 func (c *IPCache) WaitDurable(ctx context.Context, prefixes ...netip.Prefix) error {
 	if len(prefixes) == 0 {
 		return nil

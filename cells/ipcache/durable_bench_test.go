@@ -16,21 +16,21 @@ import (
 )
 
 // BenchmarkUpsertDurable measures what the durability point costs: one
-// upsert of a new /32 (a new local identity) per operation, returning
-// before the map is written (nowait) or after WaitDurable (wait), from one
-// caller or from 8 concurrent callers. The checkpoint is in the hive with
+// upsert of new /32s (new local identities; one per call, or a batch of
+// 100) per operation, returning before the map is written (nowait) or
+// after WaitDurable (wait), from one caller or from 8 concurrent callers. The checkpoint is in the hive with
 // an interval of an hour, so WaitDurable's checkpoint writes are the only
 // ones. Set IPCACHE_BENCH_BACKEND=bpf (as root) for the bpf map.
 func BenchmarkUpsertDurable(b *testing.B) {
 	for _, wait := range []bool{false, true} {
-		for _, callers := range []int{1, 8} {
-			name := fmt.Sprintf("wait=%v/callers=%d", wait, callers)
-			b.Run(name, func(b *testing.B) { benchUpsertDurable(b, wait, callers) })
+		for _, c := range []struct{ callers, batch int }{{1, 1}, {8, 1}, {1, 100}} {
+			name := fmt.Sprintf("wait=%v/callers=%d/batch=%d", wait, c.callers, c.batch)
+			b.Run(name, func(b *testing.B) { benchUpsertDurable(b, wait, c.callers, c.batch) })
 		}
 	}
 }
 
-func benchUpsertDurable(b *testing.B, wait bool, callers int) {
+func benchUpsertDurable(b *testing.B, wait bool, callers, batch int) {
 	cfg := func(c *ipcache.Config) { c.IPCacheMapMaxEntries = 1 << 24 }
 	if backend := benchBackend(); backend == ipcachemap.KindBPF {
 		pin := bpfPinPath(b)
@@ -44,13 +44,18 @@ func benchUpsertDurable(b *testing.B, wait bool, callers int) {
 	ctx := context.Background()
 	var next atomic.Uint32
 	op := func() error {
-		i := next.Add(1)
-		p := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)
-		if err := n.ipc.Upsert(ctx, "bench", p, ipcache.Info{}); err != nil {
+		updates := make([]ipcache.Update, batch)
+		ps := make([]netip.Prefix, batch)
+		for j := range updates {
+			i := next.Add(1)
+			ps[j] = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)
+			updates[j].Prefix = ps[j]
+		}
+		if err := n.ipc.UpsertBatch(ctx, "bench", updates); err != nil {
 			return err
 		}
 		if wait {
-			return n.ipc.WaitDurable(ctx, p)
+			return n.ipc.WaitDurable(ctx, ps...)
 		}
 		return nil
 	}
@@ -83,8 +88,8 @@ func benchUpsertDurable(b *testing.B, wait bool, callers int) {
 		wg.Wait()
 	}
 	elapsed := time.Since(start)
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "upserts/s")
-	b.ReportMetric(float64(elapsed.Microseconds())/float64(b.N)*float64(callers), "µs/caller-op")
+	b.ReportMetric(float64(b.N*batch)/elapsed.Seconds(), "prefixes/s")
+	b.ReportMetric(float64(elapsed.Microseconds())/float64(b.N)*float64(callers), "µs/call")
 }
 
 func benchBackend() ipcachemap.Kind {
