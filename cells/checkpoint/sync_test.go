@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
+	"github.com/cilium/hive/script"
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
@@ -171,3 +173,39 @@ func TestSyncBlockedFile(t *testing.T) {
 func prefixN(i int) string { return fmt.Sprintf("10.3.%d.0/24", i) }
 
 func cidr(s string) labels.Labels { return labels.FromPrefix(mustPrefix(s), false) }
+
+// TestAllocateNotDurable checks that identity/allocate of a local label set
+// fails when the checkpoint cannot be written, and drops the reference it
+// took, so that a retry does not hold two.
+func TestAllocateNotDurable(t *testing.T) {
+	dir := t.TempDir()
+	h, cp, alloc := syncHive(t, dir)
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	cmds, err := h.ScriptCommands(hivetest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &script.Engine{Cmds: cmds}
+	s, err := script.NewState(t.Context(), dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp.mu.Lock()
+	cp.blocked = errors.New("writing disabled: test")
+	cp.mu.Unlock()
+	defer func() {
+		cp.mu.Lock()
+		cp.blocked = nil
+		cp.mu.Unlock()
+	}()
+	if err := e.ExecuteLine(s, "identity/allocate cidr:10.4.0.0/16 reserved:world", io.Discard); err == nil {
+		t.Fatal("identity/allocate succeeded although the checkpoint cannot be written")
+	}
+	if id := alloc.LookupByLabels(cidr("10.4.0.0/16")); id != nil {
+		t.Fatalf("identity %d kept after the failed command", id.ID)
+	}
+	// --no-wait answers without the checkpoint.
+	if err := e.ExecuteLine(s, "identity/allocate --no-wait cidr:10.4.0.0/16 reserved:world", io.Discard); err != nil {
+		t.Fatal(err)
+	}
+}
