@@ -189,9 +189,9 @@ func hiveOverrideCheckpointInterval(n *node, d time.Duration) {
 	hive.AddConfigOverride(n.hive, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = d })
 }
 
-// TestStopWritesPendingRows stops the hive right after upserts that nobody
-// waited for: the stop writes them to the map before closing it, so that a
-// clean stop keeps every pair. The reconciler runs a round at most every
+// TestStopWritesPendingRows stops the hive right after upserts and removals
+// that nobody waited for: the stop writes them to the map before closing
+// it, so that a clean stop keeps every pair and no removed prefix. The reconciler runs a round at most every
 // 20ms, so without that the second batch is still pending at the stop.
 func TestStopWritesPendingRows(t *testing.T) {
 	n := newNode(t, nil)
@@ -213,6 +213,19 @@ func TestStopWritesPendingRows(t *testing.T) {
 			want[u.Prefix] = mustGet(t, n.ipc, u.Prefix.String()).Identity
 		}
 	}
+	// Removals nobody waited for reach the map too.
+	var removed []netip.Prefix
+	for p := range want {
+		if p.Addr().As4()[3]%10 == 0 {
+			removed = append(removed, p)
+		}
+	}
+	if err := n.ipc.Remove(ctx, "test", removed...); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range removed {
+		delete(want, p)
+	}
 	if err := n.hive.Stop(log, context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -225,5 +238,10 @@ func TestStopWritesPendingRows(t *testing.T) {
 	}
 	if lost > 0 {
 		t.Fatalf("%d of %d pairs not in the map file after a clean stop", lost, len(want))
+	}
+	for _, p := range removed {
+		if id, ok := pairs[p]; ok {
+			t.Fatalf("removed prefix %s still in the map file (identity %d) after a clean stop", p, id)
+		}
 	}
 }
