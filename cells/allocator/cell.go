@@ -26,7 +26,7 @@ var Cell = cell.Module(
 		statedb.RWTable[Entry].ToTable,
 		newAllocator,
 		newEtcdBackend,
-		newCommands,
+		newCellCommands,
 		newClusterMesh,
 		newClusterMeshCommands,
 		newClusterMeshMetrics,

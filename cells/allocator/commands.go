@@ -1,10 +1,12 @@
 package allocator
 
 import (
+	"context"
 	"fmt"
 	"strings"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/script"
 	"github.com/spf13/pflag"
 
@@ -13,16 +15,32 @@ import (
 	"github.com/identityd/identityd/labels"
 )
 
-func newCommands(a Allocator) hive.ScriptCmdsOut {
+type commandsParams struct {
+	cell.In
+
+	Allocator Allocator
+	// LocalSync is the checkpoint's, when the hive has one:
+	// identity/allocate waits for it for local identities.
+	LocalSync LocalIdentitySyncer `optional:"true"`
+}
+
+func newCellCommands(p commandsParams) hive.ScriptCmdsOut {
+	return newCommandsSync(p.Allocator, p.LocalSync)
+}
+
+// newCommands returns the commands without a durability point to wait for.
+func newCommands(a Allocator) hive.ScriptCmdsOut { return newCommandsSync(a, nil) }
+
+func newCommandsSync(a Allocator, sync LocalIdentitySyncer) hive.ScriptCmdsOut {
 	return hive.NewScriptCmds(map[string]script.Cmd{
-		"identity/allocate": allocateCmd(a),
+		"identity/allocate": allocateCmd(a, sync),
 		"identity/release":  releaseCmd(a),
 		"identity/get":      getCmd(a),
 		"identity/list":     listCmd(a),
 	})
 }
 
-func allocateCmd(a Allocator) script.Cmd {
+func allocateCmd(a Allocator, sync LocalIdentitySyncer) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: "Allocate an identity for a label set (one label per argument)",
@@ -32,10 +50,15 @@ func allocateCmd(a Allocator) script.Cmd {
 				"  identity/allocate k8s:app=web k8s:io.kubernetes.pod.namespace=default",
 				"  identity/allocate cidr:10.0.0.0/8 reserved:world",
 				"Takes one reference; identity/release drops it.",
+				"A local identity is answered once it is in the checkpoint on disk, so that",
+				"a restart, even after SIGKILL, gives it its number back; --no-wait answers",
+				"at once, and such an answer may be lost by a SIGKILL. If the checkpoint",
+				"cannot be written, the reference is dropped again and the command fails.",
 			},
 			Flags: func(fs *pflag.FlagSet) {
 				shellfmt.AddFlag(fs)
 				fs.Uint32("old-id", 0, "Ask for this numeric ID (local scopes)")
+				fs.Bool("no-wait", false, "Answer before a local identity is in the checkpoint")
 			},
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
@@ -55,6 +78,16 @@ func allocateCmd(a Allocator) script.Cmd {
 			id, allocated, err := a.Allocate(s.Context(), lbls, WithOldID(identity.NumericIdentity(old)))
 			if err != nil {
 				return nil, err
+			}
+			if noWait, _ := s.Flags.GetBool("no-wait"); !noWait && sync != nil && id.ID.HasLocalScope() {
+				if err := sync.Sync(s.Context()); err != nil {
+					// A failed command must not leave a reference
+					// nobody knows of: a retry would take another.
+					if _, rerr := a.Release(context.WithoutCancel(s.Context()), id); rerr != nil {
+						return nil, fmt.Errorf("identity %d allocated but not durable: %w; dropping the reference failed too: %w", id.ID, err, rerr)
+					}
+					return nil, fmt.Errorf("identity %d not durable, reference dropped: %w", id.ID, err)
+				}
 			}
 			if allocated {
 				s.Logf("allocated new identity %d\n", id.ID)

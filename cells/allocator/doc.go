@@ -63,12 +63,17 @@
 //
 // # Shell commands
 //
-//	identity/allocate [--old-id N] [-o table|json|yaml] <label>...
+//	identity/allocate [--old-id N] [--no-wait] [-o table|json|yaml] <label>...
 //	identity/release <id>
 //	identity/get [-o …] <id> | <label>...
 //	identity/list [--source reserved|local|global|restored|remote] [-o …]
 //	clustermesh/status [-o table|json|yaml]
 //	db/show identities
+//
+// With a LocalIdentitySyncer in the hive (the checkpoint cell provides
+// one), identity/allocate answers a local identity only once it is in the
+// checkpoint on disk, unless --no-wait; if the checkpoint cannot be written
+// it drops the reference it took and fails.
 //
 // # Remote clusters
 //

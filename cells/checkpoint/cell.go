@@ -7,9 +7,10 @@ import (
 )
 
 // Cell provides *Checkpoint, which keeps <state-dir>/local_allocator_state.json
-// in step with the allocator's local identities, and the checkpoint/write
-// and checkpoint/show commands. It needs allocator.Allocator and
-// *statedir.Dir.
+// in step with the allocator's local identities, allocator.LocalIdentitySyncer
+// (the checkpoint's Sync, which the ipcache and identity/allocate wait for),
+// and the checkpoint/write and checkpoint/show commands. It needs
+// allocator.Allocator and *statedir.Dir.
 var Cell = cell.Module(
 	"checkpoint",
 	"Checkpoint of local identities",
@@ -18,6 +19,7 @@ var Cell = cell.Module(
 	cell.Provide(
 		newCheckpoint,
 		newCommands,
+		func(c *Checkpoint) allocator.LocalIdentitySyncer { return c },
 	),
 
 	// The checkpoint attaches to the allocator as soon as the allocator is

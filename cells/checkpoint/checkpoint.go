@@ -42,7 +42,22 @@ type Checkpoint struct {
 	// startedAt delays the first triggered write, see run.
 	startedAt time.Time
 
-	// mu serializes writes and guards the fields below.
+	// wsem (capacity 1) serializes writes; a channel rather than a mutex,
+	// so that Sync stops waiting for a write when its context ends.
+	wsem chan struct{}
+	// begun counts the writes that have begun: a write takes its snapshot
+	// after counting itself, so a write numbered above the count Sync read
+	// holds everything allocated before Sync was called.
+	begun atomic.Uint64
+	// durable is the number of the last successful write; guarded by wsem.
+	durable uint64
+	// loaded is closed once restoration has loaded the file or every
+	// start hook has run, whichever is first: Sync writes no earlier, so
+	// that it never replaces a file that was not read.
+	loaded     chan struct{}
+	loadedOnce sync.Once
+
+	// mu guards the fields below; writes hold it too.
 	mu sync.Mutex
 	// buf is reused by every write: the encoding of a large state is
 	// megabytes, and a fresh buffer each interval only feeds the GC.
@@ -77,6 +92,8 @@ func newCheckpoint(p params) (*Checkpoint, error) {
 		interval: p.Config.IdentityCheckpointInterval,
 		jobs:     p.Jobs.NewGroup(p.Health),
 		wake:     make(chan struct{}, 1),
+		wsem:     make(chan struct{}, 1),
+		loaded:   make(chan struct{}),
 	}, nil
 }
 
@@ -99,10 +116,15 @@ func (c *Checkpoint) attach(a allocator.Allocator, lc cell.Lifecycle) {
 func (c *Checkpoint) Path() string { return c.path }
 
 // Start implements cell.HookInterface.
-func (c *Checkpoint) Start(cell.HookContext) error {
+func (c *Checkpoint) Start(hctx cell.HookContext) error {
 	c.startedAt = time.Now()
+	// The hook context ends when every start hook has run: restoration,
+	// if the hive has it, has loaded the file by then.
+	context.AfterFunc(hctx, c.markLoaded)
 	return nil
 }
+
+func (c *Checkpoint) markLoaded() { c.loadedOnce.Do(func() { close(c.loaded) }) }
 
 // Stop writes the final checkpoint, after every cell that can still
 // allocate or release has stopped. A run that saw no local change, did not
@@ -231,6 +253,51 @@ func (c *Checkpoint) triggeredWrite(health cell.Health) {
 
 // Write writes a snapshot of the allocator's local identities now.
 func (c *Checkpoint) Write() (Status, error) {
+	c.wsem <- struct{}{}
+	defer func() { <-c.wsem }()
+	return c.write()
+}
+
+// Sync returns once a checkpoint that holds every local identity allocated
+// before the call is on disk: the durability point of local identities
+// (allocator.LocalIdentitySyncer). It writes at once, ignoring
+// --identity-checkpoint-interval, unless a write that began after the call
+// has already succeeded; callers that wait while a write is running share
+// the next one, so a burst of N concurrent calls costs about two writes,
+// not N. It fails with the write's error, or with ctx's error when ctx ends
+// first (the identities then wait for a later write).
+//
+// Sync writes nothing before restoration has loaded the file (or, in a hive
+// without restoration, before every start hook has run); a start hook that
+// calls it must therefore run after restoration's.
+func (c *Checkpoint) Sync(ctx context.Context) error {
+	// Read before anything else: a write numbered above need began after
+	// the call, so its snapshot holds what was allocated before.
+	need := c.begun.Load() + 1
+	if !c.attached.Load() {
+		return errors.New("checkpoint is not attached to an allocator")
+	}
+	select {
+	case <-c.loaded:
+	case <-ctx.Done():
+		return fmt.Errorf("checkpoint sync: waiting for the start: %w", ctx.Err())
+	}
+	select {
+	case c.wsem <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("checkpoint sync: waiting for the running write: %w", ctx.Err())
+	}
+	defer func() { <-c.wsem }()
+	if c.durable >= need {
+		// Written while this call waited for the running write.
+		return nil
+	}
+	_, err := c.write()
+	return err
+}
+
+// write is Write with wsem held.
+func (c *Checkpoint) write() (Status, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.blocked != nil {
@@ -242,6 +309,7 @@ func (c *Checkpoint) Write() (Status, error) {
 	// Cleared before the snapshot, so that a change racing with it asks
 	// for another write.
 	c.dirty.Store(false)
+	gen := c.begun.Add(1)
 	t0 := time.Now()
 	ids := c.alloc.LocalIdentities()
 	c.buf = AppendJSON(c.buf[:0], ids)
@@ -255,6 +323,7 @@ func (c *Checkpoint) Write() (Status, error) {
 		return c.status, c.status.LastError
 	}
 	c.changed.Store(true)
+	c.durable = gen
 	c.writes.Add(1)
 	n := 0
 	for _, id := range ids {
@@ -277,6 +346,7 @@ func (c *Checkpoint) Write() (Status, error) {
 // could not be kept aside, writing is disabled so that it is never lost.
 func (c *Checkpoint) Load() (LoadResult, error) {
 	res, err := Loader{Log: c.log}.Load(c.path)
+	defer c.markLoaded()
 	c.loads.Add(1)
 	if res.Report.Corrupt != nil {
 		c.corrupt.Add(1)

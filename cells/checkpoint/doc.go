@@ -22,6 +22,13 @@
 // Every write is atomic and durable: a temporary file beside the target,
 // fsync, rename, fsync of the directory; mode 0600.
 //
+// Checkpoint.Sync is the durability point of local identities: it returns
+// once a write that began after the call has succeeded, writing at once
+// whatever the interval; callers that wait during a running write share the
+// next one. The cell provides it as allocator.LocalIdentitySyncer, which the
+// ipcache's WaitDurable and identity/allocate wait for. It writes nothing
+// before restoration has loaded the file (or every start hook has run).
+//
 // # Restoration
 //
 // Checkpoint.Load (or Loader.Load for a path) returns the valid identities

@@ -20,7 +20,7 @@ import (
 
 // bpfPinPath returns a fresh pin path under /sys/fs/bpf, or skips the test
 // saying why the bpf backend cannot run here.
-func bpfPinPath(t *testing.T) string {
+func bpfPinPath(t testing.TB) string {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("the bpf ipcache map needs root (CAP_BPF, and CAP_SYS_ADMIN to mount bpffs)")

@@ -16,7 +16,9 @@ import (
 
 // Cell provides *IPCache, the read-only ipcache table
 // (statedb.Table[*Entry]) and the ipcache/* shell commands. It needs
-// allocator.Allocator, *statedir.Dir, statedb, jobs and health.
+// allocator.Allocator, *statedir.Dir, statedb, jobs and health, and uses
+// allocator.LocalIdentitySyncer (the checkpoint cell's) when the hive has
+// it, so that IPCache.WaitDurable covers local identities too.
 var Cell = cell.Module(
 	"ipcache",
 	"Prefix to identity cache and its datapath map",
@@ -45,6 +47,9 @@ type params struct {
 	Lifecycle  cell.Lifecycle
 	Jobs       job.Group
 	Reconciler reconciler.Params
+	// LocalSync is the checkpoint's, when the hive has one: WaitDurable
+	// waits for it for prefixes with local identities.
+	LocalSync allocator.LocalIdentitySyncer `optional:"true"`
 }
 
 func newIPCache(p params) (*IPCache, error) {
@@ -52,10 +57,11 @@ func newIPCache(p params) (*IPCache, error) {
 		return nil, err
 	}
 	c := &IPCache{
-		log:   p.Log,
-		db:    p.DB,
-		table: p.Table,
-		alloc: p.Allocator,
+		log:       p.Log,
+		db:        p.DB,
+		table:     p.Table,
+		alloc:     p.Allocator,
+		localSync: p.LocalSync,
 		mapConfig: ipcachemap.Config{
 			Kind:       ipcachemap.Kind(p.Config.IPCacheMap),
 			PinPath:    p.Config.IPCacheMapPinPath,
@@ -95,5 +101,8 @@ func newIPCache(p params) (*IPCache, error) {
 	}
 	c.rec = rec
 	p.Jobs.Add(job.OneShot("ipcache-map-sync", c.syncLoop))
+	// Appended after the reconciler's jobs, this hook stops before them:
+	// rows upserted but not yet written reach the map before it closes.
+	p.Lifecycle.Append(cell.Hook{OnStop: c.drain})
 	return c, nil
 }

@@ -79,6 +79,10 @@ func upsertCmd(c *IPCache) script.Cmd {
 				"  ipcache/upsert --owner=restored --requested-id=16777300 192.0.2.0/24",
 				"  ipcache/upsert --owner=endpoints --identity=1234 --tunnel-endpoint=10.1.0.1 10.2.0.5",
 				"A direct --identity wins over labels; see the package documentation.",
+				"It answers at the durability point: once the prefixes are in the datapath",
+				"map (and its file) and their local identities in the checkpoint, so that",
+				"the answered pairs survive a crash of the agent. --no-wait answers as soon",
+				"as the table has them; such an answer may be lost by a SIGKILL.",
 			},
 			Flags: func(fs *pflag.FlagSet) {
 				shellfmt.AddFlag(fs)
@@ -88,6 +92,7 @@ func upsertCmd(c *IPCache) script.Cmd {
 				fs.Uint32("identity", 0, "Direct identity (no allocation)")
 				fs.String("tunnel-endpoint", "", "IPv4 tunnel endpoint (with --identity)")
 				fs.Uint8("encrypt-key", 0, "Encryption key index (with --identity)")
+				fs.Bool("no-wait", false, "Answer before the pairs are durable (in the map and the checkpoint)")
 			},
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
@@ -124,6 +129,11 @@ func upsertCmd(c *IPCache) script.Cmd {
 			}
 			if err := c.UpsertBatch(s.Context(), ResourceID(owner), updates); err != nil {
 				return nil, err
+			}
+			if noWait, _ := s.Flags.GetBool("no-wait"); !noWait {
+				if err := c.WaitDurable(s.Context(), prefixes...); err != nil {
+					return nil, fmt.Errorf("applied, but not durable: %w", err)
+				}
 			}
 			var rows []*Entry
 			for _, p := range prefixes {

@@ -15,11 +15,14 @@
 //     (internal/ipcachemap): incremental batched writes, retries with
 //     backoff (visible in the row's status and in the module's health),
 //     and pruning of map entries the table does not have.
-//   - Shell commands: ipcache/upsert, ipcache/delete, ipcache/lookup,
-//     ipcache/list and ipcache/map-dump, with -o table|json|yaml.
+//   - Shell commands: ipcache/upsert (waits for the durability point unless
+//     --no-wait), ipcache/delete, ipcache/lookup, ipcache/list and
+//     ipcache/map-dump, with -o table|json|yaml.
 //
 // It depends on allocator.Allocator, *statedir.Dir, statedb, job and a
-// cell.Health provider (cell.SimpleHealthCell in the identityd binary).
+// cell.Health provider (cell.SimpleHealthCell in the identityd binary),
+// and uses allocator.LocalIdentitySyncer (the checkpoint cell) when the
+// hive has one.
 //
 // # Flags
 //
@@ -82,6 +85,20 @@
 // Upserts and removals are synchronous: an allocation failure leaves that
 // prefix as it was and is returned; the other prefixes of the batch are
 // applied. A batch is one allocator batch and one table write transaction.
+//
+// # Durability
+//
+// Upsert, UpsertBatch and Remove return once the table has the change,
+// before the datapath map does. [IPCache.WaitDurable] is the durability
+// point: it returns once the prefixes' rows are written to the map (the
+// reconciler's status is Done), the map file is written (file backend),
+// and their local identities are in a checkpoint on disk (through
+// allocator.LocalIdentitySyncer, when the hive has the checkpoint cell), so
+// that the pairs survive a SIGKILL. Concurrent callers share the file and
+// checkpoint writes. A row whose map write failed makes it fail at once with
+// [ErrNotWritten]. On stop, a hook that runs before the reconciler stops
+// waits until it has processed the whole table, so that a clean stop keeps
+// every pair, waited for or not.
 //
 // # Start, restoration and pruning
 //

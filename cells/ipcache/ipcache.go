@@ -31,6 +31,10 @@ var (
 	ErrNotStarted = errors.New("ipcache map is not open")
 	// ErrInvalidOwner: the ResourceID is empty or unprintable.
 	ErrInvalidOwner = errors.New("invalid owner")
+	// ErrNotWritten: WaitDurable found a prefix whose write to the
+	// datapath map failed; the reconciler retries it, and the pair is not
+	// durable until the retry succeeds.
+	ErrNotWritten = errors.New("not written to the datapath map")
 )
 
 // selfInitializer is the table initializer the ipcache holds until every
@@ -52,6 +56,7 @@ type IPCache struct {
 	db        *statedb.DB
 	table     statedb.RWTable[*Entry]
 	alloc     allocator.Allocator
+	localSync allocator.LocalIdentitySyncer // nil without a checkpoint
 	mapConfig ipcachemap.Config
 	dualStack bool
 	rec       reconciler.Reconciler[*Entry]

@@ -42,7 +42,9 @@ type proc struct {
 	log      *bytes.Buffer
 }
 
-func startProc(t *testing.T, bin, dir string) *proc {
+// startProc starts the agent on dir; extra flags come after the test's
+// defaults and override them.
+func startProc(t *testing.T, bin, dir string, extra ...string) *proc {
 	t.Helper()
 	p := &proc{t: t, bin: bin, dir: dir, log: &bytes.Buffer{}}
 	args := []string{
@@ -56,6 +58,7 @@ func startProc(t *testing.T, bin, dir string) *proc {
 	if help, _ := exec.Command(bin, "--help").CombinedOutput(); bytes.Contains(help, []byte("--prometheus-serve-addr")) {
 		args = append(args, "--prometheus-serve-addr=127.0.0.1:0")
 	}
+	args = append(args, extra...)
 	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
 	if err := p.cmd.Start(); err != nil {

@@ -1,0 +1,211 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/hive/script"
+	"github.com/cilium/statedb"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// syncHive starts the checkpoint with its allocator, with a checkpoint
+// interval of an hour: only Sync writes while the test runs.
+func syncHive(t *testing.T, dir string) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+	t.Helper()
+	var (
+		cp    *Checkpoint
+		alloc allocator.Allocator
+	)
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell, statedir.Cell, Cell,
+		cell.Invoke(func(c *Checkpoint, a allocator.Allocator) { cp, alloc = c, a }),
+	)
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = time.Hour })
+	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return h, cp, alloc
+}
+
+func fileIDs(t *testing.T, path string) map[identity.NumericIdentity]bool {
+	t.Helper()
+	res, err := Loader{}.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[identity.NumericIdentity]bool{}
+	for _, id := range res.Identities {
+		out[id.ID] = true
+	}
+	return out
+}
+
+// TestSyncWritesAtOnce checks that Sync puts a new local identity on disk
+// at once, whatever the checkpoint interval, and that a Sync with nothing
+// new since a write that began after the call does not write again.
+func TestSyncWritesAtOnce(t *testing.T) {
+	dir := t.TempDir()
+	h, cp, alloc := syncHive(t, dir)
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+
+	id, _, err := alloc.Allocate(ctx, cidr("10.1.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(cp.Path()); err == nil {
+		t.Fatal("checkpoint written before the interval without Sync: the test cannot tell")
+	}
+	if err := cp.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !fileIDs(t, cp.Path())[id.ID] {
+		t.Fatalf("checkpoint after Sync lacks identity %d", id.ID)
+	}
+	if w := cp.Status().Counters.Writes; w != 1 {
+		t.Fatalf("%d writes after one Sync, want 1", w)
+	}
+}
+
+// TestSyncCoalesces runs many Syncs while a write is running: they all wait
+// for it and then share a single write, which holds every identity
+// allocated before them.
+func TestSyncCoalesces(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		dir := t.TempDir()
+		h, cp, alloc := syncHive(t, dir)
+		ctx := t.Context()
+		const callers = 64
+		var want []identity.NumericIdentity
+		for i := range callers {
+			id, _, err := alloc.Allocate(ctx, cidr(prefixN(i)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			want = append(want, id.ID)
+		}
+		// A write is running: the callers below all find it begun
+		// before them, so it does not count for them.
+		cp.wsem <- struct{}{}
+		errs := make(chan error, callers)
+		for range callers {
+			go func() { errs <- cp.Sync(ctx) }()
+		}
+		synctest.Wait()
+		<-cp.wsem
+		for range callers {
+			if err := <-errs; err != nil {
+				t.Fatal(err)
+			}
+		}
+		if w := cp.Status().Counters.Writes; w != 1 {
+			t.Fatalf("%d concurrent Syncs wrote %d times, want 1", callers, w)
+		}
+		got := fileIDs(t, cp.Path())
+		for _, id := range want {
+			if !got[id] {
+				t.Fatalf("checkpoint lacks identity %d", id)
+			}
+		}
+
+		// A Sync whose context ends while it waits for the running
+		// write gives up without writing.
+		cp.wsem <- struct{}{}
+		cctx, ccancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- cp.Sync(cctx) }()
+		synctest.Wait()
+		ccancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Fatalf("Sync with an ended context: %v", err)
+		}
+		<-cp.wsem
+		if err := h.Stop(hivetest.Logger(t), context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// TestSyncBlockedFile checks that Sync fails, rather than reports a
+// durability it does not have, when writing is disabled because a bad file
+// could not be kept aside.
+func TestSyncBlockedFile(t *testing.T) {
+	dir := t.TempDir()
+	h, cp, alloc := syncHive(t, dir)
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	cp.mu.Lock()
+	cp.blocked = errors.New("writing disabled: test")
+	cp.mu.Unlock()
+	if _, _, err := alloc.Allocate(ctx, cidr("10.2.0.0/16")); err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Sync(ctx); err == nil {
+		t.Fatal("Sync succeeded with writing disabled")
+	}
+	if _, err := os.Stat(filepath.Join(dir, FileName)); err == nil {
+		t.Fatal("checkpoint written with writing disabled")
+	}
+	cp.mu.Lock()
+	cp.blocked = nil
+	cp.mu.Unlock()
+}
+
+func prefixN(i int) string { return fmt.Sprintf("10.3.%d.0/24", i) }
+
+func cidr(s string) labels.Labels { return labels.FromPrefix(mustPrefix(s), false) }
+
+// TestAllocateNotDurable checks that identity/allocate of a local label set
+// fails when the checkpoint cannot be written, and drops the reference it
+// took, so that a retry does not hold two.
+func TestAllocateNotDurable(t *testing.T) {
+	dir := t.TempDir()
+	h, cp, alloc := syncHive(t, dir)
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	cmds, err := h.ScriptCommands(hivetest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &script.Engine{Cmds: cmds}
+	s, err := script.NewState(t.Context(), dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp.mu.Lock()
+	cp.blocked = errors.New("writing disabled: test")
+	cp.mu.Unlock()
+	defer func() {
+		cp.mu.Lock()
+		cp.blocked = nil
+		cp.mu.Unlock()
+	}()
+	if err := e.ExecuteLine(s, "identity/allocate cidr:10.4.0.0/16 reserved:world", io.Discard); err == nil {
+		t.Fatal("identity/allocate succeeded although the checkpoint cannot be written")
+	}
+	if id := alloc.LookupByLabels(cidr("10.4.0.0/16")); id != nil {
+		t.Fatalf("identity %d kept after the failed command", id.ID)
+	}
+	// --no-wait answers without the checkpoint.
+	if err := e.ExecuteLine(s, "identity/allocate --no-wait cidr:10.4.0.0/16 reserved:world", io.Discard); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,152 @@
+package ipcache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/identityd/identityd/internal/ipcachemap"
+)
+
+// WaitDurable returns once the prefixes' pairs, as the table has them when
+// it is called, survive a crash of the agent (SIGKILL included): this is
+// the durability point of Upsert, UpsertBatch and Remove, which return
+// before it. For each prefix,
+//
+//   - its row is written to the datapath map (the reconciler's status is
+//     Done), or its removal has been processed; with the file backend the
+//     map file is written afterwards (a pinned bpf map lives in the kernel);
+//   - its identity, when it is a node-local or remote-node identity the
+//     ipcache allocated, is in a checkpoint on disk, when the hive has the
+//     checkpoint cell (allocator.LocalIdentitySyncer).
+//
+// The map and the checkpoint are waited for at once, and concurrent callers
+// share the file and checkpoint writes. It fails at once, wrapping
+// ErrNotWritten, for a prefix whose map write failed (the reconciler keeps
+// retrying it), and with ctx's error when ctx ends first; either way the
+// upsert itself stays applied. Prefixes that are not valid are ignored, as
+// the upsert refused them. The reconciler writes nothing before every start
+// hook has run, so a start hook must not wait for WaitDurable: it would
+// wait for its own end.
+func (c *IPCache) WaitDurable(ctx context.Context, prefixes ...netip.Prefix) error {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	keys := make([]netip.Prefix, 0, len(prefixes))
+	for _, p := range prefixes {
+		if k, err := normalize(p); err == nil {
+			keys = append(keys, k)
+		}
+	}
+
+	// The checkpoint write runs while the reconciler writes the map: the
+	// identities are allocated already, and the two waits add up to the
+	// longer of them, not to their sum.
+	var cpDone chan error
+	if c.localSync != nil && c.holdsLocal(c.db.ReadTxn(), keys) {
+		cpDone = make(chan error, 1)
+		go func() { cpDone <- c.localSync.Sync(ctx) }()
+	}
+	err := c.waitMapDurable(ctx, keys)
+	if cpDone != nil {
+		if cpErr := <-cpDone; cpErr != nil {
+			err = errors.Join(err, fmt.Errorf("local identities not in the checkpoint: %w", cpErr))
+		}
+	}
+	return err
+}
+
+// drain waits, on stop, until the reconciler has processed every change of
+// the table, so that a clean stop keeps every pair, answered with waiting
+// or not: the map is written (and its file, on close) after.
+func (c *IPCache) drain(ctx cell.HookContext) error {
+	// ready is closed as soon as the start hooks are over, even if the
+	// hive stops right after its start.
+	select {
+	case <-c.ready:
+	case <-ctx.Done():
+		return fmt.Errorf("ipcache rows not written to the datapath map before stop: %w", ctx.Err())
+	}
+	rev := c.table.Revision(c.db.ReadTxn())
+	if _, _, err := c.rec.WaitUntilReconciled(ctx, rev); err != nil {
+		return fmt.Errorf("ipcache rows not all written to the datapath map before stop: %w", err)
+	}
+	return nil
+}
+
+// holdsLocal tells whether a row of the prefixes holds a local identity.
+func (c *IPCache) holdsLocal(txn statedb.ReadTxn, keys []netip.Prefix) bool {
+	for _, k := range keys {
+		if e, _, ok := c.table.Get(txn, PrefixIndex.Query(k)); ok && e.held != nil && e.Identity.HasLocalScope() {
+			return true
+		}
+	}
+	return false
+}
+
+// waitMapDurable waits until the rows of keys are written to the map, then
+// makes the map durable.
+func (c *IPCache) waitMapDurable(ctx context.Context, keys []netip.Prefix) error {
+	rev := c.table.Revision(c.db.ReadTxn())
+	var failed []error
+	for {
+		// The reconciler's progress, not a watch per row: one wait for a
+		// batch of any size.
+		if _, _, err := c.rec.WaitUntilReconciled(ctx, rev); err != nil {
+			return fmt.Errorf("waiting for the datapath map: %w", err)
+		}
+		txn := c.db.ReadTxn()
+		var later statedb.Revision
+		failed = failed[:0]
+		for _, k := range keys {
+			e, r, ok := c.table.Get(txn, PrefixIndex.Query(k))
+			if !ok {
+				// Removed: the reconciler has processed the removal.
+				continue
+			}
+			switch e.Status.Kind {
+			case reconciler.StatusKindDone:
+			case reconciler.StatusKindError:
+				failed = append(failed, fmt.Errorf("%s: %w (the write is retried): %s", k, ErrNotWritten, e.Status.GetError()))
+			default:
+				// Changed again since: wait for the newer row.
+				later = max(later, r)
+			}
+		}
+		if later == 0 {
+			break
+		}
+		// A row left pending at a revision already waited for is only
+		// possible if its status is still on its way: wait for the next.
+		rev = max(later, rev+1)
+	}
+	// The rows that were written are made durable even when others
+	// failed.
+	err := c.syncMap()
+	return errors.Join(append(failed, err)...)
+}
+
+// syncMap makes what the map holds durable.
+func (c *IPCache) syncMap() error {
+	m, err := c.mapOrErr()
+	if err != nil {
+		return err
+	}
+	if m.Kind() != ipcachemap.KindFile {
+		// The kernel holds a bpf map: written is durable.
+		return nil
+	}
+	// Sync writes the file only if something changed since the last
+	// write began, so concurrent callers share one write, and a write
+	// that took its copy before this row was written leaves the map dirty
+	// for the next.
+	if err := m.Sync(); err != nil {
+		return fmt.Errorf("write the ipcache map file: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,247 @@
+package ipcache_test
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/hivetest"
+
+	"github.com/identityd/identityd/cells/checkpoint"
+	"github.com/identityd/identityd/cells/ipcache"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/ipcachemap"
+)
+
+// crashState returns what a crash of the agent would leave on disk right
+// now: the datapath map file's entries and the checkpoint's identities,
+// read from copies so that the agent's files stay untouched. Both files are
+// written by renames, so a copy is always one complete state.
+func crashState(t *testing.T, dir string) (map[netip.Prefix]identity.NumericIdentity, map[identity.NumericIdentity]string) {
+	t.Helper()
+	cp := t.TempDir()
+	for _, name := range []string{ipcachemap.FileName, checkpoint.FileName} {
+		data, err := os.ReadFile(filepath.Join(dir, name))
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			t.Error(err)
+			return nil, nil
+		}
+		if err := os.WriteFile(filepath.Join(cp, name), data, 0o600); err != nil {
+			t.Error(err)
+			return nil, nil
+		}
+	}
+	m, _, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindFile, FilePath: filepath.Join(cp, ipcachemap.FileName)})
+	if err != nil {
+		t.Error(err)
+		return nil, nil
+	}
+	defer m.Close()
+	pairs := map[netip.Prefix]identity.NumericIdentity{}
+	m.Dump(func(k ipcachemap.Key, v ipcachemap.Value) bool {
+		pairs[k.Prefix] = v.Identity
+		return true
+	})
+	res, err := checkpoint.Loader{}.Load(filepath.Join(cp, checkpoint.FileName))
+	if err != nil {
+		t.Error(err)
+		return nil, nil
+	}
+	ids := map[identity.NumericIdentity]string{}
+	for _, id := range res.Identities {
+		ids[id.ID] = id.Labels.String()
+	}
+	return pairs, ids
+}
+
+// TestWaitDurable upserts prefixes from concurrent callers, each waiting
+// for the durability point, with a checkpoint interval of an hour: as soon
+// as WaitDurable returns, a crash would leave the caller's pair in the map
+// file and its identity in the checkpoint. Upsert alone answers before
+// either is on disk.
+func TestWaitDurable(t *testing.T) {
+	n := newNode(t, nil, checkpoint.Cell)
+	hiveOverrideCheckpointInterval(n, time.Hour)
+	n.start(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+
+	// Without waiting, nothing is on disk yet: the map file is written
+	// at most every 200ms and the checkpoint in an hour.
+	first := pfx("10.0.0.0/24")
+	if err := n.ipc.Upsert(ctx, "test", first, ipcache.Info{}); err != nil {
+		t.Fatal(err)
+	}
+	id := mustGet(t, n.ipc, first.String()).Identity
+	pairs, ids := crashState(t, n.dir)
+	if pairs[first] == id && ids[id] != "" {
+		t.Fatalf("the pair %s -> %d is durable without waiting: the test cannot tell", first, id)
+	}
+	if err := n.ipc.WaitDurable(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	pairs, ids = crashState(t, n.dir)
+	if pairs[first] != id || ids[id] == "" {
+		t.Fatalf("after WaitDurable a crash leaves map %d and checkpoint %q for %s -> %d", pairs[first], ids[id], first, id)
+	}
+
+	// Concurrent callers share the writes.
+	const callers, each = 16, 8
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for i := range each {
+				p := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 1, byte(c), byte(i)}), 32)
+				if err := n.ipc.Upsert(ctx, "test", p, ipcache.Info{}); err != nil {
+					t.Error(err)
+					return
+				}
+				if err := n.ipc.WaitDurable(ctx, p); err != nil {
+					t.Error(err)
+					return
+				}
+				e, ok := n.ipc.LookupPrefix(p)
+				if !ok {
+					t.Errorf("no row for %s", p)
+					return
+				}
+				pairs, ids := crashState(t, n.dir)
+				if pairs[p] != e.Identity || ids[e.Identity] != e.Labels.String() {
+					t.Errorf("after WaitDurable a crash leaves map %d and checkpoint %q for %s -> %d %s",
+						pairs[p], ids[e.Identity], p, e.Identity, e.Labels)
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// TestWaitDurableMapFull checks that a prefix the map refuses makes
+// WaitDurable fail at once instead of waiting for a retry that cannot
+// succeed, and that the other prefixes of the batch are durable.
+func TestWaitDurableMapFull(t *testing.T) {
+	n := newNode(t, func(c *ipcache.Config) { c.IPCacheMapMaxEntries = 2 }, checkpoint.Cell)
+	n.start(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	ps := []netip.Prefix{pfx("10.0.0.0/8"), pfx("10.1.0.0/16"), pfx("10.2.0.0/16")}
+	var updates []ipcache.Update
+	for _, p := range ps {
+		updates = append(updates, ipcache.Update{Prefix: p})
+	}
+	if err := n.ipc.UpsertBatch(ctx, "test", updates); err != nil {
+		t.Fatal(err)
+	}
+	err := n.ipc.WaitDurable(ctx, ps...)
+	if !errors.Is(err, ipcache.ErrNotWritten) {
+		t.Fatalf("WaitDurable: %v, want ErrNotWritten", err)
+	}
+	if ctx.Err() != nil {
+		t.Fatal("WaitDurable waited for the context")
+	}
+	pairs, _ := crashState(t, n.dir)
+	if len(pairs) != 2 {
+		t.Fatalf("map file holds %v, want the two prefixes that fit", pairs)
+	}
+
+	// A context that ends first ends the wait.
+	cctx, ccancel := context.WithCancel(ctx)
+	ccancel()
+	if err := n.ipc.WaitDurable(cctx, pfx("10.2.0.0/16")); err == nil {
+		t.Fatal("WaitDurable with an ended context returned nil")
+	}
+}
+
+// TestWaitDurableRemove checks that a removal is durable once WaitDurable
+// returns: the map file no longer has the prefix.
+func TestWaitDurableRemove(t *testing.T) {
+	n := startNode(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	p := pfx("192.0.2.0/24")
+	if err := n.ipc.Upsert(ctx, "test", p, ipcache.Info{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.ipc.WaitDurable(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.ipc.Remove(ctx, "test", p); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.ipc.WaitDurable(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if pairs, _ := crashState(t, n.dir); len(pairs) != 0 {
+		t.Fatalf("map file holds %v after the removal", pairs)
+	}
+}
+
+func hiveOverrideCheckpointInterval(n *node, d time.Duration) {
+	hive.AddConfigOverride(n.hive, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = d })
+}
+
+// TestStopWritesPendingRows stops the hive right after upserts and removals
+// that nobody waited for: the stop writes them to the map before closing
+// it, so that a clean stop keeps every pair and no removed prefix. The reconciler runs a round at most every
+// 20ms, so without that the second batch is still pending at the stop.
+func TestStopWritesPendingRows(t *testing.T) {
+	n := newNode(t, nil)
+	log := hivetest.Logger(t)
+	if err := n.hive.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	want := map[netip.Prefix]identity.NumericIdentity{}
+	for batch := range 2 {
+		var updates []ipcache.Update
+		for i := range 500 {
+			updates = append(updates, ipcache.Update{Prefix: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(batch), byte(i >> 8), byte(i)}), 32)})
+		}
+		if err := n.ipc.UpsertBatch(ctx, "test", updates); err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range updates {
+			want[u.Prefix] = mustGet(t, n.ipc, u.Prefix.String()).Identity
+		}
+	}
+	// Removals nobody waited for reach the map too.
+	var removed []netip.Prefix
+	for p := range want {
+		if p.Addr().As4()[3]%10 == 0 {
+			removed = append(removed, p)
+		}
+	}
+	if err := n.ipc.Remove(ctx, "test", removed...); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range removed {
+		delete(want, p)
+	}
+	if err := n.hive.Stop(log, context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	pairs, _ := crashState(t, n.dir)
+	lost := 0
+	for p, id := range want {
+		if pairs[p] != id {
+			lost++
+		}
+	}
+	if lost > 0 {
+		t.Fatalf("%d of %d pairs not in the map file after a clean stop", lost, len(want))
+	}
+	for _, p := range removed {
+		if id, ok := pairs[p]; ok {
+			t.Fatalf("removed prefix %s still in the map file (identity %d) after a clean stop", p, id)
+		}
+	}
+}
