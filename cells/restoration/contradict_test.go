@@ -1,9 +1,11 @@
 package restoration_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -141,6 +143,11 @@ func TestDamagedMapRotatedIDs(t *testing.T) {
 	}
 	if st := a.r.Status(); st.State != restoration.StateHolding || st.HeldIdentities != len(ps) {
 		t.Errorf("status: %+v", st)
+	}
+	// identity/restore-status -o json shows the counters.
+	js, err := json.Marshal(a.r.Status())
+	if err != nil || !strings.Contains(string(js), `"map-entries-other-labels":200`) || !strings.Contains(string(js), `"map-entries-shared-id":0`) {
+		t.Errorf("status JSON: %s, %v", js, err)
 	}
 	if n := len(a.ipc.ListOwner(restoration.Owner)); n != 0 {
 		t.Errorf("restoration contributes %d prefixes, want 0", n)

@@ -71,7 +71,9 @@ func TestStopWithEtcdGone(t *testing.T) {
 	case <-time.After(3 * time.Minute):
 		t.Fatalf("agent did not stop within 3m of SIGTERM with etcd gone\nlogs:\n%s", logs.String())
 	}
-	if !strings.Contains(logs.String(), `"msg":"Stopped hive"`) {
-		t.Fatalf("no clean stop in the JSON logs:\n%s", logs.String())
+	for _, msg := range []string{"Revoking the node's etcd lease failed", "Stopped hive"} {
+		if !strings.Contains(logs.String(), `"msg":"`+msg) {
+			t.Fatalf("no %q in the JSON logs:\n%s", msg, logs.String())
+		}
 	}
 }
