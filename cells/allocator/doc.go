@@ -75,6 +75,15 @@
 // checkpoint on disk, unless --no-wait; if the checkpoint cannot be written
 // it drops the reference it took and fails.
 //
+// # Stopping
+//
+// The etcd backend's stop ends its watch, GC and repair loops, then revokes
+// the node's lease, which removes its reference keys at once. Its etcd work
+// shares the kvstore's stop deadline (kvstore.StopBudget), which also ends
+// callers' requests still in flight, and releases made once the stop began
+// send no delete: with etcd gone the stop takes seconds, warns that the
+// revoke failed, and the references expire with the lease's TTL.
+//
 // # Remote clusters
 //
 // ClusterMesh follows the global identities of other clusters of a mesh,

@@ -345,7 +345,12 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 // Stop ends the cache and the background work, then revokes the node's
 // lease so that its reference keys vanish at once rather than after the
 // TTL. The kvstore client stops after the allocator, so it is still usable.
+// Its etcd work shares the stop path's deadline (kvstore.StopBudget), which
+// also ends the requests of callers still in flight: with etcd gone the
+// stop takes seconds, and the references expire with the lease's TTL.
 func (b *EtcdBackend) Stop(ctx context.Context) error {
+	sctx, cancel := b.kv.StopContext(ctx)
+	defer cancel()
 	if b.cancel != nil {
 		b.cancel()
 	}
@@ -364,8 +369,11 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	clear(b.heldByID)
 	b.heldMu.Unlock()
 	b.releaseNodeName()
-	if err := b.kv.RevokeLease(ctx); err != nil {
-		return fmt.Errorf("revoking the node's lease: %w", err)
+	if err := b.kv.RevokeLease(sctx); err != nil {
+		// Not a failure of the stop: nothing more can be done, and
+		// the lease's TTL removes the references.
+		b.log.Warn("Revoking the node's etcd lease failed; its identity references expire with the lease's TTL",
+			"error", err, "ttl", b.kv.LeaseTTL())
 	}
 	return nil
 }
@@ -772,11 +780,12 @@ func (b *EtcdBackend) noteLease(lease clientv3.LeaseID) {
 	}
 }
 
-// requestContext bounds one request by the kvstore's request timeout and
-// makes it fail at once on a member that lost its leader, so that the retry
-// reaches a member that has one.
+// requestContext bounds one request by the kvstore's request timeout (and
+// the stop path's deadline, once the agent stops) and makes it fail at once
+// on a member that lost its leader, so that the retry reaches a member that
+// has one.
 func (b *EtcdBackend) requestContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(clientv3.WithRequireLeader(ctx), b.kv.RequestTimeout())
+	return b.kv.RequestContext(clientv3.WithRequireLeader(ctx))
 }
 
 // heldRef is a label set this node references: its ID, and the revision
@@ -822,6 +831,14 @@ func (b *EtcdBackend) Release(ctx context.Context, id identity.NumericIdentity, 
 		delete(b.heldByID, id)
 	}
 	b.heldMu.Unlock()
+	select {
+	case <-b.kv.Stopping():
+		// The agent is stopping: the lease's revoke removes the
+		// reference with all the others, or its TTL does if etcd is
+		// gone. A delete would only hold the stop up.
+		return nil
+	default:
+	}
 	cli := b.kv.Client()
 	if cli == nil {
 		return fmt.Errorf("%w: %w", ErrKVStoreUnavailable, kvstore.ErrStopped)

@@ -48,6 +48,10 @@ func (b *EtcdBackend) gcLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
+		case <-b.kv.Stopping():
+			// No collection while the agent stops: it would only
+			// compete with the stop for its short etcd deadline.
+			return
 		case <-t.C:
 		}
 		deleted, skipped, err := b.RunGC(ctx)

@@ -76,6 +76,54 @@ type Client struct {
 	lostWhy   string
 
 	wg sync.WaitGroup // keepalive goroutines
+
+	// stop is the stop path's state of the current run (see StopBudget).
+	stop atomic.Pointer[stopState]
+}
+
+// StopBudget bounds the etcd requests of the stop path together: the first
+// stop-path call of StopContext fixes a deadline this far ahead (or one
+// --kvstore-request-timeout ahead, if that is shorter), and every later
+// stop-path request, and every request still in flight made with
+// RequestContext, ends at it. A reachable etcd answers the lease revoke in
+// milliseconds; an unreachable one would otherwise make each request of the
+// stop path wait a request timeout in turn, past hive's stop timeout. The
+// node's lease covers what the stop could not do: its keys expire with the
+// TTL.
+const StopBudget = 3 * time.Second
+
+// stopState is one run's stop path: whether it began, and its deadline.
+type stopState struct {
+	// stopping is closed when the stop began: when the hive's stop runs
+	// its pre-stop hooks, or at the first StopContext call.
+	stopping     chan struct{}
+	stoppingOnce sync.Once
+	// expired is cancelled at the deadline.
+	expired context.Context
+	expire  context.CancelFunc
+
+	mu       sync.Mutex
+	deadline time.Time // zero until the first StopContext call
+	timer    *time.Timer
+}
+
+func newStopState() *stopState {
+	s := &stopState{stopping: make(chan struct{})}
+	s.expired, s.expire = context.WithCancel(context.Background())
+	return s
+}
+
+func (s *stopState) begin() { s.stoppingOnce.Do(func() { close(s.stopping) }) }
+
+// end releases the state's timer and context once the client has stopped.
+func (s *stopState) end() {
+	s.begin()
+	s.mu.Lock()
+	if s.timer != nil {
+		s.timer.Stop()
+	}
+	s.mu.Unlock()
+	s.expire()
 }
 
 // nodeLease is one granted lease and its keepalive.
@@ -112,6 +160,10 @@ func newClient(p params) (clientOut, error) {
 		// is connected and stops before it closes.
 		p.Jobs.NewGroup(p.Health).Add(job.OneShot("etcd-connectivity", c.watchConnectivity))
 	}
+	// Runs before every normal stop hook, whatever the order of the
+	// cells: releases in other cells' stop hooks know from the start that
+	// the lease's revoke (or its TTL) takes care of this node's keys.
+	p.Lifecycle.Append(stopMarker{c})
 	return clientOut{Client: c, Collectors: []prometheus.Collector{c.metrics.duration, c.metrics.quorum}}, nil
 }
 
@@ -126,6 +178,7 @@ func New(log *slog.Logger, cfg Config, dir *statedir.Dir) (*Client, error) {
 		return nil, errors.New("kvstore: the embedded etcd needs a state directory (add the statedir cell or set --kvstore-endpoints)")
 	}
 	c := &Client{cfg: cfg, log: log, dir: dir}
+	c.stop.Store(newStopState())
 	if cfg.KVStoreRateLimit > 0 {
 		burst := max(1, int(math.Ceil(cfg.KVStoreRateLimit)))
 		c.limiter = rate.NewLimiter(rate.Limit(cfg.KVStoreRateLimit), burst)
@@ -159,6 +212,10 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	c.mu.Lock()
 	c.cli, c.embedded, c.endpoints, c.stopped = cli, e, endpoints, false
 	c.mu.Unlock()
+	if isClosed(c.stop.Load().stopping) {
+		// A client started again after a stop starts a new run.
+		c.stop.Store(newStopState())
+	}
 	c.log.Info("Connected to etcd", "endpoints", endpoints, "embedded", e != nil)
 	c.reportHealth()
 	return nil
@@ -303,9 +360,16 @@ func (c *Client) tlsConfig(endpoints []string) (*tls.Config, error) {
 }
 
 // Stop revokes the node's lease, so that its keys vanish at once rather
-// than after the TTL, closes the client and stops the embedded etcd.
+// than after the TTL, closes the client and stops the embedded etcd. The
+// revoke shares the stop path's deadline (StopBudget): with etcd gone the
+// stop takes seconds, and the keys expire with the TTL.
 func (c *Client) Stop(ctx cell.HookContext) error {
-	if err := c.RevokeLease(ctx); err != nil {
+	st := c.stop.Load()
+	defer st.end()
+	sctx, cancel := c.StopContext(ctx)
+	err := c.RevokeLease(sctx)
+	cancel()
+	if err != nil {
 		c.log.Warn("Revoking the node's etcd lease failed; its keys expire with the TTL", "error", err, "ttl", c.cfg.KVStoreLeaseTTL)
 	}
 	c.mu.Lock()
@@ -314,7 +378,7 @@ func (c *Client) Stop(ctx cell.HookContext) error {
 	c.cli, c.embedded = nil, nil
 	c.mu.Unlock()
 
-	var err error
+	err = nil
 	if cli != nil {
 		err = cli.Close()
 		if errors.Is(err, context.Canceled) {
@@ -330,6 +394,66 @@ func (c *Client) Stop(ctx cell.HookContext) error {
 		return fmt.Errorf("kvstore: closing client: %w", err)
 	}
 	return nil
+}
+
+// stopMarker is the client's pre-stop hook: it marks the start of the
+// hive's stop before any normal stop hook runs.
+type stopMarker struct{ c *Client }
+
+func (stopMarker) Start(cell.HookContext) error { return nil }
+
+func (m stopMarker) Stop(cell.HookContext) error {
+	m.c.stop.Load().begin()
+	return nil
+}
+
+// PreStopHookMarker makes hive run Stop before the normal stop hooks.
+func (stopMarker) PreStopHookMarker() {}
+
+// Stopping returns a channel closed once the stop began: the hive's stop
+// started (before any cell's stop hook runs) or StopContext was called.
+// From then on, per-key deletes of keys on this node's lease are useless:
+// the lease's revoke at stop removes them all at once, or its TTL does if
+// etcd cannot be reached.
+func (c *Client) Stopping() <-chan struct{} { return c.stop.Load().stopping }
+
+// StopContext returns ctx bounded by the stop path's shared deadline. The
+// first call fixes it StopBudget from now (or one request timeout, if
+// shorter) and marks the stop begun; later calls share it, so that all the
+// stop path's etcd requests together take at most that long.
+func (c *Client) StopContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	st := c.stop.Load()
+	st.begin()
+	st.mu.Lock()
+	if st.deadline.IsZero() {
+		budget := min(StopBudget, c.cfg.KVStoreRequestTimeout)
+		st.deadline = time.Now().Add(budget)
+		st.timer = time.AfterFunc(budget, st.expire)
+	}
+	deadline := st.deadline
+	st.mu.Unlock()
+	return context.WithDeadline(ctx, deadline)
+}
+
+// RequestContext bounds one request: by --kvstore-request-timeout, and by
+// the stop path's deadline once StopContext fixed it, so that a request
+// still in flight when the agent stops does not hold the stop up.
+func (c *Client) RequestContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	rctx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreRequestTimeout)
+	unhook := context.AfterFunc(c.stop.Load().expired, cancel)
+	return rctx, func() {
+		unhook()
+		cancel()
+	}
+}
+
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
 }
 
 // Client returns the etcd client for transactions, reads and watches; nil
@@ -383,7 +507,7 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 		return 0, ErrNotStarted
 	}
 
-	gctx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreRequestTimeout)
+	gctx, cancel := c.RequestContext(ctx)
 	defer cancel()
 	resp, err := cli.Grant(gctx, int64(c.cfg.KVStoreLeaseTTL/time.Second))
 	if err != nil {
@@ -479,7 +603,7 @@ func (c *Client) RevokeLease(ctx context.Context) error {
 		return nil
 	}
 	c.leaseLost(l, reasonRevoked)
-	rctx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreRequestTimeout)
+	rctx, cancel := c.RequestContext(ctx)
 	defer cancel()
 	if _, err := cli.Revoke(rctx, l.id); err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
 		return fmt.Errorf("kvstore: revoking lease %x: %w", int64(l.id), err)

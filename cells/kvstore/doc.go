@@ -17,6 +17,14 @@
 //     node's keys vanish at once instead of after the TTL.
 //   - Status(ctx) reports mode, endpoints, leader, revision, lease and the
 //     last request error.
+//   - RequestContext(ctx) bounds one request by --kvstore-request-timeout
+//     and by the stop path's deadline; StopContext(ctx) gives the stop
+//     path's work that deadline, fixed by its first call StopBudget (3s)
+//     ahead, so that a stop with etcd gone takes seconds, not a request
+//     timeout per call; Stopping() is closed when the stop begins (a
+//     pre-stop hook, before any cell's stop hook), after which keys on the
+//     node's lease need no per-key delete: the revoke, or the TTL if etcd
+//     is gone, removes them.
 //
 // With no --kvstore-endpoints the cell runs an embedded single-member etcd
 // with its data in <state-dir>/etcd (needs the statedir cell), logging

@@ -119,6 +119,10 @@
 //   - identityd_identity_restoration_prefixes{result} gauge: prefixes of
 //     the old datapath map re-created in the ipcache (restored) or refused
 //     by it (failed) at this start.
+//   - identityd_identity_restoration_skipped_map_entries_total{reason}
+//     counter: old datapath map entries skipped at this start because the
+//     checkpoint gives their ID to the CIDR label set of another prefix,
+//     which the map gives that ID too (shared_id) or not (other_labels).
 //
 // Shared definitions, created and recorded by the cell that owns the event
 // and contributed with NewCollector:

@@ -26,6 +26,12 @@
 //     unknown ID, or the label set does not derive from the prefix, the old
 //     number is kept as a direct identity instead, because per-prefix CIDR
 //     label sets could keep it for one prefix only.
+//     The checkpoint's ID ↔ label-set pairs win over the map: an entry
+//     whose ID the checkpoint gives to a CIDR label set naming another
+//     prefix (two prefixes on one ID, IDs shuffled between prefixes) is
+//     skipped, logged and counted (Counters.MapEntriesSharedID,
+//     MapEntriesOtherLabels), so that the prefix's owner, upserting it
+//     again, gets the checkpoint's number for its own label set.
 //  6. Mark restoration's ipcache initializer done: the ipcache reconciler
 //     may now prune stale entries of the datapath map.
 //

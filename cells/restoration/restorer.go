@@ -71,6 +71,12 @@ type Counters struct {
 	PrefixesRestored uint64 `json:"prefixes-restored"`
 	// PrefixesFailed is the number of old map prefixes the ipcache refused.
 	PrefixesFailed uint64 `json:"prefixes-failed"`
+	// MapEntriesSharedID and MapEntriesOtherLabels count old map entries
+	// skipped because they contradict the checkpoint: the entry's ID is
+	// one the checkpoint gives a CIDR label set of another prefix, which
+	// the map gives that ID as well (SharedID) or not (OtherLabels).
+	MapEntriesSharedID    uint64 `json:"map-entries-shared-id"`
+	MapEntriesOtherLabels uint64 `json:"map-entries-other-labels"`
 	// ReleasedAfterGrace is the number of restored identities that were
 	// freed when the restorer let go of them, because nobody had taken them
 	// up during the grace period.
@@ -156,6 +162,7 @@ type Restorer struct {
 	releasing          bool
 
 	restored, skipped, renumbered, prefixesRestored, prefixesFailed, releasedAfterGrace atomic.Uint64
+	mapSharedID, mapOtherLabels                                                         atomic.Uint64
 }
 
 type params struct {
@@ -220,12 +227,14 @@ func (r *Restorer) GracePeriod() time.Duration { return r.grace }
 // Counters returns the counters.
 func (r *Restorer) Counters() Counters {
 	return Counters{
-		Restored:           r.restored.Load(),
-		Skipped:            r.skipped.Load(),
-		Renumbered:         r.renumbered.Load(),
-		PrefixesRestored:   r.prefixesRestored.Load(),
-		PrefixesFailed:     r.prefixesFailed.Load(),
-		ReleasedAfterGrace: r.releasedAfterGrace.Load(),
+		Restored:              r.restored.Load(),
+		Skipped:               r.skipped.Load(),
+		Renumbered:            r.renumbered.Load(),
+		PrefixesRestored:      r.prefixesRestored.Load(),
+		PrefixesFailed:        r.prefixesFailed.Load(),
+		MapEntriesSharedID:    r.mapSharedID.Load(),
+		MapEntriesOtherLabels: r.mapOtherLabels.Load(),
+		ReleasedAfterGrace:    r.releasedAfterGrace.Load(),
 	}
 }
 
@@ -322,6 +331,7 @@ func (r *Restorer) restoreBulk(ctx context.Context, health cell.Health) error {
 	r.log.Info("Restored local identities and ipcache prefixes",
 		"restored", c.Restored, "skipped", c.Skipped, "renumbered", c.Renumbered,
 		"prefixes", c.PrefixesRestored, "prefixes-failed", c.PrefixesFailed,
+		"map-entries-skipped", c.MapEntriesSharedID+c.MapEntriesOtherLabels,
 		"start-hook", restore, "prefixes-duration", d, "grace-period", r.grace)
 	if failed > 0 {
 		health.Degraded("Some old ipcache prefixes could not be restored", fmt.Errorf("%d prefixes failed", failed))
@@ -442,22 +452,39 @@ func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcachemap.Entry
 	// The allocator holds only restored local identities at this point,
 	// so a local number it knows is one the checkpoint restored.
 	bulk = snap[:0]
-	var unknown []ipcachemap.Entry
+	var unknown, contradicting []ipcachemap.Entry
 	shared := map[identity.NumericIdentity]int{}
+	// owned holds the restored IDs the map gives the prefix their CIDR
+	// labels name.
+	owned := map[identity.NumericIdentity]bool{}
 	for _, e := range snap {
 		if !restorable(e) {
 			continue
 		}
 		id := e.Value.Identity
-		if id != identity.ReservedIdentityIngress && r.alloc.LookupByID(id) != nil {
-			bulk = append(bulk, e)
-			continue
+		if id != identity.ReservedIdentityIngress {
+			if ident := r.alloc.LookupByID(id); ident != nil {
+				switch namesPrefix(ident.Labels, e.Key.Prefix) {
+				case cidrOther:
+					// The checkpoint gives the ID to another prefix's
+					// CIDR label set, and the checkpoint wins: restoring
+					// the entry would give two prefixes one ID, and this
+					// prefix's owner the other prefix's number.
+					contradicting = append(contradicting, e)
+					continue
+				case cidrThis:
+					owned[id] = true
+				}
+				bulk = append(bulk, e)
+				continue
+			}
 		}
 		unknown = append(unknown, e)
 		if id != identity.ReservedIdentityIngress {
 			shared[id]++
 		}
 	}
+	r.skipContradicting(contradicting, owned)
 	if len(unknown) == 0 {
 		return bulk
 	}
@@ -517,6 +544,71 @@ func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcachemap.Entry
 	r.heldPrefixes = len(now) - failed
 	r.mu.Unlock()
 	return bulk
+}
+
+// skipContradicting logs and counts the old map entries skipped because
+// their ID belongs to another prefix's CIDR label set. The prefixes stay out
+// of the ipcache until their owners upsert them again, which gives each the
+// checkpoint's number for its own label set (or a fresh one); the map loses
+// the wrong entries when the ipcache prunes it.
+func (r *Restorer) skipContradicting(entries []ipcachemap.Entry, owned map[identity.NumericIdentity]bool) {
+	var sharedID, otherLabels uint64
+	for i, e := range entries {
+		id := e.Value.Identity
+		reason := "its ID belongs to another prefix's label set"
+		if owned[id] {
+			sharedID++
+			reason = "its ID belongs to another prefix of the map"
+		} else {
+			otherLabels++
+		}
+		if i < maxLoggedSkips {
+			var lbls labels.Labels
+			if ident := r.alloc.LookupByID(id); ident != nil {
+				lbls = ident.Labels
+			}
+			r.log.Warn("Skipping old ipcache map entry that contradicts the checkpoint",
+				"prefix", e.Key.Prefix, "identity", id, "checkpoint-labels", lbls, "reason", reason)
+		}
+	}
+	if len(entries) > maxLoggedSkips {
+		r.log.Warn("Old ipcache map entries skipped because they contradict the checkpoint",
+			"shared-id", sharedID, "other-labels", otherLabels)
+	}
+	r.mapSharedID.Add(sharedID)
+	r.mapOtherLabels.Add(otherLabels)
+}
+
+// cidrMatch says whether a label set's CIDR labels name a prefix.
+type cidrMatch int
+
+const (
+	// cidrNone: the label set has no CIDR label (e.g. FQDN labels only),
+	// so that several prefixes may share its identity.
+	cidrNone cidrMatch = iota
+	// cidrThis: a CIDR label names the prefix.
+	cidrThis
+	// cidrOther: the CIDR labels name other prefixes only.
+	cidrOther
+)
+
+// namesPrefix tells whether lbls is a label set of prefix p as far as its
+// CIDR labels go: the ipcache gives every prefix with metadata its own
+// CIDR label, so an identity whose CIDR labels name other prefixes cannot
+// be p's.
+func namesPrefix(lbls labels.Labels, p netip.Prefix) cidrMatch {
+	key := labels.CIDRKey(p)
+	m := cidrNone
+	for _, l := range lbls {
+		if l.Source != labels.SourceCIDR {
+			continue
+		}
+		if l.Key == key {
+			return cidrThis
+		}
+		m = cidrOther
+	}
+	return m
 }
 
 // bulkUpdates turns the prefixes of restored identities into ipcache

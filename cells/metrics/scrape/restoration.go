@@ -13,6 +13,18 @@ const (
 	PrefixesFailed   = "failed"
 )
 
+// LabelReason is the label of identityd_identity_restoration_skipped_map_entries_total.
+const LabelReason = "reason"
+
+// Values of the reason label of
+// identityd_identity_restoration_skipped_map_entries_total: an old map
+// entry whose ID the checkpoint gives to the CIDR label set of another
+// prefix, which the map gives that ID too (shared_id) or not (other_labels).
+const (
+	SkippedSharedID    = "shared_id"
+	SkippedOtherLabels = "other_labels"
+)
+
 // RestorationCollector reports what the restoration at this start did,
 // read from the restorer's counters at scrape time. Gauges, because the
 // values describe the one restoration of this process; a restart starts
@@ -20,7 +32,7 @@ const (
 type RestorationCollector struct {
 	r *restoration.Restorer
 
-	identities, prefixes *prometheus.Desc
+	identities, prefixes, skippedMapEntries *prometheus.Desc
 }
 
 // NewRestorationCollector returns a collector reading r.
@@ -34,6 +46,9 @@ func NewRestorationCollector(r *restoration.Restorer) *RestorationCollector {
 		prefixes: prometheus.NewDesc(ns+"_identity_restoration_prefixes",
 			"Number of prefixes of the old datapath map that restoration re-created in the ipcache at this start (restored) or the ipcache refused (failed)",
 			[]string{metrics.LabelResult}, nil),
+		skippedMapEntries: prometheus.NewDesc(ns+"_identity_restoration_skipped_map_entries_total",
+			"Number of old datapath map entries restoration skipped because the checkpoint gives their ID to another prefix's label set, by reason: shared_id, other_labels",
+			[]string{LabelReason}, nil),
 	}
 }
 
@@ -41,6 +56,7 @@ func NewRestorationCollector(r *restoration.Restorer) *RestorationCollector {
 func (c *RestorationCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.identities
 	ch <- c.prefixes
+	ch <- c.skippedMapEntries
 }
 
 // Collect implements prometheus.Collector.
@@ -54,4 +70,8 @@ func (c *RestorationCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.identities, n.ReleasedAfterGrace, metrics.RestorationReleasedAfterGrace)
 	gauge(c.prefixes, n.PrefixesRestored, PrefixesRestored)
 	gauge(c.prefixes, n.PrefixesFailed, PrefixesFailed)
+	// A counter: restoration only adds to it, and a restart starts a new
+	// process, which Prometheus reads as a counter reset.
+	ch <- prometheus.MustNewConstMetric(c.skippedMapEntries, prometheus.CounterValue, float64(n.MapEntriesSharedID), SkippedSharedID)
+	ch <- prometheus.MustNewConstMetric(c.skippedMapEntries, prometheus.CounterValue, float64(n.MapEntriesOtherLabels), SkippedOtherLabels)
 }

@@ -440,11 +440,13 @@ func TestScrapeRestoration(t *testing.T) {
 	// their prefixes in the map file.
 	a := startRestoringAgent(t, dir, time.Hour)
 	expect(t, scrapeMetrics(t, a.srv.Addr()), map[string]float64{
-		`identityd_identity_restoration{result="restored"}`:             0,
-		`identityd_identity_restoration{result="skipped"}`:              0,
-		`identityd_identity_restoration{result="released_after_grace"}`: 0,
-		`identityd_identity_restoration_prefixes{result="restored"}`:    0,
-		`identityd_identity_restoration_prefixes{result="failed"}`:      0,
+		`identityd_identity_restoration{result="restored"}`:                               0,
+		`identityd_identity_restoration{result="skipped"}`:                                0,
+		`identityd_identity_restoration{result="released_after_grace"}`:                   0,
+		`identityd_identity_restoration_prefixes{result="restored"}`:                      0,
+		`identityd_identity_restoration_prefixes{result="failed"}`:                        0,
+		`identityd_identity_restoration_skipped_map_entries_total{reason="shared_id"}`:    0,
+		`identityd_identity_restoration_skipped_map_entries_total{reason="other_labels"}`: 0,
 	})
 	for _, p := range []string{"10.1.0.0/16", "10.2.0.0/16"} {
 		if err := a.ipc.Upsert(t.Context(), "test", netip.MustParsePrefix(p), ipcache.Info{}); err != nil {
@@ -454,7 +456,27 @@ func TestScrapeRestoration(t *testing.T) {
 	if err := a.ipc.WaitForMap(t.Context()); err != nil {
 		t.Fatal(err)
 	}
+	first, ok := a.ipc.LookupPrefix(netip.MustParsePrefix("10.1.0.0/16"))
+	if !ok {
+		t.Fatal("10.1.0.0/16 not in the ipcache")
+	}
 	a.stop(t)
+
+	// A damaged map gives a third prefix the first one's ID: restoration
+	// skips that entry and counts it.
+	m, _, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindFile, FilePath: filepath.Join(dir, ipcachemap.FileName)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.UpdateBatch([]ipcachemap.Entry{{
+		Key:   ipcachemap.Key{Prefix: netip.MustParsePrefix("10.3.0.0/16")},
+		Value: ipcachemap.Value{Identity: first.Identity},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
 
 	// An entry another agent's rules would accept but this one's would
 	// not (a local checkpoint holds no global IDs) is skipped.
@@ -474,10 +496,12 @@ func TestScrapeRestoration(t *testing.T) {
 	b := startRestoringAgent(t, dir, 100*time.Millisecond)
 	defer b.stop(t)
 	expect(t, scrapeMetrics(t, b.srv.Addr()), map[string]float64{
-		`identityd_identity_restoration{result="restored"}`:          2,
-		`identityd_identity_restoration{result="skipped"}`:           1,
-		`identityd_identity_restoration_prefixes{result="restored"}`: 2,
-		`identityd_identity_restoration_prefixes{result="failed"}`:   0,
+		`identityd_identity_restoration{result="restored"}`:                               2,
+		`identityd_identity_restoration{result="skipped"}`:                                1,
+		`identityd_identity_restoration_prefixes{result="restored"}`:                      2,
+		`identityd_identity_restoration_prefixes{result="failed"}`:                        0,
+		`identityd_identity_restoration_skipped_map_entries_total{reason="shared_id"}`:    1,
+		`identityd_identity_restoration_skipped_map_entries_total{reason="other_labels"}`: 0,
 	})
 	deadline := time.Now().Add(30 * time.Second)
 	for b.r.Status().State != restoration.StateReleased {
