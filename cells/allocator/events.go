@@ -347,6 +347,14 @@ func (d *dispatcher) snapshot() []*identity.Identity {
 	return out
 }
 
+// lookup returns the delivered identity of id, or nil.
+func (d *dispatcher) lookup(id identity.NumericIdentity) *identity.Identity {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ident, _ := d.state.get(id)
+	return ident
+}
+
 func (d *dispatcher) known(id identity.NumericIdentity) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()

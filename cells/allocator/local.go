@@ -271,6 +271,17 @@ func (s *localScope) lookupByID(id identity.NumericIdentity) *refEntry {
 	return s.byID.get(id)
 }
 
+// entry returns the table entry of id, read under the lock as List reads
+// it.
+func (s *localScope) entry(id identity.NumericIdentity) (Entry, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if e := s.byID.get(id); e != nil {
+		return entryOf(e), true
+	}
+	return Entry{}, false
+}
+
 func (s *localScope) withhold(ids []identity.NumericIdentity) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
