@@ -351,6 +351,35 @@ func (a *identityAllocator) List() []Entry {
 	return out
 }
 
+// entry returns id's entry as List has it, found by its number: the shell
+// shows it after every allocation and lookup, and listing every identity
+// for it would cost each call as much as the node holds.
+func (a *identityAllocator) entry(id *identity.Identity) Entry {
+	nid := id.ID
+	if r := identity.LookupReservedByID(nid); r != nil {
+		return Entry{Identity: r, Source: SourceReserved}
+	}
+	if s := a.scopeOf(nid.Scope()); s != nil {
+		if e, ok := s.entry(nid); ok {
+			return e
+		}
+		return Entry{Identity: id}
+	}
+	if e, ok := a.global.entry(nid); ok {
+		return e
+	}
+	if !nid.IsReserved() && !nid.HasLocalScope() {
+		if known := a.disp.lookup(nid); known != nil {
+			source := SourceGlobal
+			if _, remote := a.mesh.LookupByID(nid); remote {
+				source = SourceRemote
+			}
+			return Entry{Identity: known, Source: source}
+		}
+	}
+	return Entry{Identity: id}
+}
+
 func (a *identityAllocator) LocalIdentities() []*identity.Identity {
 	out := make([]*identity.Identity, 0, a.local.len()+a.remote.len())
 	add := func(e *refEntry) { out = append(out, &e.ident) }

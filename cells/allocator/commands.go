@@ -97,8 +97,18 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer) script.Cmd {
 	)
 }
 
-// entryFor finds the table entry of an identity, with its reference count.
+// entryFinder finds one identity's entry without listing the others; the
+// cell's allocator implements it.
+type entryFinder interface {
+	entry(id *identity.Identity) Entry
+}
+
+// entryFor finds the entry of an identity, with its reference count.
 func entryFor(a Allocator, id *identity.Identity) Entry {
+	if f, ok := a.(entryFinder); ok {
+		return f.entry(id)
+	}
+	// Another implementation of Allocator: only List knows.
 	for _, e := range a.List() {
 		if e.Identity.ID == id.ID {
 			return e

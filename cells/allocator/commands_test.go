@@ -1,8 +1,14 @@
 package allocator
 
 import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cilium/hive/script"
 
@@ -41,5 +47,68 @@ func TestCommandErrors(t *testing.T) {
 		if strings.Contains(err.Error(), "\n") {
 			t.Errorf("%s: error spans lines: %q", line, err)
 		}
+	}
+}
+
+// TestCommandCostIndependentOfIdentities checks that identity/allocate and
+// identity/get of one identity do not cost more when the node holds many
+// others: they used to list every identity to find the reference count.
+// Memory allocated per command is the deterministic measure (listing
+// allocates per identity); time is compared too, with a wide margin.
+func TestCommandCostIndependentOfIdentities(t *testing.T) {
+	const many = 20_000
+	target := cidr("192.168.7.7/32")
+	cost := func(others int) (bytes float64, fastest time.Duration) {
+		a := newIdentityAllocator(DefaultConfig, slog.New(slog.DiscardHandler), nil, nil, nil, nil, identity.MaxLocalIdentity)
+		if err := a.Start(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		defer a.Stop(context.Background())
+		id, _ := mustAlloc(t, a, target)
+		for _, s := range cidrSets(others) {
+			mustAlloc(t, a, s)
+		}
+		settle(a)
+		e := script.Engine{Cmds: map[string]script.Cmd{}}
+		for _, c := range newCommands(a).ScriptCmds {
+			e.Cmds[c.Name] = c.Cmd
+		}
+		s, err := script.NewState(t.Context(), t.TempDir(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := []string{
+			"identity/allocate -o json cidr:192.168.7.7/32",
+			"identity/get cidr:192.168.7.7/32",
+			fmt.Sprintf("identity/get %d", id.ID),
+		}
+		run := func() time.Duration {
+			start := time.Now()
+			for _, line := range lines {
+				if err := e.ExecuteLine(s, line, io.Discard); err != nil {
+					t.Fatalf("%s: %v", line, err)
+				}
+			}
+			return time.Since(start)
+		}
+		run()
+		const runs = 50
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		fastest = time.Hour
+		for range runs {
+			fastest = min(fastest, run())
+		}
+		runtime.ReadMemStats(&after)
+		return float64(after.TotalAlloc-before.TotalAlloc) / runs, fastest
+	}
+	fewBytes, fewTime := cost(0)
+	manyBytes, manyTime := cost(many)
+	t.Logf("per round of 3 commands: %.0f B and %v with 1 identity, %.0f B and %v with %d", fewBytes, fewTime, manyBytes, manyTime, many+1)
+	if manyBytes > 2*fewBytes+4096 {
+		t.Errorf("with %d identities a round of commands allocates %.0f B, with 1 %.0f B: it works through the other identities", many+1, manyBytes, fewBytes)
+	}
+	if manyTime > 10*fewTime+time.Millisecond {
+		t.Errorf("with %d identities a round of commands takes %v, with 1 %v: it works through the other identities", many+1, manyTime, fewTime)
 	}
 }

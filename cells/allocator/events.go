@@ -87,12 +87,20 @@ func (q *eventQueue) newChunk(first bool) []event {
 // maxFreeChunks bounds the chunks kept for reuse (about 1.3 MB).
 const maxFreeChunks = 64
 
-// recycle takes back drained chunks for reuse.
+// recycle takes back drained chunks for reuse. It keeps no more than the
+// drain took: the allocations until the next drain need about as many,
+// and a queue that has gone quiet after a burst does not keep the burst's
+// chunks.
 func (q *eventQueue) recycle(chunks [][]event) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	keep := min(len(chunks), maxFreeChunks)
+	if len(q.free) > keep {
+		clear(q.free[keep:])
+		q.free = q.free[:keep]
+	}
 	for _, c := range chunks {
-		if cap(c) != eventChunk || len(q.free) == maxFreeChunks {
+		if cap(c) != eventChunk || len(q.free) == keep {
 			continue
 		}
 		// Drop the references, so that a recycled chunk keeps no
@@ -211,6 +219,14 @@ func (d *dispatcher) run(ctx context.Context) {
 // drains and flushes (512 KiB of pointers).
 const maxScratch = 1 << 16
 
+// reusable reports whether a scratch list whose last use filled used of
+// it is worth keeping: not beyond maxScratch, and not when the work has
+// shrunk to a quarter of it, so that a quiet allocator does not keep a
+// burst's lists.
+func reusable(capacity, used int) bool {
+	return capacity <= maxScratch && 4*used >= capacity
+}
+
 // A drain of at least dispatchBurst changes makes the dispatcher pause for
 // dispatchBurstPause before the next one.
 const (
@@ -298,7 +314,8 @@ func (d *dispatcher) drain() int {
 	}
 	d.queue.table.touchAll(touched)
 	clear(touched)
-	if cap(touched) <= maxScratch {
+	d.touched = nil
+	if reusable(cap(touched), len(touched)) {
 		d.touched = touched[:0]
 	}
 	d.mu.Unlock()
@@ -328,6 +345,14 @@ func (d *dispatcher) snapshot() []*identity.Identity {
 	out := make([]*identity.Identity, 0, d.state.len())
 	d.state.each(func(id *identity.Identity) { out = append(out, id) })
 	return out
+}
+
+// lookup returns the delivered identity of id, or nil.
+func (d *dispatcher) lookup(id identity.NumericIdentity) *identity.Identity {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ident, _ := d.state.get(id)
+	return ident
 }
 
 func (d *dispatcher) known(id identity.NumericIdentity) bool {
@@ -441,6 +466,11 @@ const tableWriterRestFactor = 3
 // the garbage collector's workers then take the processors of the
 // allocating goroutines (docs/benchmarks.md).
 const tableWriterChunk = 1024
+
+// tableWriterSkipFactor bounds the entries a chunk looks at to this many
+// times tableWriterChunk: entries that need no row cost no write, but
+// looking at them still takes time under the writer's lock.
+const tableWriterSkipFactor = 16
 
 // tableWriter keeps the identities table in step with the allocator. Held
 // identities reach it as dirty entries (their current count is written),
@@ -573,33 +603,60 @@ func (w *tableWriter) writeChunk(limit int, take bool) bool {
 	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
 		return false
 	}
-	txn := w.db.WriteTxn(w.table)
+	// The transaction is opened for the first row: a chunk of entries
+	// that came and went before the writer saw them writes nothing.
+	var txn statedb.WriteTxn
 	n := min(limit, len(w.backlogEvs))
+	if n > 0 {
+		txn = w.db.WriteTxn(w.table)
+	}
 	for _, ev := range w.backlogEvs[:n] {
 		w.writeEvent(txn, ev)
 	}
 	clear(w.backlogEvs[:n])
 	w.backlogEvs = w.backlogEvs[n:]
 	dirty := w.backlogDirty[w.written:]
-	dirty = dirty[:min(limit-n, len(dirty))]
-	for _, e := range dirty {
+	dirty = dirty[:min(tableWriterSkipFactor*limit, len(dirty))]
+	rows := n
+	for i, e := range dirty {
+		if rows == limit {
+			dirty = dirty[:i]
+			break
+		}
+		if w.rowless(e) {
+			continue
+		}
+		if txn == nil {
+			txn = w.db.WriteTxn(w.table)
+		}
 		w.writeEntry(txn, e)
+		rows++
 	}
 	clear(dirty)
 	w.written += len(dirty)
-	txn.Commit()
-	return len(w.backlogEvs) > 0 || w.written < len(w.backlogDirty)
+	if txn != nil {
+		txn.Commit()
+	}
+	if len(w.backlogEvs) > 0 || w.written < len(w.backlogDirty) {
+		return true
+	}
+	// Written: the lists are let go now rather than at the next take,
+	// which may be long after a burst. The dirty list goes back for
+	// the next one unless it is much bigger than the work needs.
+	w.backlogEvs = nil
+	if !reusable(cap(w.backlogDirty), len(w.backlogDirty)) {
+		w.backlogDirty = nil
+	}
+	w.backlogDirty, w.written = w.backlogDirty[:0], 0
+	return false
 }
 
 // takeBacklog moves what is queued to the backlog; the caller holds
 // writeMu and has written the previous backlog.
 func (w *tableWriter) takeBacklog() {
 	// The list goes back for the next burst (its references cleared as
-	// they were written); a huge one is dropped rather than kept.
+	// they were written, and dropped if too big when it was written).
 	done := w.backlogDirty[:0]
-	if cap(done) > maxScratch {
-		done = nil
-	}
 	w.mu.Lock()
 	w.backlogDirty, w.backlogEvs = w.dirty, w.evs
 	w.dirty, w.evs = done, nil
@@ -620,6 +677,20 @@ func (w *tableWriter) writeEvent(txn statedb.WriteTxn, ev event) {
 	}
 }
 
+// rowless reports whether e needs no write: a local entry released before
+// any row was written from it. Under churn most entries are, and each
+// would otherwise cost a lookup in a write transaction, which kept the
+// writer so far behind that released entries piled up in its backlog.
+// A released entry is never taken again, so the answer cannot change.
+func (w *tableWriter) rowless(e *refEntry) bool {
+	f := e.flags.Load()
+	if f&(entryGlobal|entryInTable) != 0 || e.refs.Load() > 0 {
+		return false
+	}
+	e.flags.And(^entryDirty)
+	return true
+}
+
 func (w *tableWriter) writeEntry(txn statedb.WriteTxn, e *refEntry) {
 	e.flags.And(^entryDirty)
 	if e.refs.Load() > 0 {
@@ -627,6 +698,7 @@ func (w *tableWriter) writeEntry(txn statedb.WriteTxn, e *refEntry) {
 		// the row of an older entry of the same ID that was released
 		// meanwhile.
 		w.table.Insert(txn, entryOf(e))
+		e.flags.Or(entryInTable)
 		return
 	}
 	old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
@@ -638,6 +710,7 @@ func (w *tableWriter) writeEntry(txn statedb.WriteTxn, e *refEntry) {
 		w.table.Insert(txn, Entry{Identity: &e.ident, Source: SourceGlobal})
 	case hadOld:
 		w.table.Delete(txn, old)
+		e.flags.And(^entryInTable)
 	}
 }
 

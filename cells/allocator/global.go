@@ -198,6 +198,17 @@ func (g *globalRefs) lookupByID(id identity.NumericIdentity) *refEntry {
 	return g.byID[id]
 }
 
+// entry returns the table entry of a held id, read under the lock as
+// entries reads it.
+func (g *globalRefs) entry(id identity.NumericIdentity) (Entry, bool) {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	if e := g.byID[id]; e != nil {
+		return entryOf(e), true
+	}
+	return Entry{}, false
+}
+
 func (g *globalRefs) entries(fn func(*refEntry)) {
 	g.mu.RLock()
 	defer g.mu.RUnlock()

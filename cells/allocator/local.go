@@ -24,7 +24,7 @@ type refEntry struct {
 	// and non-final releases never block each other.
 	refs atomic.Int32
 	// flags holds the entry's flag bits (entryGlobal, entryRestored,
-	// entryDirty) in one word: with separate fields the entry would not
+	// entryDirty, entryInTable) in one word: with separate fields the entry would not
 	// fit the 48-byte size class.
 	flags atomic.Uint32
 	// hash is the label set's hash in a local scope's index.
@@ -40,6 +40,11 @@ const (
 	// entryDirty is set while the entry waits for the identities table,
 	// so that a hot identity is queued for the table once.
 	entryDirty
+	// entryInTable is set once the table writer wrote a row from the
+	// entry: a released entry without it has no row to delete, and the
+	// writer passes it over without a transaction. It is only set and
+	// cleared by the writer.
+	entryInTable
 )
 
 func (e *refEntry) global() bool   { return e.flags.Load()&entryGlobal != 0 }
@@ -188,23 +193,26 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 	}
 	size := uint64(s.max-s.min) + 1
 	if uint64(s.byID.n) < size {
-		c := s.next
-		for range size {
-			if c > s.max || c < s.min {
-				c = s.min
-			}
-			id := identity.NumericIdentity(s.scope) | c
-			c++
-			if s.byID.get(id) != nil {
-				continue
-			}
-			if len(s.withheld) > 0 {
-				if _, held := s.withheld[id]; held {
-					continue
+		// From next to the top, then from the bottom: the table skips
+		// what is full, so a search costs what the held identities
+		// around next cost, however far the counter went before.
+		start := min(max(s.next, s.min), s.max+1)
+		for _, r := range [2][2]identity.NumericIdentity{{start, s.max}, {s.min, start - 1}} {
+			for c := r[0]; c <= r[1]; c++ {
+				free, ok := s.byID.firstFree(c, r[1])
+				if !ok {
+					break
 				}
+				id := identity.NumericIdentity(s.scope) | free
+				c = free
+				if len(s.withheld) > 0 {
+					if _, held := s.withheld[id]; held {
+						continue
+					}
+				}
+				s.next = free + 1
+				return id, nil
 			}
-			s.next = c
-			return id, nil
 		}
 		// Every free ID is withheld: claiming one beats failing, but
 		// the restart that withheld it may now lose its number.
@@ -261,6 +269,17 @@ func (s *localScope) lookupByID(id identity.NumericIdentity) *refEntry {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return s.byID.get(id)
+}
+
+// entry returns the table entry of id, read under the lock as List reads
+// it.
+func (s *localScope) entry(id identity.NumericIdentity) (Entry, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if e := s.byID.get(id); e != nil {
+		return entryOf(e), true
+	}
+	return Entry{}, false
 }
 
 func (s *localScope) withhold(ids []identity.NumericIdentity) {
