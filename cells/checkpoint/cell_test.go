@@ -2,6 +2,7 @@ package checkpoint_test
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -96,7 +97,8 @@ func TestFinalWriteOnStop(t *testing.T) {
 
 // TestHookOrder checks that the changes a user of the allocator makes in
 // its own stop hook are in the final checkpoint, even though the user is
-// listed (and so constructed) before the checkpoint cell.
+// listed (and so constructed) before the checkpoint cell, except that an
+// identity released there keeps its place: the next start restores it.
 func TestHookOrder(t *testing.T) {
 	dir := t.TempDir()
 	log := hivetest.Logger(t)
@@ -124,11 +126,110 @@ func TestHookOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := fileIdentities(t, dir)
-	if _, ok := got[early.ID]; ok {
-		t.Errorf("identity %d released in a stop hook is still in the checkpoint", early.ID)
+	if got[early.ID] != early.Labels.String() {
+		t.Errorf("identity %d released in a stop hook is not kept in the checkpoint: %v", early.ID, got)
 	}
-	if got[late.ID] != late.Labels.String() || len(got) != 1 {
-		t.Errorf("checkpoint holds %v, want only %d %s allocated in a stop hook", got, late.ID, late.Labels)
+	if got[late.ID] != late.Labels.String() || len(got) != 2 {
+		t.Errorf("checkpoint holds %v, want %d %s allocated in a stop hook besides %d", got, late.ID, late.Labels, early.ID)
+	}
+}
+
+// TestReleasesInStopHooksKeepNumbers runs a user of the allocator that
+// releases all its local identities in its stop hook, as an agent that
+// cleans up on the way down does: the final checkpoint still holds them,
+// so the next start gives them their numbers back. A label set allocated
+// again under another number during the stop is kept only under that one.
+func TestReleasesInStopHooksKeepNumbers(t *testing.T) {
+	dir := t.TempDir()
+	log := hivetest.Logger(t)
+	var held []*identity.Identity
+	var again *identity.Identity
+	user := cell.Invoke(func(lc cell.Lifecycle, a allocator.Allocator) {
+		lc.Append(cell.Hook{
+			OnStart: func(ctx cell.HookContext) error {
+				for i := range 20 {
+					id, _, err := a.Allocate(ctx, cidr(fmt.Sprintf("10.%d.0.0/16", i)))
+					if err != nil {
+						return err
+					}
+					held = append(held, id)
+				}
+				return nil
+			},
+			OnStop: func(ctx cell.HookContext) (err error) {
+				for _, id := range held {
+					if _, err := a.Release(ctx, id); err != nil {
+						return err
+					}
+				}
+				// The first label set comes back under a new number.
+				again, _, err = a.Allocate(ctx, held[0].Labels)
+				return err
+			},
+		})
+	})
+	h, _, _ := newHive(t, dir, time.Hour, user)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Stop(log, context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	got := fileIdentities(t, dir)
+	if again.ID == held[0].ID {
+		t.Fatalf("the label set released and allocated again kept its number %d; the test needs a new one", again.ID)
+	}
+	if got[again.ID] != again.Labels.String() {
+		t.Errorf("the identity allocated in the stop hook is missing: %v", got)
+	}
+	if _, ok := got[held[0].ID]; ok {
+		t.Errorf("label set %s is in the checkpoint under two numbers: %v", held[0].Labels, got)
+	}
+	for _, id := range held[1:] {
+		if got[id.ID] != id.Labels.String() {
+			t.Errorf("identity %d %s released in the stop hook is not in the final checkpoint", id.ID, id.Labels)
+		}
+	}
+	if len(got) != len(held) {
+		t.Errorf("checkpoint holds %d identities, want %d", len(got), len(held))
+	}
+
+	// The next start, with the same user, gets the numbers back.
+	var restored []*identity.Identity
+	loader := cell.Invoke(func(lc cell.Lifecycle, c *checkpoint.Checkpoint, a allocator.Allocator) {
+		lc.Append(cell.Hook{OnStart: func(ctx cell.HookContext) error {
+			res, err := c.Load()
+			if err != nil {
+				return err
+			}
+			reqs := make([]allocator.Request, len(res.Identities))
+			for i, id := range res.Identities {
+				reqs[i] = allocator.Request{Labels: id.Labels, OldID: id.ID, Restored: true}
+			}
+			for _, r := range a.AllocateBatch(ctx, reqs) {
+				if r.Err != nil {
+					return r.Err
+				}
+			}
+			for _, id := range held[1:] {
+				got, _, err := a.Allocate(ctx, id.Labels)
+				if err != nil {
+					return err
+				}
+				restored = append(restored, got)
+			}
+			return nil
+		}})
+	})
+	h2, _, _ := newHive(t, dir, time.Hour, loader)
+	if err := h2.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	defer h2.Stop(log, context.Background())
+	for i, id := range held[1:] {
+		if restored[i].ID != id.ID {
+			t.Errorf("%s got %d after the restart, had %d", id.Labels, restored[i].ID, id.ID)
+		}
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
 )
 
 // Checkpoint keeps the checkpoint file in step with the allocator's local
@@ -63,6 +64,9 @@ type Checkpoint struct {
 	// megabytes, and a fresh buffer each interval only feeds the GC.
 	buf    []byte
 	status Status
+	// atStop holds the local identities live when the hive's stop began
+	// (see stopSnapshot); nil until then.
+	atStop []*identity.Identity
 	// blocked holds the error that forbids writing: a bad file that
 	// could not be kept aside must not be overwritten.
 	blocked error
@@ -106,6 +110,7 @@ func (c *Checkpoint) attach(a allocator.Allocator, lc cell.Lifecycle) {
 		return
 	}
 	c.alloc = a
+	lc.Append(stopSnapshot{c})
 	lc.Append(c)
 	// Appended after the checkpoint's own hook, the trigger loop stops
 	// before the final write, which thus never races with it.
@@ -142,6 +147,56 @@ func (c *Checkpoint) Stop(cell.HookContext) error {
 		return fmt.Errorf("final checkpoint: %w", err)
 	}
 	return nil
+}
+
+// stopSnapshot is the checkpoint's pre-stop hook, which hive runs before
+// every normal stop hook whatever the order of the cells: it takes the
+// local identities that are live when the stop begins.
+type stopSnapshot struct{ c *Checkpoint }
+
+func (stopSnapshot) Start(cell.HookContext) error { return nil }
+
+func (s stopSnapshot) Stop(cell.HookContext) error {
+	s.c.mu.Lock()
+	defer s.c.mu.Unlock()
+	if s.c.alloc != nil {
+		s.c.atStop = s.c.alloc.LocalIdentities()
+	}
+	return nil
+}
+
+// PreStopHookMarker makes hive run Stop before the normal stop hooks.
+func (stopSnapshot) PreStopHookMarker() {}
+
+// keepReleasedAtStop adds to ids the identities of atStop (live when the
+// stop began) that were released since, unless their number or label set
+// is taken by another identity now. A cell that releases its identities
+// in its stop hook would otherwise empty the final checkpoint, and every
+// local identity would get a new number at the next start; kept, they are
+// restored and, when nobody takes them up again, released after the grace
+// period.
+func keepReleasedAtStop(ids, atStop []*identity.Identity) []*identity.Identity {
+	byID := make(map[identity.NumericIdentity]struct{}, len(ids))
+	byLabels := make(map[string]struct{}, len(ids))
+	for _, id := range ids {
+		if id != nil {
+			byID[id.ID] = struct{}{}
+			byLabels[id.Labels.Canonical()] = struct{}{}
+		}
+	}
+	for _, id := range atStop {
+		if id == nil {
+			continue
+		}
+		if _, taken := byID[id.ID]; taken {
+			continue
+		}
+		if _, taken := byLabels[id.Labels.Canonical()]; taken {
+			continue
+		}
+		ids = append(ids, id)
+	}
+	return ids
 }
 
 // request marks the state dirty and wakes the trigger loop.
@@ -312,6 +367,9 @@ func (c *Checkpoint) write() (Status, error) {
 	gen := c.begun.Add(1)
 	t0 := time.Now()
 	ids := c.alloc.LocalIdentities()
+	if c.atStop != nil {
+		ids = keepReleasedAtStop(ids, c.atStop)
+	}
 	c.buf = AppendJSON(c.buf[:0], ids)
 	err := writeFile(c.path, c.buf, c.fault)
 	d := time.Since(t0)

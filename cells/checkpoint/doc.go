@@ -17,7 +17,11 @@
 // Allocator.LocalIdentities. A final write happens on stop, after every cell
 // that uses the allocator has stopped: the checkpoint attaches to the
 // allocator by decorating it, so its stop hook runs right before the
-// allocator's.
+// allocator's. A pre-stop hook, which hive runs before every normal stop
+// hook, notes the local identities live when the stop begins; the final
+// write keeps those that other cells' stop hooks released since (unless
+// their number or label set was taken again), so that releasing on the way
+// down does not renumber them at the next start.
 //
 // Every write is atomic and durable: a temporary file beside the target,
 // fsync, rename, fsync of the directory; mode 0600.
