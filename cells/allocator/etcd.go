@@ -402,6 +402,10 @@ const (
 	// "/" in sources), none of this label set's: create again, comparing
 	// that nothing under the prefix changed since revision rev.
 	outForeign
+	// outAdoptScanned: at revision rev every reference of the label set
+	// named id, and keys of other label sets share its prefix: adopt id,
+	// comparing that nothing under the prefix changed since.
+	outAdoptScanned
 )
 
 type attempt struct {
@@ -421,8 +425,10 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 	hint, _ := b.cachedID(key)
 	var conflicts, transient, waits int
 	// foreignRev is set once the label set's reference prefix is known to
-	// hold keys of other label sets only (see outForeign).
-	var foreignRev int64
+	// hold keys of other label sets only (see outForeign); adoptRev while
+	// hint is the ID all its references named at that revision (see
+	// outAdoptScanned).
+	var foreignRev, adoptRev int64
 	for {
 		if err := ctx.Err(); err != nil {
 			return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
@@ -432,7 +438,7 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 			err error
 		)
 		if hint != 0 {
-			a, err = b.adopt(ctx, key, hint)
+			a, err = b.adopt(ctx, key, hint, adoptRev)
 		} else {
 			a, err = b.create(ctx, key, lbls, foreignRev)
 		}
@@ -456,7 +462,10 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 		case outDone:
 			return a.id, a.created, nil
 		case outAdopt:
-			hint = a.id
+			hint, adoptRev = a.id, 0
+			continue
+		case outAdoptScanned:
+			hint, adoptRev = a.id, a.rev
 			continue
 		case outLocked:
 			// Cilium's lock is held for one allocation; it is not a
@@ -465,12 +474,12 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 			sleep(ctx, backoff(min(waits, 6)))
 			continue
 		case outWait:
-			hint = 0
+			hint, adoptRev = 0, 0
 			sleep(ctx, backoff(conflicts+1))
 		case outNewID:
-			hint = 0
+			hint, adoptRev = 0, 0
 		case outForeign:
-			hint, foreignRev = 0, a.rev
+			hint, adoptRev, foreignRev = 0, 0, a.rev
 		}
 		if conflicts++; conflicts > maxConflicts {
 			return 0, false, fmt.Errorf("%w: %s after %d attempts", ErrAllocationConflict, key, conflicts)
@@ -714,31 +723,55 @@ func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, p
 }
 
 // adopt writes this node's reference to id, provided id's master key still
-// holds the label set.
-func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.NumericIdentity) (attempt, error) {
+// holds the label set and no node references the label set under another
+// ID. A label set can have two master keys (a create that reached etcd
+// after the last reference to the first one was released), so a master key
+// that holds the label set does not make its ID the label set's: without
+// the second compare, nodes whose caches picked different master keys
+// would use two IDs for it at once.
+//
+// scannedAt is 0, or a revision at which every reference of the label set
+// named id and the prefix also held keys of other label sets (see
+// outForeign), which fail the compare that every key under the prefix
+// names id; the compare is then that nothing under it changed since.
+func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
 	cli, lease, err := b.writer(ctx)
 	if err != nil {
 		return attempt{}, err
 	}
 	defer b.writeMu.RUnlock()
-	master := masterKey(id)
+	master, refs := masterKey(id), referencePrefix(key)
+	end := clientv3.GetPrefixRangeEnd(refs)
+	holds := clientv3.Compare(clientv3.Value(master), "=", key)
+	agree := clientv3.Compare(clientv3.Value(refs), "=", id.String()).WithRange(end)
+	if scannedAt != 0 {
+		agree = clientv3.Compare(clientv3.ModRevision(refs), "<", scannedAt+1).WithRange(end)
+	}
+	put := clientv3.OpPut(refs+b.node, id.String(), clientv3.WithLease(lease))
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
+	// A value compare over an empty range fails, so a label set nobody
+	// references is the nested transaction's case.
 	resp, err := cli.Txn(rctx).
-		If(clientv3.Compare(clientv3.Value(master), "=", key)).
-		Then(clientv3.OpPut(referencePrefix(key)+b.node, id.String(), clientv3.WithLease(lease))).
-		Else(clientv3.OpGet(master)).
+		If(holds, agree).
+		Then(put).
+		Else(clientv3.OpTxn(
+			[]clientv3.Cmp{holds, clientv3.Compare(clientv3.CreateRevision(refs), "=", 0).WithRange(end)},
+			[]clientv3.Op{put},
+			[]clientv3.Op{clientv3.OpGet(master), clientv3.OpGet(refs, clientv3.WithRange(end), clientv3.WithLimit(1))},
+		)).
 		Commit()
 	if err != nil {
 		return attempt{}, err
 	}
-	if resp.Succeeded {
+	nested := resp.Responses[0].GetResponseTxn()
+	if resp.Succeeded || nested.GetSucceeded() {
 		b.pool.Remove(idpool.ID(id))
 		b.hold(key, id, resp.Header.GetRevision())
 		return attempt{out: outDone, id: id}, nil
 	}
-	kvs := resp.Responses[0].GetResponseRange().GetKvs()
-	if len(kvs) > 0 && referenceBase(string(kvs[0].Value)) == referenceBase(key) {
+	kvs := nested.Responses[0].GetResponseRange().GetKvs()
+	if len(kvs) > 0 && string(kvs[0].Value) != key && referenceBase(string(kvs[0].Value)) == referenceBase(key) {
 		// Another label string that cleans to the same key (x//y and
 		// x/./y) owns the references this node would share: neither
 		// Cilium's layout nor any other can tell the two apart.
@@ -751,8 +784,60 @@ func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.Numeric
 		// expires. Either way the next create attempt tells.
 		return attempt{out: outWait}, nil
 	}
-	// The ID belongs to another label set now (a stale cache entry).
-	return attempt{out: outNewID}, nil
+	if string(kvs[0].Value) != key {
+		// The ID belongs to another label set now (a stale cache entry).
+		return attempt{out: outNewID}, nil
+	}
+	// The master key holds the label set, but its references name
+	// another ID, or keys of other label sets share the prefix.
+	refKVs := nested.Responses[1].GetResponseRange().GetKvs()
+	if len(refKVs) > 0 && isReferenceOf(refKVs[0].Key, refs) && string(refKVs[0].Value) != id.String() {
+		refID, err := identity.ParseNumericIdentity(string(refKVs[0].Value))
+		if err != nil || refID == identity.InvalidIdentity {
+			return attempt{}, fmt.Errorf("reference key %s holds %q, not a numeric identity", refKVs[0].Key, refKVs[0].Value)
+		}
+		return attempt{out: outAdopt, id: refID}, nil
+	}
+	ids, rev, err := b.scanReferences(ctx, cli, refs)
+	if err != nil {
+		return attempt{}, err
+	}
+	switch len(ids) {
+	case 0:
+		return attempt{out: outForeign, rev: rev}, nil
+	case 1:
+		for only := range ids {
+			return attempt{out: outAdoptScanned, id: only, rev: rev}, nil
+		}
+	}
+	// Nodes reference the label set under several IDs (written so by
+	// racing Cilium agents, say): joining either would keep it so. Wait
+	// for the references to agree.
+	b.log.Warn("Nodes reference a global label set under several IDs; waiting for them to agree", "labels", key, "ids", ids)
+	return attempt{out: outWait}, nil
+}
+
+// scanReferences reads the label set's references under prefix and
+// returns the IDs they name, with the revision of the read.
+func (b *EtcdBackend) scanReferences(ctx context.Context, cli *clientv3.Client, prefix string) (map[identity.NumericIdentity]int, int64, error) {
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Get(rctx, prefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, 0, err
+	}
+	ids := map[identity.NumericIdentity]int{}
+	for _, kv := range resp.Kvs {
+		if !isReferenceOf(kv.Key, prefix) {
+			continue
+		}
+		id, err := identity.ParseNumericIdentity(string(kv.Value))
+		if err != nil || id == identity.InvalidIdentity {
+			return nil, 0, fmt.Errorf("reference key %s holds %q, not a numeric identity", kv.Key, kv.Value)
+		}
+		ids[id]++
+	}
+	return ids, resp.Header.GetRevision(), nil
 }
 
 // writer returns the client and the lease to write with, holding

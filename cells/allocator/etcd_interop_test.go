@@ -687,3 +687,55 @@ func TestEtcdClusterMismatchRefused(t *testing.T) {
 		t.Fatalf("cluster 3 on a fresh etcd: %v", err)
 	}
 }
+
+// TestEtcdDuplicateMasterKeys gives a label set two master keys, as a
+// create that reaches etcd after the last reference to the first one was
+// released does: a node whose cache knows the unreferenced one must adopt
+// the ID that nodes reference, never use a second ID for the label set.
+func TestEtcdDuplicateMasterKeys(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=twice")
+	key := l.Canonical()
+	const unreferenced, referenced = 40000, 40001
+
+	// The node's cache learns the unreferenced master key first.
+	if _, err := cli.Put(ctx, masterKey(unreferenced), key); err != nil {
+		t.Fatal(err)
+	}
+	n1 := startEtcdNode(t, c, "node1")
+	other := newCiliumWriter(t, cli, "other", referenced)
+	if got := other.allocate(t, key); got != referenced {
+		// The writer found no reference and created the next ID.
+		t.Fatalf("other node got %d", got)
+	}
+	eventually(t, "node1's cache knows both master keys", func() bool {
+		_, ok := n1.backend.lookupLabels(referenced)
+		return ok
+	})
+	if id, _ := n1.backend.cachedID(key); id != unreferenced {
+		t.Fatalf("the cache maps the label set to %d; the test needs the unreferenced %d", id, unreferenced)
+	}
+
+	got, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.ID != referenced {
+		t.Fatalf("node1 uses %d for the label set while another node references %d", got.ID, referenced)
+	}
+
+	// With keys of a longer label set under the prefix too.
+	if _, err := cli.Put(ctx, referencePrefix(key)+"src:b=y;/other", "40002"); err != nil {
+		t.Fatal(err)
+	}
+	n2 := startEtcdNode(t, c, "node2")
+	got2, _, err := n2.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got2.ID != referenced {
+		t.Fatalf("node2 uses %d, others %d", got2.ID, referenced)
+	}
+}
