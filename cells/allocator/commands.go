@@ -68,6 +68,10 @@ func allocateCmd(a Allocator) script.Cmd {
 func entryFor(a Allocator, id *identity.Identity) Entry {
 	for _, e := range a.List() {
 		if e.Identity.ID == id.ID {
+			// A reserved identity stands for more than its own label
+			// set (the host with any other labels): show the set that
+			// resolved to it.
+			e.Identity = id
 			return e
 		}
 	}

@@ -51,6 +51,9 @@ func newAgent(tb testing.TB, dir string, grace time.Duration, log *slog.Logger, 
 	}))
 	a.h = hive.New(cells...)
 	hive.AddConfigOverride(a.h, func(c *statedir.Config) { c.StateDir = dir })
+	// Remote nodes' label sets get remote-node-scope identities, as the
+	// tests expect (Cilium's --policy-cidr-match-mode=nodes).
+	hive.AddConfigOverride(a.h, func(c *allocator.Config) { c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes} })
 	// Never the real pinned map: each test has its own file.
 	hive.AddConfigOverride(a.h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
 	hive.AddConfigOverride(a.h, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = time.Hour })
