@@ -80,28 +80,13 @@ func LookupReservedByName(name string) *Identity {
 	return nil
 }
 
-// LookupReserved returns the reserved identity a label set resolves to, or
-// nil if it is not a reserved set. A set with reserved:host is the host
-// whatever else it holds; reserved:kube-apiserver with reserved:remote-node
-// is the kube-apiserver; otherwise only a single reserved label resolves, so
-// that workloads cannot claim a reserved identity by adding a reserved label
-// to their own.
+// LookupReserved returns the reserved identity a label set resolves to
+// whatever Cilium's options say, or nil: the rules of a ReservedResolver with
+// well-known identities off and --policy-cidr-match-mode=nodes, under which
+// no set holding reserved:remote-node (without reserved:host) is reserved.
+// Code that knows the agent's options uses a ReservedResolver instead.
 func LookupReserved(ls labels.Labels) *Identity {
-	if ls.Has(labels.LabelHost) {
-		return reserved[ReservedIdentityHost].identity
-	}
-	switch len(ls) {
-	case 1:
-		if ls[0].Source != labels.SourceReserved || ls[0].Value != "" {
-			return nil
-		}
-		if id := LookupReservedByName(ls[0].Key); id != nil && len(id.Labels) == 1 {
-			return id
-		}
-	case 2:
-		if kas := reserved[ReservedIdentityKubeAPIServer].identity; ls.Equal(kas.Labels) {
-			return kas
-		}
-	}
-	return nil
+	return alwaysReserved.LookupByLabels(ls)
 }
+
+var alwaysReserved = NewReservedResolver(ReservedConfig{PolicyCIDRMatchesNodes: true})

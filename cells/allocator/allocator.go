@@ -70,6 +70,10 @@ type identityAllocator struct {
 	remote *localScope
 	global *globalRefs
 
+	// reserved resolves reserved and well-known label sets under the
+	// configured Cilium options.
+	reserved *identity.ReservedResolver
+
 	backend GlobalBackend
 	mesh    *ClusterMesh
 	metrics *allocationMetrics
@@ -110,8 +114,9 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 		backend: backend,
 		synced:  make(chan struct{}),
 	}
+	a.reserved = identity.NewReservedResolver(cfg.ReservedConfig())
 	tw.known = a.disp.known
-	for _, r := range identity.ReservedIdentities() {
+	for _, r := range a.reserved.Identities() {
 		q.pushEvent(event{kind: ChangeUpsert, ident: r, source: SourceReserved})
 	}
 	if backend == nil {
@@ -228,7 +233,7 @@ func (a *identityAllocator) Allocate(ctx context.Context, lbls labels.Labels, op
 }
 
 func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o *allocateOptions) (*identity.Identity, bool, error) {
-	if r := identity.LookupReserved(lbls); r != nil {
+	if r := a.reserved.LookupByLabels(lbls); r != nil {
 		return r, false, nil
 	}
 	start := monotonicNow()
@@ -273,7 +278,7 @@ func (a *identityAllocator) Release(ctx context.Context, id *identity.Identity) 
 }
 
 func (a *identityAllocator) LookupByLabels(lbls labels.Labels) *identity.Identity {
-	if r := identity.LookupReserved(lbls); r != nil {
+	if r := a.reserved.LookupByLabels(lbls); r != nil {
 		return r
 	}
 	scope := identity.ScopeForLabels(lbls)
@@ -299,7 +304,7 @@ func (a *identityAllocator) LookupByLabels(lbls labels.Labels) *identity.Identit
 }
 
 func (a *identityAllocator) LookupByID(id identity.NumericIdentity) *identity.Identity {
-	if r := identity.LookupReservedByID(id); r != nil {
+	if r := a.reserved.LookupByID(id); r != nil {
 		return r
 	}
 	if s := a.scopeOf(id.Scope()); s != nil {
@@ -324,7 +329,7 @@ func (a *identityAllocator) LookupByID(id identity.NumericIdentity) *identity.Id
 
 func (a *identityAllocator) List() []Entry {
 	var out []Entry
-	for _, r := range identity.ReservedIdentities() {
+	for _, r := range a.reserved.Identities() {
 		out = append(out, Entry{Identity: r, Source: SourceReserved})
 	}
 	held := map[identity.NumericIdentity]bool{}

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -25,6 +26,20 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // with local scopes of maxLocal IDs each.
 func testAllocator(t testing.TB, maxLocal identity.NumericIdentity, handlers ...Handler) (*identityAllocator, *statedb.DB, statedb.RWTable[Entry]) {
 	t.Helper()
+	return testAllocatorWith(t, nodesConfig(), maxLocal, handlers...)
+}
+
+// nodesConfig is DefaultConfig with --policy-cidr-match-mode=nodes, under
+// which remote nodes' label sets get remote-node-scope identities.
+func nodesConfig() Config {
+	cfg := DefaultConfig
+	cfg.PolicyCIDRMatchMode = []string{PolicyCIDRMatchNodes}
+	return cfg
+}
+
+// testAllocatorWith is testAllocator with the given configuration.
+func testAllocatorWith(t testing.TB, cfg Config, maxLocal identity.NumericIdentity, handlers ...Handler) (*identityAllocator, *statedb.DB, statedb.RWTable[Entry]) {
+	t.Helper()
 	db := statedb.New()
 	table, err := NewTable(db)
 	if err != nil {
@@ -36,7 +51,7 @@ func testAllocator(t testing.TB, maxLocal identity.NumericIdentity, handlers ...
 	} else {
 		log = slog.New(slog.DiscardHandler)
 	}
-	a := newIdentityAllocator(DefaultConfig, log, db, table, nil, handlers, maxLocal)
+	a := newIdentityAllocator(cfg, log, db, table, nil, handlers, maxLocal)
 	if err := a.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +122,9 @@ func TestLocalSequentialAndRefcounts(t *testing.T) {
 }
 
 func TestReservedNoOps(t *testing.T) {
-	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	// Cilium's default --policy-cidr-match-mode, under which the reserved
+	// remote-node and kube-apiserver sets are reserved.
+	a, _, _ := testAllocatorWith(t, DefaultConfig, identity.MaxLocalIdentity)
 	for _, r := range identity.ReservedIdentities() {
 		id, allocated := mustAlloc(t, a, r.Labels)
 		if allocated || id.ID != r.ID {
@@ -122,6 +139,122 @@ func TestReservedNoOps(t *testing.T) {
 	}
 	if len(a.LocalIdentities()) != 0 {
 		t.Fatal("reserved allocations created local identities")
+	}
+}
+
+// TestPolicyCIDRMatchMode checks both settings of Cilium's
+// --policy-cidr-match-mode: without "nodes" a remote node's label set is
+// the reserved 6 (7 with reserved:kube-apiserver) with the caller's labels;
+// with "nodes" it gets a remote-node-scope identity.
+func TestPolicyCIDRMatchMode(t *testing.T) {
+	kas := labels.Merge(remoteNode("10.1.0.1"), labels.MustNew(labels.Reserved(labels.IDNameKubeAPIServer)))
+	t.Run("default", func(t *testing.T) {
+		a, _, _ := testAllocatorWith(t, DefaultConfig, identity.MaxLocalIdentity)
+		for _, tc := range []struct {
+			ls labels.Labels
+			id identity.NumericIdentity
+		}{{remoteNode("192.168.1.10"), 6}, {kas, 7}, {labels.MustNew(labels.LabelRemoteNode), 6}} {
+			id, allocated := mustAlloc(t, a, tc.ls)
+			if allocated || id.ID != tc.id || !id.Labels.Equal(tc.ls) {
+				t.Errorf("allocate %s = %s new %v, want %d with the same labels", tc.ls, id, allocated, tc.id)
+			}
+			if got := a.LookupByLabels(tc.ls); got == nil || got.ID != tc.id || !got.Labels.Equal(tc.ls) {
+				t.Errorf("LookupByLabels(%s) = %v", tc.ls, got)
+			}
+		}
+		if n := len(a.LocalIdentities()); n != 0 {
+			t.Errorf("%d local identities, want none", n)
+		}
+		if got := a.LookupByID(6); got != identity.LookupReservedByID(6) {
+			t.Errorf("LookupByID(6) = %v, want the reserved definition", got)
+		}
+	})
+	t.Run("nodes", func(t *testing.T) {
+		a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+		for i, ls := range []labels.Labels{remoteNode("192.168.1.10"), kas, labels.MustNew(labels.LabelRemoteNode)} {
+			id, allocated := mustAlloc(t, a, ls)
+			if want := identity.NumericIdentity(identity.ScopeRemoteNode) + 1 + identity.NumericIdentity(i); !allocated || id.ID != want {
+				t.Errorf("allocate %s = %s new %v, want new %d", ls, id, allocated, want)
+			}
+		}
+	})
+}
+
+// TestHostKeepsLabels checks that the host with other labels is identity 1
+// with the caller's labels, as in Cilium, in both modes.
+func TestHostKeepsLabels(t *testing.T) {
+	ls := labels.MustParse("reserved:host", "k8s:node-role=worker", "reserved:remote-node")
+	for _, cfg := range []Config{DefaultConfig, nodesConfig()} {
+		a, _, _ := testAllocatorWith(t, cfg, identity.MaxLocalIdentity)
+		id, allocated := mustAlloc(t, a, ls)
+		if allocated || id.ID != identity.ReservedIdentityHost || !id.Labels.Equal(ls) {
+			t.Errorf("mode %v: allocate %s = %s new %v, want 1 with the same labels", cfg.PolicyCIDRMatchMode, ls, id, allocated)
+		}
+	}
+}
+
+// TestWellKnownIdentities checks --enable-well-known-identities: on, the
+// kube-dns set is 102 without allocation and 100..115 are known by ID and
+// listed; off, the set is global and 102 is unknown.
+func TestWellKnownIdentities(t *testing.T) {
+	dns := labels.MustParse("k8s:k8s-app=kube-dns", "k8s:io.kubernetes.pod.namespace=kube-system",
+		"k8s:io.cilium.k8s.policy.serviceaccount=kube-dns", "k8s:io.cilium.k8s.policy.cluster=c1")
+	cfg := DefaultConfig
+	cfg.ClusterName = "c1"
+	cfg.EnableWellKnownIdentities = true
+	a, _, _ := testAllocatorWith(t, cfg, identity.MaxLocalIdentity)
+	id, allocated := mustAlloc(t, a, dns)
+	if allocated || id.ID != identity.WellKnownKubeDNS || !id.Labels.Equal(dns) {
+		t.Fatalf("allocate kube-dns = %s new %v, want 102", id, allocated)
+	}
+	if released, err := a.Release(context.Background(), id); released || err != nil {
+		t.Errorf("release of 102 = %v, %v", released, err)
+	}
+	if got := a.LookupByID(102); got == nil || !got.Labels.Equal(dns) {
+		t.Errorf("LookupByID(102) = %v", got)
+	}
+	if got := a.LookupByLabels(dns); got == nil || got.ID != 102 {
+		t.Errorf("LookupByLabels(kube-dns) = %v", got)
+	}
+	var listed []identity.NumericIdentity
+	for _, e := range a.List() {
+		if e.Identity.ID >= 100 && e.Identity.ID <= 115 && e.Source == SourceReserved {
+			listed = append(listed, e.Identity.ID)
+		}
+	}
+	if len(listed) != 16 {
+		t.Errorf("listed well-known identities %v, want 100..115", listed)
+	}
+
+	cfg.EnableWellKnownIdentities = false
+	off, _, _ := testAllocatorWith(t, cfg, identity.MaxLocalIdentity)
+	if _, _, err := off.Allocate(context.Background(), dns); !errors.Is(err, ErrNoGlobalBackend) {
+		t.Errorf("kube-dns without well-known identities: %v, want a global allocation", err)
+	}
+	if got := off.LookupByID(102); got != nil {
+		t.Errorf("LookupByID(102) without well-known identities = %v", got)
+	}
+}
+
+func TestConfigPolicyCIDRMatchMode(t *testing.T) {
+	cfg := DefaultConfig
+	for _, mode := range [][]string{{"pods"}, {"nodes", "x"}, {""}} {
+		cfg.PolicyCIDRMatchMode = mode
+		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "policy-cidr-match-mode") {
+			t.Errorf("mode %q: %v, want an error", mode, err)
+		}
+	}
+	for _, mode := range [][]string{nil, {"nodes"}} {
+		cfg.PolicyCIDRMatchMode = mode
+		if err := cfg.Validate(); err != nil {
+			t.Errorf("mode %q: %v", mode, err)
+		}
+	}
+	if !nodesConfig().ReservedConfig().PolicyCIDRMatchesNodes || DefaultConfig.ReservedConfig().PolicyCIDRMatchesNodes {
+		t.Error("ReservedConfig")
+	}
+	if DefaultConfig.EnableWellKnownIdentities || DefaultConfig.K8sNamespace != "kube-system" {
+		t.Error("defaults: well-known identities must be off and the namespace kube-system")
 	}
 }
 

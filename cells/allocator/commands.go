@@ -111,6 +111,10 @@ func entryFor(a Allocator, id *identity.Identity) Entry {
 	// Another implementation of Allocator: only List knows.
 	for _, e := range a.List() {
 		if e.Identity.ID == id.ID {
+			// A reserved identity stands for more than its own label
+			// set (the host with any other labels): show the set that
+			// resolved to it.
+			e.Identity = id
 			return e
 		}
 	}

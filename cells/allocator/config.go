@@ -3,6 +3,7 @@ package allocator
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -21,7 +22,23 @@ type Config struct {
 	// IdentityAllocationTimeout bounds every allocator call that may wait
 	// on the kvstore.
 	IdentityAllocationTimeout time.Duration
+	// EnableWellKnownIdentities gives the label sets of kube-dns, CoreDNS,
+	// cilium-operator and Cilium's etcd their fixed identities 100..115
+	// (Cilium's --enable-well-known-identities).
+	EnableWellKnownIdentities bool
+	// K8sNamespace is Cilium's namespace, in the well-known label sets of
+	// Cilium's own components (Cilium's --k8s-namespace).
+	K8sNamespace string
+	// PolicyCIDRMatchMode lists what CIDR policies may select beyond
+	// world: "nodes" gives remote nodes' label sets remote-node-scope
+	// identities instead of the reserved 6 and 7 (Cilium's
+	// --policy-cidr-match-mode).
+	PolicyCIDRMatchMode []string
 }
+
+// PolicyCIDRMatchNodes is the --policy-cidr-match-mode value under which
+// CIDR policies select nodes.
+const PolicyCIDRMatchNodes = "nodes"
 
 // DefaultConfig is the default configuration.
 var DefaultConfig = Config{
@@ -29,6 +46,10 @@ var DefaultConfig = Config{
 	ClusterName:               identity.DefaultClusterName,
 	MaxConnectedClusters:      identity.MaxConnectedClusters255,
 	IdentityAllocationTimeout: 2 * time.Minute,
+	// Off as in Cilium's Helm chart (wellKnownIdentities.enabled=false),
+	// although the agent's own flag defaults to on.
+	EnableWellKnownIdentities: false,
+	K8sNamespace:              identity.DefaultCiliumNamespace,
 }
 
 // Flags registers the allocator's flags.
@@ -37,6 +58,20 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("cluster-name", def.ClusterName, "Name of this cluster; must not be \"default\" when --cluster-id is non-zero")
 	flags.Uint32("max-connected-clusters", def.MaxConnectedClusters, "Largest number of clusters in the mesh: 255 or 511 (changes the global identity ranges)")
 	flags.Duration("identity-allocation-timeout", def.IdentityAllocationTimeout, "Bound on every identity allocation or release that waits for the kvstore")
+	flags.Bool("enable-well-known-identities", def.EnableWellKnownIdentities, "Give kube-dns, CoreDNS, cilium-operator and Cilium's etcd their fixed identities 100..115, as Cilium's option of that name (Cilium's Helm chart turns it off)")
+	flags.String("k8s-namespace", def.K8sNamespace, "Namespace Cilium runs in, as Cilium's option of that name; part of the well-known label sets of Cilium's components")
+	flags.StringSlice("policy-cidr-match-mode", def.PolicyCIDRMatchMode, "What CIDR policies may select besides world, as Cilium's option of that name: \"nodes\" gives remote nodes' label sets remote-node-scope identities instead of the reserved 6 and 7")
+}
+
+// ReservedConfig returns the options that decide which label sets are
+// reserved or well-known.
+func (c Config) ReservedConfig() identity.ReservedConfig {
+	return identity.ReservedConfig{
+		WellKnown:              c.EnableWellKnownIdentities,
+		ClusterName:            c.ClusterName,
+		CiliumNamespace:        c.K8sNamespace,
+		PolicyCIDRMatchesNodes: slices.Contains(c.PolicyCIDRMatchMode, PolicyCIDRMatchNodes),
+	}
 }
 
 // ClusterInfo returns the cluster part of the configuration.
@@ -51,6 +86,11 @@ func (c Config) Validate() error {
 	}
 	if c.IdentityAllocationTimeout <= 0 {
 		return errors.New("--identity-allocation-timeout must be positive")
+	}
+	for _, mode := range c.PolicyCIDRMatchMode {
+		if mode != PolicyCIDRMatchNodes {
+			return fmt.Errorf("invalid --policy-cidr-match-mode %q: the only mode is %q", mode, PolicyCIDRMatchNodes)
+		}
 	}
 	return nil
 }

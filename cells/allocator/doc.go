@@ -4,8 +4,10 @@
 //
 // # What it does
 //
-//   - Reserved label sets (identity.LookupReserved) resolve to their fixed
-//     identity without allocation; releasing one is a no-op.
+//   - Reserved label sets resolve to their fixed identity without
+//     allocation, by the rules of identity.ReservedResolver under the
+//     Config's Cilium options (--enable-well-known-identities,
+//     --policy-cidr-match-mode); releasing one is a no-op.
 //   - Node-local and remote-node label sets (identity.ScopeForLabels) are
 //     numbered in memory, sequentially with wrap-around from 0x01000001 and
 //     0x02000001. A requested old ID (WithOldID) is honoured when it is in

@@ -270,6 +270,7 @@ func TestScript(t *testing.T) {
 				job.Cell, statedb.Cell, allocator.Cell,
 				cell.DecorateAll(func(allocator.GlobalBackend) allocator.GlobalBackend { return store.NewBackend("node1") }),
 			)
+			scriptengine.ParseFlags(t, h, args)
 			return scriptengine.New(t, h)
 		}, nil, "testdata/*.txtar")
 }

@@ -28,6 +28,7 @@ func TestScript(t *testing.T) {
 			dir := t.TempDir()
 			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 			hive.AddConfigOverride(h, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = time.Hour })
+			scriptengine.ParseFlags(t, h, args)
 			return scriptengine.New(t, h)
 		}, nil, "testdata/*.txtar")
 }

@@ -46,6 +46,9 @@ func newNode(t testing.TB, cfg func(*ipcache.Config), extra ...cell.Cell) *node 
 	}
 	n.hive = hive.New(append(cells, extra...)...)
 	hive.AddConfigOverride(n.hive, func(c *statedir.Config) { c.StateDir = n.dir })
+	// Remote nodes' label sets get remote-node-scope identities, as the
+	// tests expect (Cilium's --policy-cidr-match-mode=nodes).
+	hive.AddConfigOverride(n.hive, func(c *allocator.Config) { c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes} })
 	hive.AddConfigOverride(n.hive, func(c *ipcache.Config) {
 		c.IPCacheMap = string(ipcachemap.KindFile)
 		if cfg != nil {

@@ -38,6 +38,9 @@ func TestScript(t *testing.T) {
 				}),
 			)
 			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+			// Remote nodes' label sets get remote-node-scope identities, as the
+			// tests expect (Cilium's --policy-cidr-match-mode=nodes).
+			hive.AddConfigOverride(h, func(c *allocator.Config) { c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes} })
 			hive.AddConfigOverride(h, func(c *ipcache.Config) {
 				c.IPCacheMap = string(ipcachemap.KindFile)
 				for _, a := range args {

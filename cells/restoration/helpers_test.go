@@ -37,6 +37,14 @@ type agent struct {
 // newAgent builds the hive; extra cells are appended after restoration.Cell
 // unless before is set.
 func newAgent(tb testing.TB, dir string, grace time.Duration, log *slog.Logger, extra ...cell.Cell) *agent {
+	// Remote nodes' label sets get remote-node-scope identities, as the
+	// tests expect (Cilium's --policy-cidr-match-mode=nodes).
+	nodes := func(c *allocator.Config) { c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes} }
+	return newAgentWith(tb, dir, grace, log, nodes, extra...)
+}
+
+// newAgentWith is newAgent with the allocator's configuration set by cfg.
+func newAgentWith(tb testing.TB, dir string, grace time.Duration, log *slog.Logger, cfg func(*allocator.Config), extra ...cell.Cell) *agent {
 	a := &agent{log: log}
 	if a.log == nil {
 		a.log = hivetest.Logger(tb)
@@ -51,6 +59,7 @@ func newAgent(tb testing.TB, dir string, grace time.Duration, log *slog.Logger, 
 	}))
 	a.h = hive.New(cells...)
 	hive.AddConfigOverride(a.h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(a.h, cfg)
 	// Never the real pinned map: each test has its own file.
 	hive.AddConfigOverride(a.h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
 	hive.AddConfigOverride(a.h, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = time.Hour })

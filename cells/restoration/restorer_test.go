@@ -395,3 +395,31 @@ func TestCiliumCheckpoint(t *testing.T) {
 		t.Fatalf("counters: %+v", c)
 	}
 }
+
+// TestCheckpointFromNodesMode reads a checkpoint written under
+// --policy-cidr-match-mode=nodes without that mode, as Cilium does: the
+// remote-node-scope entry's label set is the reserved remote-node identity
+// now, and its old number is not re-created.
+func TestCheckpointFromNodesMode(t *testing.T) {
+	dir := t.TempDir()
+	data := `[{"labels":{"remote-node":{"source":"reserved","key":"remote-node"},"192.168.1.10/32":{"source":"cidr","key":"192.168.1.10/32"}},"id":33554433},` +
+		`{"labels":{"world":{"source":"reserved","key":"world"},"10.0.0.0/8":{"source":"cidr","key":"10.0.0.0/8"}},"id":16777217}]` + "\n"
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.FileName), []byte(data), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := newAgentWith(t, dir, time.Hour, nil, func(c *allocator.Config) { c.PolicyCIDRMatchMode = nil })
+	a.start(t)
+	defer a.stop(t)
+	if id := a.alloc.LookupByLabels(mustLabels("cidr:192.168.1.10/32", "reserved:remote-node")); id == nil || id.ID != identity.ReservedIdentityRemoteNode {
+		t.Fatalf("remote node's set resolves to %v, want 6", id)
+	}
+	if id := a.alloc.LookupByID(33554433); id != nil {
+		t.Fatalf("old remote-node-scope number still stands for %v", id)
+	}
+	if id := a.alloc.LookupByID(16777217); id == nil {
+		t.Fatal("the node-local entry was not restored")
+	}
+	if c := a.r.Counters(); c.Restored != 1 || c.Renumbered != 1 {
+		t.Fatalf("counters: %+v, want 1 restored and 1 renumbered", c)
+	}
+}

@@ -99,6 +99,31 @@ func TestStartErrorIsOneLine(t *testing.T) {
 	}
 }
 
+// TestInvalidPolicyCIDRMatchMode: the agent refuses to start with a
+// --policy-cidr-match-mode other than Cilium's "nodes", instead of
+// numbering remote nodes by a mode it does not know.
+func TestInvalidPolicyCIDRMatchMode(t *testing.T) {
+	var out bytes.Buffer
+	cmd := agentCmd(t, "--state-dir", t.TempDir(), "--log-level", "error", "--policy-cidr-match-mode", "pods")
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(time.Minute):
+		cmd.Process.Kill()
+		<-done
+		t.Fatalf("the agent started with --policy-cidr-match-mode=pods:\n%s", out.String())
+	}
+	if err == nil || !strings.Contains(out.String(), `invalid --policy-cidr-match-mode "pods": the only mode is "nodes"`) {
+		t.Fatalf("--policy-cidr-match-mode=pods: %v %q", err, out.String())
+	}
+}
+
 // TestSignalStopsCleanly runs the agent as a process on the embedded etcd,
 // reaches it through the shell, and stops it with SIGTERM.
 func TestSignalStopsCleanly(t *testing.T) {

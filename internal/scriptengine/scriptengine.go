@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/script"
+	"github.com/spf13/pflag"
 )
 
 // New returns an engine with the commands of h, the default commands and
@@ -33,4 +34,14 @@ func New(tb testing.TB, h *hive.Hive, extra ...map[string]script.Cmd) *script.En
 		h.Stop(log, ctx)
 	})
 	return &script.Engine{Cmds: cmds, RetryInterval: 20 * time.Millisecond, MaxRetryInterval: 500 * time.Millisecond}
+}
+
+// ParseFlags applies a script's "#!" line (args) to the hive's flags, as
+// the agent's command line would.
+func ParseFlags(tb testing.TB, h *hive.Hive, args []string) {
+	flags := pflag.NewFlagSet("script", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse(args); err != nil {
+		tb.Fatalf("flags of the #! line: %v", err)
+	}
 }

@@ -62,6 +62,9 @@ func startAgent(t *testing.T) *agent {
 	dir := t.TempDir()
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
+	// Remote nodes' label sets get remote-node-scope identities, as the
+	// tests expect (Cilium's --policy-cidr-match-mode=nodes).
+	hive.AddConfigOverride(h, func(c *allocator.Config) { c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes} })
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	log := hivetest.Logger(t)
 	if err := h.Start(log, t.Context()); err != nil {
