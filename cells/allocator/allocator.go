@@ -361,7 +361,7 @@ func (a *identityAllocator) List() []Entry {
 // for it would cost each call as much as the node holds.
 func (a *identityAllocator) entry(id *identity.Identity) Entry {
 	nid := id.ID
-	if r := identity.LookupReservedByID(nid); r != nil {
+	if r := a.reserved.LookupByID(nid); r != nil {
 		return Entry{Identity: r, Source: SourceReserved}
 	}
 	if s := a.scopeOf(nid.Scope()); s != nil {

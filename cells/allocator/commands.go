@@ -106,7 +106,12 @@ type entryFinder interface {
 // entryFor finds the entry of an identity, with its reference count.
 func entryFor(a Allocator, id *identity.Identity) Entry {
 	if f, ok := a.(entryFinder); ok {
-		return f.entry(id)
+		e := f.entry(id)
+		// A reserved identity stands for more than its own label set
+		// (the host with any other labels): show the set that resolved
+		// to it.
+		e.Identity = id
+		return e
 	}
 	// Another implementation of Allocator: only List knows.
 	for _, e := range a.List() {
