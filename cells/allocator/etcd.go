@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idpool"
@@ -1114,7 +1115,7 @@ func (b *EtcdBackend) restoreOnce(ctx context.Context, held map[string]identity.
 	for range min(restoreWorkers, len(held)) {
 		wg.Go(func() {
 			for it := range work {
-				if err := b.restoreReference(ctx, cli, lease, it.key, it.id); err != nil {
+				if _, err := b.restoreReference(ctx, cli, lease, it.key, it.id); err != nil {
 					errMu.Lock()
 					firstErr = cmpErr(firstErr, err)
 					errMu.Unlock()
@@ -1137,33 +1138,98 @@ func cmpErr(first, err error) error {
 	return err
 }
 
-// restoreReference writes one reference: if the master key still holds
-// the label set, the reference alone; if the master key is gone, both.
-func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity) error {
-	master := masterKey(id)
-	ref := clientv3.OpPut(referencePrefix(key)+b.node, id.String(), clientv3.WithLease(lease))
-	rctx, cancel := b.requestContext(ctx)
-	defer cancel()
-	resp, err := cli.Txn(rctx).
-		If(clientv3.Compare(clientv3.Value(master), "=", key)).
-		Then(ref).
-		Else(clientv3.OpTxn(
-			[]clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(master), "=", 0)},
-			[]clientv3.Op{clientv3.OpPut(master, key), ref},
-			nil,
-		)).Commit()
-	if err != nil {
-		return fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
+// restoreReference writes one reference of this node, after its keys were
+// lost (the lease expired, someone deleted them): if the master key still
+// holds the label set, the reference alone; if the master key is gone,
+// both. It returns whether it wrote the reference.
+//
+// While this node's keys were gone, other nodes may have found the label
+// set unreferenced and created it again under another ID. This node's
+// local users hold the old ID and nothing can take it from them, but
+// writing the reference back would make the split visible to every node
+// that allocates the label set after, and keep it. So the write compares,
+// as adopt does, that no other node references the label set under
+// another ID; if one does, this node writes no reference (it keeps the old
+// master key from being reused while its users hold the ID), reports the
+// conflict, and its next sync writes the reference once the others are
+// gone.
+func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity) (bool, error) {
+	master, refs := masterKey(id), referencePrefix(key)
+	end := clientv3.GetPrefixRangeEnd(refs)
+	own := refs + b.node
+	ref := clientv3.OpPut(own, id.String(), clientv3.WithLease(lease))
+	for range 3 {
+		rctx, cancel := b.requestContext(ctx)
+		got, err := cli.Get(rctx, refs, clientv3.WithPrefix())
+		cancel()
+		if err != nil {
+			return false, fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
+		}
+		var other identity.NumericIdentity
+		for _, kv := range got.Kvs {
+			if string(kv.Key) == own || !isReferenceOf(kv.Key, refs) || string(kv.Value) == id.String() {
+				continue
+			}
+			if other, err = identity.ParseNumericIdentity(string(kv.Value)); err != nil || other == identity.InvalidIdentity {
+				return false, fmt.Errorf("reference key %s holds %q, not a numeric identity", kv.Key, kv.Value)
+			}
+			break
+		}
+		if other != 0 {
+			rctx, cancel = b.requestContext(ctx)
+			_, err := cli.Txn(rctx).
+				If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0)).
+				Then(clientv3.OpPut(master, key)).
+				Commit()
+			cancel()
+			b.splitConflict(key, id, other)
+			return false, err
+		}
+		// Nothing under the prefix changed since the read: no other
+		// ID was written meanwhile.
+		quiet := clientv3.Compare(clientv3.ModRevision(refs), "<", got.Header.GetRevision()+1).WithRange(end)
+		rctx, cancel = b.requestContext(ctx)
+		resp, err := cli.Txn(rctx).
+			If(clientv3.Compare(clientv3.Value(master), "=", key), quiet).
+			Then(ref).
+			Else(clientv3.OpTxn(
+				[]clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(master), "=", 0), quiet},
+				[]clientv3.Op{clientv3.OpPut(master, key), ref},
+				[]clientv3.Op{clientv3.OpGet(master)},
+			)).Commit()
+		cancel()
+		if err != nil {
+			return false, fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
+		}
+		nested := resp.Responses[0].GetResponseTxn()
+		if resp.Succeeded || nested.GetSucceeded() {
+			b.rewrote(key, id, resp.Header.GetRevision())
+			return true, nil
+		}
+		if kvs := nested.Responses[0].GetResponseRange().GetKvs(); len(kvs) > 0 && string(kvs[0].Value) != key {
+			// The ID was given to another label set while this
+			// node's keys were gone. Nothing can make both right;
+			// the node keeps using the ID until its users release it.
+			b.log.Error("Global identity this node uses now belongs to another label set", "id", id, "labels", key)
+			return false, nil
+		}
+		// References changed under the read: read again.
 	}
-	if !resp.Succeeded && !resp.Responses[0].GetResponseTxn().GetSucceeded() {
-		// The ID was given to another label set while this node's
-		// keys were gone. Nothing can make both right; the node keeps
-		// using the ID until its users release it.
-		b.log.Error("Global identity this node uses now belongs to another label set", "id", id, "labels", key)
-		return nil
+	return false, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", ErrAllocationConflict, id, key)
+}
+
+// splitConflict reports that other nodes use another ID for a label set
+// this node holds.
+func (b *EtcdBackend) splitConflict(key string, id, other identity.NumericIdentity) {
+	b.nodeStats.splits.Add(1)
+	b.conflictSeen.Store(true)
+	b.log.Error("Other nodes reference a global label set this node uses under another ID; this node's reference is not written until they release it",
+		"labels", key, "id", id, "other", other)
+	if b.health != nil {
+		// Not ready, but not dead: a restart would not end the split.
+		b.health.Degraded("A global label set this node uses has another ID on other nodes",
+			health.External(fmt.Errorf("%s: this node %d, others %d", key, id, other)))
 	}
-	b.rewrote(key, id, resp.Header.GetRevision())
-	return nil
 }
 
 // restoreMasters re-creates deleted master keys of label sets this node
@@ -1192,7 +1258,7 @@ func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 		}
 		lease, err := b.kv.Lease(ctx)
 		if err == nil {
-			err = b.restoreReference(ctx, cli, lease, key, id)
+			_, err = b.restoreReference(ctx, cli, lease, key, id)
 		}
 		if err != nil && ctx.Err() == nil {
 			b.log.Warn("Re-creating a deleted master key failed; retrying", "id", id, "error", err)
@@ -1265,10 +1331,8 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 			}
 		}
 	}
-	if !b.conflictSeen.Load() && b.health != nil {
-		b.health.OK(fmt.Sprintf("Node name %q claimed; reference keys checked", b.node))
-	}
 	if len(stale) == 0 {
+		b.reportChecked()
 		return 0, nil
 	}
 	// Writing holds writeMu so that no release of these label sets runs
@@ -1288,11 +1352,23 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 		if !still || h.rev != held[key].rev {
 			continue // released, or written again, since the check
 		}
-		if err := b.restoreReference(ctx, cli, lease, key, h.id); err != nil {
+		wrote, err := b.restoreReference(ctx, cli, lease, key, h.id)
+		if err != nil {
 			return n, err
 		}
-		b.nodeStats.rewritten.Add(1)
-		n++
+		if wrote {
+			b.nodeStats.rewritten.Add(1)
+			n++
+		}
 	}
+	b.reportChecked()
 	return n, nil
+}
+
+// reportChecked tells health that a check of this node's keys found no
+// conflict, if it found none.
+func (b *EtcdBackend) reportChecked() {
+	if !b.conflictSeen.Load() && b.health != nil {
+		b.health.OK(fmt.Sprintf("Node name %q claimed; reference keys checked", b.node))
+	}
 }

@@ -739,3 +739,70 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 		t.Fatalf("node2 uses %d, others %d", got2.ID, referenced)
 	}
 }
+
+// TestEtcdRestoreKeepsSplitOut loses a node's reference while another
+// node creates the label set again under another ID: the node does not
+// write its reference back (every later allocation would see the label set
+// under two IDs), reports it, and writes it once the other ID is gone.
+func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 0 })
+	prov := health.NewProvider()
+	n1.backend.health = prov.Root().NewScope("node-name")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=split")
+	key := l.Canonical()
+	mine, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// node1's reference is lost; another node finds the label set
+	// unreferenced and creates it with the next free ID of its own.
+	if _, err := cli.Delete(ctx, refKey(l, "node1")); err != nil {
+		t.Fatal(err)
+	}
+	other := newCiliumWriter(t, cli, "other", 45000)
+	theirs := other.allocate(t, key)
+	if theirs == mine.ID {
+		t.Fatalf("the other node adopted %d; the test needs a second ID", theirs)
+	}
+
+	n, err := n1.backend.SyncReferences(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := getValue(t, cli, refKey(l, "node1")); ok || n != 0 {
+		t.Fatalf("node1 wrote its reference to %d back (%d written) while others use %d", mine.ID, n, theirs)
+	}
+	if st := n1.backend.NodeStats(); st.SplitLabelSets != 1 {
+		t.Fatalf("stats %+v, want one split", st)
+	}
+	if ok, _ := prov.Healthy(); ok {
+		t.Fatal("health is OK while the label set has two IDs")
+	}
+	// A node that allocates the label set now gets the others' ID.
+	n3 := startEtcdNode(t, c, "node3")
+	got, _, err := n3.alloc.Allocate(ctx, l)
+	if err != nil || got.ID != theirs {
+		t.Fatalf("node3: %v, %v; others use %d", got, err, theirs)
+	}
+	if _, err := n3.alloc.Release(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+
+	// Once the other ID is released everywhere, node1 writes its
+	// reference again.
+	if _, err := cli.Delete(ctx, refKey(l, "other")); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := n1.backend.SyncReferences(ctx); err != nil || n != 1 {
+		t.Fatalf("sync after the split ended: %d, %v", n, err)
+	}
+	if v, _, ok := getValue(t, cli, refKey(l, "node1")); !ok || v != mine.ID.String() {
+		t.Fatalf("node1's reference: %q %v", v, ok)
+	}
+	if ok, bad := prov.Healthy(); !ok {
+		t.Fatalf("health after the split ended: %v", bad)
+	}
+}

@@ -62,15 +62,22 @@ type NodeStats struct {
 	// ReferencesRewritten counts reference keys of this node that were
 	// missing or changed and were written again.
 	ReferencesRewritten uint64
+	// SplitLabelSets counts references this node did not write again
+	// because other nodes reference the label set under another ID.
+	SplitLabelSets uint64
 }
 
 type nodeCounters struct {
-	conflicts, rewritten atomic.Uint64
+	conflicts, rewritten, splits atomic.Uint64
 }
 
 // NodeStats returns the counters of the node key and reference checks.
 func (b *EtcdBackend) NodeStats() NodeStats {
-	return NodeStats{NameConflicts: b.nodeStats.conflicts.Load(), ReferencesRewritten: b.nodeStats.rewritten.Load()}
+	return NodeStats{
+		NameConflicts:       b.nodeStats.conflicts.Load(),
+		ReferencesRewritten: b.nodeStats.rewritten.Load(),
+		SplitLabelSets:      b.nodeStats.splits.Load(),
+	}
 }
 
 // claimNodeName writes this node's key on its lease unless another live

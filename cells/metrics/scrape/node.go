@@ -18,7 +18,7 @@ type NodeStatser interface {
 type NodeCollector struct {
 	backend NodeStatser
 
-	conflicts, rewritten *prometheus.Desc
+	conflicts, rewritten, splits *prometheus.Desc
 }
 
 // NewNodeCollector returns a collector reading b.
@@ -32,6 +32,9 @@ func NewNodeCollector(b NodeStatser) *NodeCollector {
 		rewritten: prometheus.NewDesc(ns+"_kvstore_references_rewritten_total",
 			"Number of this node's identity reference keys found missing or changed in etcd and written again",
 			nil, nil),
+		splits: prometheus.NewDesc(ns+"_kvstore_split_label_sets_total",
+			"Number of times a reference of this node was not written again because other nodes reference its global label set under another ID",
+			nil, nil),
 	}
 }
 
@@ -39,6 +42,7 @@ func NewNodeCollector(b NodeStatser) *NodeCollector {
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.conflicts
 	ch <- c.rewritten
+	ch <- c.splits
 }
 
 // Collect implements prometheus.Collector.
@@ -46,4 +50,5 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.backend.NodeStats()
 	ch <- prometheus.MustNewConstMetric(c.conflicts, prometheus.CounterValue, float64(st.NameConflicts))
 	ch <- prometheus.MustNewConstMetric(c.rewritten, prometheus.CounterValue, float64(st.ReferencesRewritten))
+	ch <- prometheus.MustNewConstMetric(c.splits, prometheus.CounterValue, float64(st.SplitLabelSets))
 }
