@@ -448,9 +448,9 @@ func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
 	}
 }
 
-// startNodeErr starts a node that is expected to fail, and returns the
-// start error.
-func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string) error {
+// startNodeErr starts a node that is expected to fail, with the cluster
+// set by cluster (nil: cluster 0, "default"), and returns the start error.
+func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string, cluster func(*Config)) error {
 	t.Helper()
 	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
 		cell.Invoke(func(Allocator) {}))
@@ -461,6 +461,9 @@ func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string) error {
 		cfg.NodeName = name
 		cfg.KVStoreRequestTimeout = 5 * time.Second
 	})
+	if cluster != nil {
+		hive.AddConfigOverride(h, cluster)
+	}
 	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
 	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
 	// A failed start leaves the hooks that ran started, as hive.Run's
@@ -489,7 +492,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
 	n1 := startEtcdNode(t, c, "shared")
-	err := startNodeErr(t, c, "shared")
+	err := startNodeErr(t, c, "shared", nil)
 	if !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), n1.backend.claim.Instance) {
 		t.Fatalf("second agent with the same node name: %v", err)
 	}
@@ -508,7 +511,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 	// An agent on another host holds the name: refused.
 	host, _ := os.Hostname()
 	putClaim(t, cli, "remote", nodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()})
-	if err := startNodeErr(t, c, "remote"); !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "-elsewhere") {
+	if err := startNodeErr(t, c, "remote", nil); !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "-elsewhere") {
 		t.Fatalf("name held on another host: %v", err)
 	}
 
@@ -623,23 +626,8 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	}
 }
 
-// startClusterNodeErr starts a node of the given cluster and returns the
-// start error.
-func startClusterNodeErr(t *testing.T, c *etcdtest.Cluster, name string, id uint32, cluster string) error {
-	t.Helper()
-	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
-		cell.Invoke(func(Allocator) {}))
-	stateDir := t.TempDir()
-	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
-	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
-		cfg.KVStoreEndpoints = c.Endpoints()
-		cfg.NodeName = name
-	})
-	hive.AddConfigOverride(h, func(cfg *Config) { cfg.ClusterID, cfg.ClusterName = id, cluster })
-	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
-	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
-	h.Stop(hivetest.Logger(t), testCtx(t, time.Minute))
-	return err
+func inCluster(id uint32, name string) func(*Config) {
+	return func(c *Config) { c.ClusterID, c.ClusterName = id, name }
 }
 
 // TestEtcdClusterMismatchRefused checks that a node whose cluster ID or
@@ -655,13 +643,13 @@ func TestEtcdClusterMismatchRefused(t *testing.T) {
 	}
 
 	// Cluster 3 on cluster 0's etcd.
-	err := startClusterNodeErr(t, c, "node3", 3, "c3")
+	err := startNodeErr(t, c, "node3", inCluster(3, "c3"))
 	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), "cluster ID 0 and none of this node's --cluster-id 3") {
 		t.Fatalf("cluster 3 on cluster 0's etcd: %v", err)
 	}
 
 	// The etcd's identities of cluster ID 0 name cluster "default".
-	err = startClusterNodeErr(t, c, "renamed", 0, "other")
+	err = startNodeErr(t, c, "renamed", inCluster(0, "other"))
 	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), `belong to cluster "default", not to this node's --cluster-name "other"`) {
 		t.Fatalf("cluster renamed: %v", err)
 	}
@@ -670,20 +658,20 @@ func TestEtcdClusterMismatchRefused(t *testing.T) {
 	if _, err := cli.Put(ctx, ClusterConfigPrefix+"default", `{"id":5,"capabilities":{}}`); err != nil {
 		t.Fatal(err)
 	}
-	err = startClusterNodeErr(t, c, "configured", 0, "default")
+	err = startNodeErr(t, c, "configured", inCluster(0, "default"))
 	if !errors.Is(err, ErrClusterMismatch) || !strings.Contains(err.Error(), "gives cluster \"default\" the ID 5") {
 		t.Fatalf("cluster config mismatch: %v", err)
 	}
 	if _, err := cli.Put(ctx, ClusterConfigPrefix+"default", `{"id":0,"capabilities":{}}`); err != nil {
 		t.Fatal(err)
 	}
-	if err := startClusterNodeErr(t, c, "matching", 0, "default"); err != nil {
+	if err := startNodeErr(t, c, "matching", inCluster(0, "default")); err != nil {
 		t.Fatalf("matching cluster refused: %v", err)
 	}
 
 	// A fresh etcd takes any cluster.
 	fresh := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
-	if err := startClusterNodeErr(t, fresh, "node3", 3, "c3"); err != nil {
+	if err := startNodeErr(t, fresh, "node3", inCluster(3, "c3")); err != nil {
 		t.Fatalf("cluster 3 on a fresh etcd: %v", err)
 	}
 }
