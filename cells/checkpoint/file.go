@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/identityd/identityd/identity"
@@ -200,7 +201,9 @@ func (l Loader) load(path string) (LoadResult, error) {
 // size is checked on the open file and the read is bounded as well, so a
 // file growing meanwhile cannot make it read more.
 func readBounded(path string, maxSize int64) ([]byte, int64, error) {
-	f, err := os.Open(path)
+	// Non-blocking, so that a FIFO at the path (which would block the
+	// open until a writer came) is found not to be a regular file.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, 0, err
 	}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -314,6 +315,38 @@ func TestLoad(t *testing.T) {
 		res, err := l.Load(path)
 		if err != nil || res.Report.Corrupt == nil || res.Report.SetAside == "" {
 			t.Fatalf("%+v %v", res.Report, err)
+		}
+	})
+	t.Run("fifo", func(t *testing.T) {
+		// A FIFO would block an ordinary open until a writer came, and
+		// with it the agent's start.
+		_, path := newDir(t, "")
+		if err := syscall.Mkfifo(path, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		type loaded struct {
+			res LoadResult
+			err error
+		}
+		done := make(chan loaded, 1)
+		go func() {
+			res, err := l.Load(path)
+			done <- loaded{res, err}
+		}()
+		select {
+		case got := <-done:
+			if got.err != nil || !errors.Is(got.res.Report.Corrupt, ErrCorrupt) || got.res.Report.SetAside == "" {
+				t.Fatalf("%+v %v", got.res.Report, got.err)
+			}
+			if _, err := os.Lstat(path); !os.IsNotExist(err) {
+				t.Fatal("the FIFO is still in place")
+			}
+		case <-time.After(10 * time.Second):
+			// Unblock the open so that the goroutine ends.
+			if f, err := os.OpenFile(path, os.O_WRONLY, 0); err == nil {
+				f.Close()
+			}
+			t.Fatal("loading a FIFO as the checkpoint blocked")
 		}
 	})
 }
