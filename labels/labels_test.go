@@ -325,3 +325,31 @@ func FuzzParseCanonical(f *testing.F) {
 		}
 	})
 }
+
+// TestParseIPv4PrefixAgreesWithNetip checks the fast path of cidr label
+// keys against netip on every shape of IPv4 prefix text it may meet.
+func TestParseIPv4PrefixAgreesWithNetip(t *testing.T) {
+	cases := []string{
+		"10.0.0.0/8", "10.0.0.1/8", "0.0.0.0/0", "1.2.3.4/0", "255.255.255.255/32", "192.168.1.10/32",
+		"10.0.0.0/33", "10.0.0.0/08", "010.0.0.0/8", "10.0.0/8", "10.0.0.0.0/8", "256.0.0.0/8",
+		"10.0.0.0", "10.0.0.0/", "/8", "10.0.0.0/8x", "10..0.0/8", "1.2.3.4/-1", "1.2.3.4/+1",
+		"1000.0.0.0/8", "10.0.0.0/100", "10.0.0.128/25", "10.0.0.64/25", "2001:db8::/32",
+	}
+	for a := range 256 {
+		for _, bits := range []int{0, 1, 7, 8, 9, 16, 24, 31, 32} {
+			cases = append(cases, fmt.Sprintf("%d.%d.%d.%d/%d", a, 255-a, a/2, a%7, bits))
+		}
+	}
+	for _, s := range cases {
+		masked, ok := parseIPv4Prefix(s)
+		p, err := netip.ParsePrefix(s)
+		wantOK := err == nil && p.Addr().Is4()
+		if ok != wantOK {
+			t.Errorf("%q: fast path ok=%v, netip %v %v", s, ok, p, err)
+			continue
+		}
+		if ok && masked != (p.Masked() == p) {
+			t.Errorf("%q: fast path masked=%v, netip masked %v", s, masked, p.Masked())
+		}
+	}
+}

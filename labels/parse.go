@@ -104,6 +104,14 @@ func checkCIDR(key, value string) error {
 	if value != "" {
 		return fmt.Errorf("%w: a cidr label has no value", ErrBadCIDR)
 	}
+	if masked, ok := parseIPv4Prefix(key); ok {
+		// The common case, every new IPv4 CIDR identity: decided
+		// without netip's parse and formatting.
+		if masked {
+			return nil
+		}
+		return fmt.Errorf("%w: key %q is not in canonical form, want %q", ErrBadCIDR, key, CIDRKey(netip.MustParsePrefix(key)))
+	}
 	text := key
 	dashed := strings.IndexByte(key, '-') >= 0
 	if dashed {
@@ -122,6 +130,55 @@ func checkCIDR(key, value string) error {
 		return fmt.Errorf("%w: key %q is not in canonical form, want %q", ErrBadCIDR, key, want)
 	}
 	return nil
+}
+
+// parseIPv4Prefix reports whether s is an IPv4 prefix in the form
+// netip.Prefix.String writes (four decimal octets without leading zeros,
+// '/', a length of 0..32 without leading zeros) and whether its address is
+// masked to its length. ok is false for anything else, which the caller
+// hands to netip.
+func parseIPv4Prefix(s string) (masked, ok bool) {
+	var addr uint32
+	i := 0
+	for octet := range 4 {
+		if octet > 0 {
+			if i >= len(s) || s[i] != '.' {
+				return false, false
+			}
+			i++
+		}
+		v, n, good := parseDecimal(s[i:], 255)
+		if !good {
+			return false, false
+		}
+		addr = addr<<8 | uint32(v)
+		i += n
+	}
+	if i >= len(s) || s[i] != '/' {
+		return false, false
+	}
+	bits, n, good := parseDecimal(s[i+1:], 32)
+	if !good || i+1+n != len(s) {
+		return false, false
+	}
+	var hostMask uint32 = 0xffffffff
+	if bits > 0 {
+		hostMask = uint32(1)<<(32-bits) - 1
+	}
+	return addr&hostMask == 0, true
+}
+
+// parseDecimal reads the decimal number at the start of s, of at most
+// three digits, without a leading zero, at most limit; n is its length.
+func parseDecimal(s string, limit int) (v, n int, ok bool) {
+	for n < len(s) && n < 4 && s[n] >= '0' && s[n] <= '9' {
+		v = v*10 + int(s[n]-'0')
+		n++
+	}
+	if n == 0 || n > 3 || (n > 1 && s[0] == '0') || v > limit {
+		return 0, 0, false
+	}
+	return v, n, true
 }
 
 // Byte classes for checkField: one table lookup per byte instead of a
