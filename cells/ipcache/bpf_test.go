@@ -9,33 +9,18 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cilium/hive/hivetest"
 
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/internal/ipcachemaptest"
 )
 
-// bpfPinPath returns a fresh pin path under /sys/fs/bpf, or skips the test
-// saying why the bpf backend cannot run here.
-func bpfPinPath(t testing.TB) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("the bpf ipcache map needs root (CAP_BPF, and CAP_SYS_ADMIN to mount bpffs)")
-	}
-	dir := filepath.Join(ipcachemap.DefaultBPFFSRoot, fmt.Sprintf("identityd-ipcache-test-%d-%d", os.Getpid(), time.Now().UnixNano()))
-	pin := filepath.Join(dir, "ipcache")
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	m, _, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindBPF, PinPath: pin, MaxEntries: 16})
-	if err != nil {
-		t.Skipf("the kernel refuses a pinned BPF LPM trie here: %v", err)
-	}
-	m.Close()
-	os.Remove(pin)
-	return pin
-}
+// bpfPinPath returns a fresh pin path for the bpf backend, or skips the
+// test saying why it cannot run here.
+func bpfPinPath(t testing.TB) string { return ipcachemaptest.PinPath(t, "ipcache-test") }
 
 // TestBPFMap runs the ipcache on a real pinned BPF LPM trie: rows converge
 // into the kernel map, the kernel answers longest-prefix lookups, and a

@@ -1,10 +1,8 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/netip"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -16,7 +14,7 @@ import (
 
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/identity"
-	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/internal/ipcachemaptest"
 	"github.com/identityd/identityd/internal/robustness"
 )
 
@@ -63,7 +61,7 @@ func TestDurableAnswerRestart(t *testing.T) {
 	}{
 		{"file", func(*testing.T) []string { return []string{"--ipcache-map=file"} }},
 		{"bpf", func(t *testing.T) []string {
-			return []string{"--ipcache-map=bpf", "--ipcache-map-pin-path=" + durablePinPath(t)}
+			return []string{"--ipcache-map=bpf", "--ipcache-map-pin-path=" + ipcachemaptest.PinPath(t, "durable-test")}
 		}},
 	}
 	for _, b := range backends {
@@ -71,25 +69,6 @@ func TestDurableAnswerRestart(t *testing.T) {
 		t.Run(b.name+"-nowait", func(t *testing.T) { testDurableAnswer(t, bin, b.flags(t), false, syscall.SIGKILL) })
 		t.Run(b.name+"-nowait-sigterm", func(t *testing.T) { testDurableAnswer(t, bin, b.flags(t), false, syscall.SIGTERM) })
 	}
-}
-
-// durablePinPath returns a fresh pin path for the bpf backend, or skips the
-// test saying why it cannot run here.
-func durablePinPath(t *testing.T) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("the bpf ipcache map needs root (CAP_BPF, and CAP_SYS_ADMIN to mount bpffs): run the test as root")
-	}
-	dir := filepath.Join(ipcachemap.DefaultBPFFSRoot, fmt.Sprintf("identityd-durable-test-%d-%d", os.Getpid(), time.Now().UnixNano()))
-	pin := filepath.Join(dir, "ipcache")
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	m, _, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindBPF, PinPath: pin, MaxEntries: 16})
-	if err != nil {
-		t.Skipf("the kernel refuses a pinned BPF LPM trie here: %v", err)
-	}
-	m.Close()
-	os.Remove(pin)
-	return pin
 }
 
 // durablePrefix is the i-th prefix of a series.
@@ -103,17 +82,7 @@ type answerRow struct {
 	Identity identity.NumericIdentity `json:"identity"`
 }
 
-func parseRows(out string) ([]answerRow, error) {
-	i := strings.Index(out, "[")
-	if i < 0 {
-		return nil, fmt.Errorf("no JSON list in %q", out)
-	}
-	var rows []answerRow
-	if err := json.Unmarshal([]byte(out[i:]), &rows); err != nil {
-		return nil, fmt.Errorf("decoding %q: %w", out, err)
-	}
-	return rows, nil
-}
+func parseRows(out string) ([]answerRow, error) { return robustness.DecodeList[answerRow](out) }
 
 // upserter runs ipcache/upsert calls on one shell connection.
 type upserter struct {

@@ -165,15 +165,14 @@ func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
 				default:
 				}
 				out, err := sh.Run(time.Now().Add(30*time.Second), append([]string{"identity/allocate", "-o", "json"}, sets[i%len(sets)]...)...)
-				var entries []struct {
+				type entry struct {
 					Identity struct {
 						ID uint32 `json:"id"`
 					} `json:"identity"`
 				}
+				var entries []entry
 				if err == nil {
-					if i := strings.Index(out, "["); i < 0 {
-						err = fmt.Errorf("no JSON list in %q", out)
-					} else if err = json.Unmarshal([]byte(out[i:]), &entries); err == nil && len(entries) != 1 {
+					if entries, err = robustness.DecodeList[entry](out); err == nil && len(entries) != 1 {
 						err = fmt.Errorf("%d identities in %q", len(entries), out)
 					}
 				}

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"net/netip"
 	"os/exec"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/robustness"
 )
 
 // TestProcessRestart runs the identityd binary, fills its ipcache with
@@ -102,9 +102,9 @@ func (p *proc) mustShell(args ...string) string {
 func (p *proc) mapDump() map[netip.Prefix]identity.NumericIdentity {
 	p.t.Helper()
 	out := p.mustShell("ipcache/map-dump", "-o", "json")
-	var rows []ipcache.MapRow
-	if err := json.Unmarshal([]byte(out[strings.Index(out, "["):]), &rows); err != nil {
-		p.t.Fatalf("map dump: %s\n%s", err, out)
+	rows, err := robustness.DecodeList[ipcache.MapRow](out)
+	if err != nil {
+		p.t.Fatalf("map dump: %s", err)
 	}
 	m := make(map[netip.Prefix]identity.NumericIdentity, len(rows))
 	for _, r := range rows {

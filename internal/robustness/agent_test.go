@@ -1,7 +1,6 @@
 package robustness
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -188,17 +187,7 @@ type listEntry struct {
 	RefCount int    `json:"ref-count"`
 }
 
-func parseEntries(out string) ([]listEntry, error) {
-	i := strings.Index(out, "[")
-	if i < 0 {
-		return nil, fmt.Errorf("no JSON list in %q", out)
-	}
-	var es []listEntry
-	if err := json.Unmarshal([]byte(out[i:]), &es); err != nil {
-		return nil, fmt.Errorf("decoding %q: %w", out, err)
-	}
-	return es, nil
-}
+func parseEntries(out string) ([]listEntry, error) { return DecodeList[listEntry](out) }
 
 // heldGlobal returns the global label sets the agent references.
 func (a *agent) heldGlobal() (map[string]identity.NumericIdentity, error) {

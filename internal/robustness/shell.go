@@ -2,7 +2,9 @@ package robustness
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"time"
 
@@ -32,6 +34,20 @@ func DialShell(path string, timeout time.Duration) (*Shell, error) {
 		return nil, err
 	}
 	return &Shell{c: c}, nil
+}
+
+// DecodeList decodes the JSON list a command printed with -o json (after
+// any lines before it, such as "allocated new identity N").
+func DecodeList[T any](out string) ([]T, error) {
+	i := strings.Index(out, "[")
+	if i < 0 {
+		return nil, fmt.Errorf("no JSON list in %q", out)
+	}
+	var list []T
+	if err := json.Unmarshal([]byte(out[i:]), &list); err != nil {
+		return nil, fmt.Errorf("decoding %q: %w", out, err)
+	}
+	return list, nil
 }
 
 // Close closes the connection.
