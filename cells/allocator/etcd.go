@@ -538,23 +538,22 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 		ref := refKVs[0]
 		if !isReferenceOf(ref.Key, refs) {
 			// Only a label set whose canonical string extends ours
-			// with "/" could own this key; look for one of ours.
-			found, rev, err := b.findReference(ctx, cli, refs)
+			// with "/" could own this key; look for ours (adopt
+			// checks that they agree).
+			ids, rev, err := b.scanReferences(ctx, cli, refs)
 			if err != nil {
 				return attempt{}, err
 			}
-			if found == nil {
-				return attempt{out: outForeign, rev: rev}, nil
+			for refID := range ids {
+				return attempt{out: outAdopt, id: refID}, nil
 			}
-			ref = found
+			return attempt{out: outForeign, rev: rev}, nil
 		}
-		if ref != nil {
-			refID, err := identity.ParseNumericIdentity(string(ref.Value))
-			if err != nil || refID == identity.InvalidIdentity {
-				return attempt{}, fmt.Errorf("reference key %s holds %q, not a numeric identity", ref.Key, ref.Value)
-			}
-			return attempt{out: outAdopt, id: refID}, nil
+		refID, err := identity.ParseNumericIdentity(string(ref.Value))
+		if err != nil || refID == identity.InvalidIdentity {
+			return attempt{}, fmt.Errorf("reference key %s holds %q, not a numeric identity", ref.Key, ref.Value)
 		}
+		return attempt{out: outAdopt, id: refID}, nil
 	}
 	if len(masterKVs) > 0 && string(masterKVs[0].Value) == key {
 		// A master key of this label set that nobody references (its
@@ -701,26 +700,6 @@ func commitTxn(ctx context.Context, cli *clientv3.Client, req *pb.TxnRequest) (*
 func isReferenceOf(key []byte, prefix string) bool {
 	rest, ok := strings.CutPrefix(string(key), prefix)
 	return ok && rest != "" && !strings.Contains(rest, "/")
-}
-
-// findReference scans the label set's reference prefix for a key that
-// belongs to it. It is only needed when another label set's keys share the
-// prefix, which identityd's label validation rules out and Cilium's does
-// not. With none of the label set's own, it returns the revision of the
-// scan, at which the prefix held other label sets' keys only.
-func (b *EtcdBackend) findReference(ctx context.Context, cli *clientv3.Client, prefix string) (*mvccpb.KeyValue, int64, error) {
-	rctx, cancel := b.requestContext(ctx)
-	defer cancel()
-	resp, err := cli.Get(rctx, prefix, clientv3.WithPrefix())
-	if err != nil {
-		return nil, 0, err
-	}
-	for _, kv := range resp.Kvs {
-		if isReferenceOf(kv.Key, prefix) {
-			return kv, 0, nil
-		}
-	}
-	return nil, resp.Header.GetRevision(), nil
 }
 
 // adopt writes this node's reference to id, provided id's master key still
