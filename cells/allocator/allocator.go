@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
@@ -25,8 +26,8 @@ type params struct {
 	Lifecycle cell.Lifecycle
 	DB        *statedb.DB
 	Table     statedb.RWTable[Entry]
-	Backend   GlobalBackend `optional:"true"`
-	Mesh      *ClusterMesh  `optional:"true"`
+	Backend   globalstore.Backend `optional:"true"`
+	Remote    globalstore.Remote  `optional:"true"`
 	Metrics   *allocationMetrics
 	Health    cell.Health `optional:"true"`
 }
@@ -74,8 +75,9 @@ type identityAllocator struct {
 	// configured Cilium options.
 	reserved *identity.ReservedResolver
 
-	backend GlobalBackend
-	mesh    *ClusterMesh
+	backend globalstore.Backend
+	// mesh is the source of remote clusters' identities, or nil.
+	mesh    globalstore.Remote
 	metrics *allocationMetrics
 	health  cell.Health // nil outside a hive with a health provider
 	synced  chan struct{}
@@ -93,13 +95,15 @@ func newAllocator(p params) (allocatorOut, error) {
 	}
 	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, nil, identity.MaxLocalIdentity)
 	a.metrics = p.Metrics
-	a.mesh = p.Mesh
+	if p.Remote != nil {
+		a.mesh = p.Remote
+	}
 	a.health = p.Health
 	p.Lifecycle.Append(a)
 	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp}}, nil
 }
 
-func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend GlobalBackend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {
+func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend globalstore.Backend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {
 	tw := newTableWriter(db, table)
 	q := newEventQueue(tw)
 	a := &identityAllocator{
@@ -112,6 +116,7 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 		remote:  newLocalScope(identity.ScopeRemoteNode, log, q, maxLocal),
 		global:  newGlobalRefs(backend, q, cfg.IdentityAllocationTimeout),
 		backend: backend,
+		mesh:    noRemote{},
 		synced:  make(chan struct{}),
 	}
 	a.reserved = identity.NewReservedResolver(cfg.ReservedConfig())
@@ -149,7 +154,10 @@ func (a *identityAllocator) Start(ctx cell.HookContext) error {
 	}
 	// Remote clusters connect in the background; their identities reach
 	// the dispatcher like the global ones, marked as remote.
-	a.mesh.start(a.queue.pushEvent)
+	if err := a.mesh.Start(ctx, remoteEvents{a.queue}); err != nil {
+		a.Stop(ctx)
+		return fmt.Errorf("starting the cluster mesh: %w", err)
+	}
 	a.reportHealth()
 	return nil
 }
@@ -176,10 +184,9 @@ func (a *identityAllocator) reportHealth() {
 
 // Stop stops the backend and the dispatcher, after delivering what is queued.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
-	a.mesh.stop()
-	var err error
+	err := a.mesh.Stop(ctx)
 	if a.backend != nil {
-		err = a.backend.Stop(ctx)
+		err = errors.Join(err, a.backend.Stop(ctx))
 	}
 	if a.cancel != nil {
 		a.cancel()
@@ -188,17 +195,17 @@ func (a *identityAllocator) Stop(ctx cell.HookContext) error {
 	return err
 }
 
-// Upsert implements GlobalEvents.
+// Upsert implements globalstore.Events.
 func (a *identityAllocator) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
 	a.queue.pushEvent(event{kind: ChangeUpsert, ident: &identity.Identity{ID: id, Labels: lbls}, ref: a.global.lookupByID(id), source: SourceGlobal})
 }
 
-// Delete implements GlobalEvents.
+// Delete implements globalstore.Events.
 func (a *identityAllocator) Delete(id identity.NumericIdentity, lbls labels.Labels) {
 	a.queue.pushEvent(event{kind: ChangeDelete, ident: &identity.Identity{ID: id, Labels: lbls}, source: SourceGlobal})
 }
 
-// Synced implements GlobalEvents.
+// Synced implements globalstore.Events.
 func (a *identityAllocator) Synced() {
 	a.once.Do(func() {
 		a.queue.pushEvent(syncEvent)
@@ -421,3 +428,26 @@ func (a *identityAllocator) WaitForInitialGlobalIdentities(ctx context.Context) 
 func (a *identityAllocator) Observe(ctx context.Context, next func(Change), complete func(error)) {
 	a.disp.Observe(ctx, next, complete)
 }
+
+// remoteEvents reports a Remote's identities to the dispatcher, marked as
+// remote.
+type remoteEvents struct{ queue *eventQueue }
+
+func (r remoteEvents) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
+	r.queue.pushEvent(event{kind: ChangeUpsert, ident: &identity.Identity{ID: id, Labels: lbls}, source: SourceRemote})
+}
+
+func (r remoteEvents) Delete(id identity.NumericIdentity, lbls labels.Labels) {
+	r.queue.pushEvent(event{kind: ChangeDelete, ident: &identity.Identity{ID: id, Labels: lbls}, source: SourceRemote})
+}
+
+// Synced is not part of a Remote's reports.
+func (remoteEvents) Synced() {}
+
+// noRemote is the Remote of a hive without a cluster mesh.
+type noRemote struct{}
+
+func (noRemote) LookupByID(identity.NumericIdentity) (labels.Labels, bool)     { return nil, false }
+func (noRemote) LookupByLabels(labels.Labels) (identity.NumericIdentity, bool) { return 0, false }
+func (noRemote) Start(context.Context, globalstore.Events) error               { return nil }
+func (noRemote) Stop(context.Context) error                                    { return nil }

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/eventually"
+
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/statedb"
 	"go.uber.org/goleak"
@@ -368,22 +370,11 @@ func (h *recordingHandler) snapshot() []struct{ added, deleted IdentityMap } {
 	return slices.Clone(h.calls)
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 func TestHandlerBatches(t *testing.T) {
 	h := &recordingHandler{}
 	a, _, _ := testAllocator(t, identity.MaxLocalIdentity, h)
 	// The reserved identities arrive first, in one call.
-	waitFor(t, "reserved batch", func() bool { return len(h.snapshot()) == 1 })
+	eventually.True(t, "reserved batch", func() bool { return len(h.snapshot()) == 1 })
 	if got := len(h.snapshot()[0].added); got != 10 {
 		t.Fatalf("first batch has %d identities, want the 10 reserved", got)
 	}
@@ -397,7 +388,7 @@ func TestHandlerBatches(t *testing.T) {
 			t.Fatalf("batch result %+v", r)
 		}
 	}
-	waitFor(t, "batch", func() bool { return len(h.snapshot()) == 2 })
+	eventually.True(t, "batch", func() bool { return len(h.snapshot()) == 2 })
 	if got := h.snapshot()[1]; len(got.added) != 100 || len(got.deleted) != 0 {
 		t.Fatalf("batch call: %d added, %d deleted; want 100 added in one call", len(got.added), len(got.deleted))
 	}
@@ -415,7 +406,7 @@ func TestHandlerBatches(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.queue.release()
-	waitFor(t, "third batch", func() bool { return len(h.snapshot()) == 3 })
+	eventually.True(t, "third batch", func() bool { return len(h.snapshot()) == 3 })
 	got := h.snapshot()[2]
 	if _, ok := got.added[tmp.ID]; ok {
 		t.Fatal("add+delete in one batch was delivered as an add")
@@ -438,7 +429,7 @@ func TestHandlerBatches(t *testing.T) {
 func TestObserveReplaySyncLive(t *testing.T) {
 	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
 	pre, _ := mustAlloc(t, a, cidr("10.0.0.0/8"))
-	waitFor(t, "dispatch", func() bool { return len(a.disp.snapshot()) == 11 })
+	eventually.True(t, "dispatch", func() bool { return len(a.disp.snapshot()) == 11 })
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var mu sync.Mutex
@@ -450,12 +441,12 @@ func TestObserveReplaySyncLive(t *testing.T) {
 		mu.Unlock()
 	}, func(err error) { done <- err })
 
-	waitFor(t, "replay", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 12 })
+	eventually.True(t, "replay", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 12 })
 	live, _ := mustAlloc(t, a, cidr("10.1.0.0/16"))
 	if _, err := a.Release(context.Background(), live); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "live", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 14 })
+	eventually.True(t, "live", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 14 })
 	cancel()
 	if err := <-done; !errors.Is(err, context.Canceled) {
 		t.Fatalf("complete(%v), want context.Canceled", err)
@@ -491,8 +482,8 @@ func TestTableInStep(t *testing.T) {
 		e, _, ok := table.Get(db.ReadTxn(), EntryIDIndex.Query(nid))
 		return e, ok
 	}
-	waitFor(t, "row with 2 refs", func() bool { e, ok := row(id.ID); return ok && e.RefCount == 2 })
-	waitFor(t, "restored row", func() bool { e, ok := row(restored.ID); return ok && e.Source == SourceRestored })
+	eventually.True(t, "row with 2 refs", func() bool { e, ok := row(id.ID); return ok && e.RefCount == 2 })
+	eventually.True(t, "restored row", func() bool { e, ok := row(restored.ID); return ok && e.Source == SourceRestored })
 	if e, _, ok := table.Get(db.ReadTxn(), EntryLabelsIndex.Query(cidr("10.0.0.0/8").Canonical())); !ok || e.Identity.ID != id.ID {
 		t.Fatal("labels index does not find the identity")
 	}
@@ -501,12 +492,12 @@ func TestTableInStep(t *testing.T) {
 	}
 	// A non-restored reference ends the restored state.
 	mustAlloc(t, a, cidr("10.9.0.0/16"))
-	waitFor(t, "restored row becomes local", func() bool { e, ok := row(restored.ID); return ok && e.Source == SourceLocal && e.RefCount == 2 })
+	eventually.True(t, "restored row becomes local", func() bool { e, ok := row(restored.ID); return ok && e.Source == SourceLocal && e.RefCount == 2 })
 
 	a.Release(context.Background(), id)
-	waitFor(t, "row with 1 ref", func() bool { e, ok := row(id.ID); return ok && e.RefCount == 1 })
+	eventually.True(t, "row with 1 ref", func() bool { e, ok := row(id.ID); return ok && e.RefCount == 1 })
 	a.Release(context.Background(), id)
-	waitFor(t, "row gone", func() bool { _, ok := row(id.ID); return !ok })
+	eventually.True(t, "row gone", func() bool { _, ok := row(id.ID); return !ok })
 }
 
 // bareTableWriter returns a table writer on a new identities table,

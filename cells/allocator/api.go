@@ -187,11 +187,9 @@ func NewHandler(h Handler) HandlerOut { return HandlerOut{Handler: h} }
 var (
 	// ErrLocalSpaceExhausted: every ID of a local scope is in use.
 	ErrLocalSpaceExhausted = errors.New("out of local identity space")
-	// ErrGlobalSpaceExhausted: every ID of this cluster's range is in use.
-	ErrGlobalSpaceExhausted = errors.New("out of global identity space")
 	// ErrNoGlobalBackend: a global label set needs the kvstore, and the
 	// hive has none.
-	ErrNoGlobalBackend = errors.New("global identities need a kvstore: no global backend is configured (add the kvstore cell)")
+	ErrNoGlobalBackend = errors.New("global identities need a kvstore: no global backend is configured (add the kvstore and etcdstore cells)")
 	// ErrUnknownIdentity: release of an identity this node does not hold.
 	ErrUnknownIdentity = errors.New("identity not held by this node")
 	// ErrInvalidLabels: the label set is refused (wraps the labels error).

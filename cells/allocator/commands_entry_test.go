@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/identityd/identityd/internal/eventually"
+
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/script"
 
@@ -46,7 +48,7 @@ func TestCommandEntriesMatchList(t *testing.T) {
 	alloc(a, "cidr:192.168.1.10/32 reserved:remote-node")
 	alloc(a, "k8s:app=held")
 	elsewhere := alloc(other, "k8s:app=elsewhere")
-	waitUntil(t, "node1 sees node2's identity", func() bool { return a.LookupByID(elsewhere.ID) != nil })
+	eventually.True(t, "node1 sees node2's identity", func() bool { return a.LookupByID(elsewhere.ID) != nil })
 
 	cmds, err := h.ScriptCommands(hivetest.Logger(t))
 	if err != nil {

@@ -14,8 +14,9 @@
 //     the set's scope and free, even if withheld; withheld IDs are skipped
 //     otherwise; when every other ID is taken a withheld-but-free one is
 //     handed out with a warning, and only then ErrLocalSpaceExhausted.
-//   - Global label sets go to a GlobalBackend (the etcd backend when the
-//     kvstore cell is in the hive). The allocator counts this node's
+//   - Global label sets go to a globalstore.Backend (the etcd store of
+//     cells/allocator/etcdstore when its cell and the kvstore cell are in
+//     the hive). The allocator counts this node's
 //     references itself: only a label set's first reference and last
 //     release reach the backend, and a set this node holds costs no
 //     request. Without a backend, a global label set fails with
@@ -60,8 +61,6 @@
 //	--cluster-name                 this cluster's name ("default")
 //	--max-connected-clusters       255 or 511 (255)
 //	--identity-allocation-timeout  bound on every call that waits for the kvstore (2m)
-//	--clustermesh-config           directory of remote cluster files, polled every second ("": none)
-//	--clustermesh-remote-timeout   unreachable time after which a remote cluster's identities are withdrawn (5m)
 //
 // # Shell commands
 //
@@ -69,7 +68,6 @@
 //	identity/release <id>
 //	identity/get [-o …] <id> | <label>...
 //	identity/list [--source reserved|local|global|restored|remote] [-o …]
-//	clustermesh/status [-o table|json|yaml]
 //	db/show identities
 //
 // With a LocalIdentitySyncer in the hive (the checkpoint cell provides
@@ -77,29 +75,12 @@
 // checkpoint on disk, unless --no-wait; if the checkpoint cannot be written
 // it drops the reference it took and fails.
 //
-// # Stopping
+// # Stores and remote clusters
 //
-// The etcd backend's stop ends its watch, GC and repair loops, then revokes
-// the node's lease, which removes its reference keys at once. Its etcd work
-// shares the kvstore's stop deadline (kvstore.StopBudget), which also ends
-// callers' requests still in flight, and releases made once the stop began
-// send no delete: with etcd gone the stop takes seconds, warns that the
-// revoke failed, and the references expire with the lease's TTL.
-//
-// # Remote clusters
-//
-// ClusterMesh follows the global identities of other clusters of a mesh,
-// read-only: one file per remote cluster in --clustermesh-config, named
-// after the cluster, in the YAML format of RemoteClusterConfig (endpoints,
-// cluster-id, ca-file, cert-file, key-file, username, password-file). Each
-// remote cluster's master keys are listed and watched in its own etcd;
-// an entry whose ID is outside that cluster's range (with this node's
-// --max-connected-clusters) or whose labels lack
-// k8s:io.cilium.k8s.policy.cluster=<name> is logged, counted and ignored.
-// Accepted identities are found by LookupByID and LookupByLabels, listed
-// with source "remote", and published to Observe and identity handlers.
-// Removing a file, or a cluster unreachable for --clustermesh-remote-timeout,
-// deletes all its identities; a reconnect lists again and reports only the
-// differences. Status, clustermesh/status and the
-// identityd_clustermesh_remote_cluster_* metrics show each cluster's state.
+// The allocator imports no store: it consumes the contract of
+// cells/allocator/globalstore. A globalstore.Backend in the hive serves
+// global label sets, a globalstore.Remote (cells/allocator/clustermesh)
+// adds other clusters' identities, source "remote", to lookups, Observe
+// and handlers. The allocator's start hook starts both with its own
+// globalstore.Events, and its stop hook stops them.
 package allocator

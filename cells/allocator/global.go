@@ -6,43 +6,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
-
-// GlobalBackend stores cluster-wide identities in a store shared by the
-// nodes (etcd). The allocator counts references on this node itself and
-// calls the backend only for the first reference and the last release of a
-// label set, so a label set this node holds costs no backend request.
-type GlobalBackend interface {
-	// Allocate returns the numeric identity of the label set, creating it
-	// or adopting the one another node created, and records this node's
-	// reference. allocated is true when the identity was created.
-	Allocate(ctx context.Context, lbls labels.Labels) (id identity.NumericIdentity, allocated bool, err error)
-
-	// Release removes this node's reference on the identity.
-	Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error
-
-	// LookupByID and LookupByLabels consult the backend's cache of all
-	// global identities, without a request.
-	LookupByID(id identity.NumericIdentity) (labels.Labels, bool)
-	LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool)
-
-	// Start begins keeping the cache; every identity that appears or
-	// disappears is reported to events, and events.Synced is called once
-	// after the first complete listing. Stop ends it. An identity that
-	// Allocate created need not be reported: the allocator reports it
-	// from Allocate's result.
-	Start(ctx context.Context, events GlobalEvents) error
-	Stop(ctx context.Context) error
-}
-
-// GlobalEvents receives the changes of the global identities cache.
-type GlobalEvents interface {
-	Upsert(id identity.NumericIdentity, lbls labels.Labels)
-	Delete(id identity.NumericIdentity, lbls labels.Labels)
-	Synced()
-}
 
 // globalRefs counts this node's references on global identities. Like a
 // local scope, hits and non-final releases only take the read lock. The
@@ -50,7 +17,7 @@ type GlobalEvents interface {
 // call in flight for a label set makes others for the same set wait, so
 // that an allocation never races with the deletion of the same reference.
 type globalRefs struct {
-	backend GlobalBackend
+	backend globalstore.Backend
 	events  *eventQueue
 	// timeout bounds each call that reaches the backend or waits for
 	// another one (--identity-allocation-timeout); hits need neither.
@@ -62,7 +29,7 @@ type globalRefs struct {
 	inflight map[string]chan struct{}
 }
 
-func newGlobalRefs(backend GlobalBackend, events *eventQueue, timeout time.Duration) *globalRefs {
+func newGlobalRefs(backend globalstore.Backend, events *eventQueue, timeout time.Duration) *globalRefs {
 	return &globalRefs{
 		backend:  backend,
 		events:   events,

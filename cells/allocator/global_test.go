@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/eventually"
+
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
@@ -17,6 +19,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/allocatortest"
 	"github.com/identityd/identityd/internal/scriptengine"
@@ -24,7 +27,7 @@ import (
 )
 
 // node starts a hive with the allocator cell and the given backend.
-func node(t *testing.T, backend allocator.GlobalBackend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
+func node(t *testing.T, backend globalstore.Backend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
 	t.Helper()
 	var a allocator.Allocator
 	cells := []cell.Cell{
@@ -32,7 +35,7 @@ func node(t *testing.T, backend allocator.GlobalBackend, cfg func(*allocator.Con
 		cell.Invoke(func(x allocator.Allocator) { a = x }),
 	}
 	if backend != nil {
-		cells = append(cells, cell.DecorateAll(func(allocator.GlobalBackend) allocator.GlobalBackend { return backend }))
+		cells = append(cells, cell.Provide(func() globalstore.Backend { return backend }))
 	}
 	h := hive.New(cells...)
 	if cfg != nil {
@@ -119,7 +122,7 @@ func TestGlobalRequests(t *testing.T) {
 	if store.GC() != 1 {
 		t.Fatal("GC did not remove the unused identity")
 	}
-	waitUntil(t, "delete reaches node1", func() bool { return n1.LookupByID(id1.ID) == nil })
+	eventually.True(t, "delete reaches node1", func() bool { return n1.LookupByID(id1.ID) == nil })
 }
 
 // TestGlobalAllocationTimeout checks that --identity-allocation-timeout
@@ -167,17 +170,6 @@ func TestGlobalAllocationTimeout(t *testing.T) {
 	}
 	if took := time.Since(start); took < timeout || took > 10*timeout {
 		t.Fatalf("release gave up after %s, want about %s", took, timeout)
-	}
-}
-
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out: %s", what)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -268,7 +260,7 @@ func TestScript(t *testing.T) {
 			store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
 			h := hive.New(
 				job.Cell, statedb.Cell, allocator.Cell,
-				cell.DecorateAll(func(allocator.GlobalBackend) allocator.GlobalBackend { return store.NewBackend("node1") }),
+				cell.Provide(func() globalstore.Backend { return store.NewBackend("node1") }),
 			)
 			scriptengine.ParseFlags(t, h, args)
 			return scriptengine.New(t, h)

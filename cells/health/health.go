@@ -361,3 +361,13 @@ func Format(statuses []Status) string {
 	}
 	return b.String()
 }
+
+// OrDetached returns h, or without one (a hive without a health provider)
+// a scope of a provider of its own, which nothing reads: the jobs of a
+// cell need a scope to report to either way.
+func OrDetached(h cell.Health) cell.Health {
+	if h != nil {
+		return h
+	}
+	return newProvider().Root()
+}

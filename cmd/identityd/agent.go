@@ -10,6 +10,8 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/clustermesh"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
@@ -33,6 +35,8 @@ var agentCells = []cell.Cell{
 	shell.Cell,
 	kvstore.Cell,
 	allocator.Cell,
+	etcdstore.Cell,
+	clustermesh.Cell,
 	checkpoint.Cell,
 	ipcache.Cell,
 	restoration.Cell,

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idpool"
 	"github.com/identityd/identityd/labels"
@@ -52,10 +52,10 @@ type Backend struct {
 	Requests atomic.Int64
 
 	mu     sync.Mutex
-	events allocator.GlobalEvents
+	events globalstore.Events
 }
 
-var _ allocator.GlobalBackend = (*Backend)(nil)
+var _ globalstore.Backend = (*Backend)(nil)
 
 // NewBackend returns the backend of one node.
 func (s *Store) NewBackend(node string) *Backend {
@@ -80,7 +80,7 @@ func (s *Store) Len() int {
 	return len(s.byID)
 }
 
-func (s *Store) broadcast(fn func(allocator.GlobalEvents)) {
+func (s *Store) broadcast(fn func(globalstore.Events)) {
 	for _, n := range s.nodes {
 		n.mu.Lock()
 		ev := n.events
@@ -91,7 +91,7 @@ func (s *Store) broadcast(fn func(allocator.GlobalEvents)) {
 	}
 }
 
-// Allocate implements allocator.GlobalBackend.
+// Allocate implements globalstore.Backend.
 func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	b.Requests.Add(1)
 	if b.store.Down.Load() {
@@ -109,13 +109,13 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.Nu
 	if !ok {
 		nid := s.pool.AllocateID()
 		if nid == idpool.NoID {
-			return 0, false, allocator.ErrGlobalSpaceExhausted
+			return 0, false, globalstore.ErrSpaceExhausted
 		}
 		id = identity.NumericIdentity(nid)
 		s.byKey[key] = id
 		s.byID[id] = lbls
 		created = true
-		s.broadcast(func(ev allocator.GlobalEvents) { ev.Upsert(id, lbls) })
+		s.broadcast(func(ev globalstore.Events) { ev.Upsert(id, lbls) })
 	}
 	if s.refs[key] == nil {
 		s.refs[key] = map[string]struct{}{}
@@ -124,7 +124,7 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.Nu
 	return id, created, nil
 }
 
-// Release implements allocator.GlobalBackend.
+// Release implements globalstore.Backend.
 func (b *Backend) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
 	b.Requests.Add(1)
 	if b.store.Down.Load() {
@@ -163,13 +163,13 @@ func (s *Store) GC() int {
 		delete(s.byID, id)
 		delete(s.refs, key)
 		s.pool.Insert(idpool.ID(id))
-		s.broadcast(func(ev allocator.GlobalEvents) { ev.Delete(id, lbls) })
+		s.broadcast(func(ev globalstore.Events) { ev.Delete(id, lbls) })
 		n++
 	}
 	return n
 }
 
-// LookupByID implements allocator.GlobalBackend.
+// LookupByID implements globalstore.Backend.
 func (b *Backend) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
 	b.store.mu.Lock()
 	defer b.store.mu.Unlock()
@@ -177,7 +177,7 @@ func (b *Backend) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) 
 	return l, ok
 }
 
-// LookupByLabels implements allocator.GlobalBackend.
+// LookupByLabels implements globalstore.Backend.
 func (b *Backend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
 	b.store.mu.Lock()
 	defer b.store.mu.Unlock()
@@ -185,9 +185,9 @@ func (b *Backend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, 
 	return id, ok
 }
 
-// Start implements allocator.GlobalBackend: it lists the store, then
+// Start implements globalstore.Backend: it lists the store, then
 // reports changes.
-func (b *Backend) Start(ctx context.Context, events allocator.GlobalEvents) error {
+func (b *Backend) Start(ctx context.Context, events globalstore.Events) error {
 	b.store.mu.Lock()
 	defer b.store.mu.Unlock()
 	for id, l := range b.store.byID {
@@ -200,7 +200,7 @@ func (b *Backend) Start(ctx context.Context, events allocator.GlobalEvents) erro
 	return nil
 }
 
-// Stop implements allocator.GlobalBackend.
+// Stop implements globalstore.Backend.
 func (b *Backend) Stop(ctx context.Context) error {
 	b.mu.Lock()
 	b.events = nil

@@ -15,7 +15,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
@@ -263,21 +263,21 @@ func finalState(cli *clientv3.Client, agents []*agent) (FinalState, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	resp, err := cli.Get(ctx, allocator.IdentitiesPrefix+"/", clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, etcdstore.IdentitiesPrefix+"/", clientv3.WithPrefix())
 	if err != nil {
 		return f, err
 	}
 	for _, kv := range resp.Kvs {
 		key := string(kv.Key)
 		switch {
-		case strings.HasPrefix(key, allocator.MasterKeyPrefix):
-			id, err := identity.ParseNumericIdentity(strings.TrimPrefix(key, allocator.MasterKeyPrefix))
+		case strings.HasPrefix(key, etcdstore.MasterKeyPrefix):
+			id, err := identity.ParseNumericIdentity(strings.TrimPrefix(key, etcdstore.MasterKeyPrefix))
 			if err != nil {
 				return f, fmt.Errorf("master key %s: %w", key, err)
 			}
 			f.Masters[id] = string(kv.Value)
-		case strings.HasPrefix(key, allocator.ReferenceKeyPrefix):
-			rest := strings.TrimPrefix(key, allocator.ReferenceKeyPrefix)
+		case strings.HasPrefix(key, etcdstore.ReferenceKeyPrefix):
+			rest := strings.TrimPrefix(key, etcdstore.ReferenceKeyPrefix)
 			i := strings.LastIndexByte(rest, '/')
 			if i < 0 {
 				return f, fmt.Errorf("reference key %s has no node", key)

@@ -14,6 +14,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
@@ -100,7 +101,7 @@ func ipcacheCollectorOut(p ipcacheParams) metrics.CollectorOut {
 type gcParams struct {
 	cell.In
 
-	Backend allocator.GlobalBackend `optional:"true"`
+	Backend globalstore.Backend `optional:"true"`
 }
 
 // gcCollectorOut reports the GC only of a backend that has one (the etcd

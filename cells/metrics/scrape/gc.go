@@ -3,14 +3,14 @@ package scrape
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/metrics"
 )
 
 // GCStatser is a global backend that counts its garbage collection, as
-// *allocator.EtcdBackend does. Other backends have no GC to report.
+// *etcdstore.Store does. Other backends have no GC to report.
 type GCStatser interface {
-	GCStats() allocator.GCStats
+	GCStats() etcdstore.GCStats
 }
 
 // Values of the status label of identityd_identity_gc_entries that only

@@ -3,14 +3,14 @@ package scrape
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/metrics"
 )
 
 // NodeStatser is a global backend that checks this node's keys, as
-// *allocator.EtcdBackend does.
+// *etcdstore.Store does.
 type NodeStatser interface {
-	NodeStats() allocator.NodeStats
+	NodeStats() etcdstore.NodeStats
 }
 
 // NodeCollector reports what the checks of this node's keys in etcd found,

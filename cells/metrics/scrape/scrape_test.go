@@ -22,6 +22,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
@@ -263,13 +265,13 @@ func TestScrapeKVStore(t *testing.T) {
 func TestScrapeGC(t *testing.T) {
 	var (
 		alloc   allocator.Allocator
-		backend allocator.GlobalBackend
+		backend globalstore.Backend
 		server  *metrics.Server
 	)
 	h := hive.New(
 		health.Cell, metrics.Cell, scrape.Cell, job.Cell, statedb.Cell, statedir.Cell,
-		kvstore.Cell, allocator.Cell,
-		cell.Invoke(func(a allocator.Allocator, b allocator.GlobalBackend, s *metrics.Server) {
+		kvstore.Cell, allocator.Cell, etcdstore.Cell,
+		cell.Invoke(func(a allocator.Allocator, b globalstore.Backend, s *metrics.Server) {
 			alloc, backend, server = a, b, s
 		}),
 	)
@@ -277,13 +279,13 @@ func TestScrapeGC(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	// The test runs the GC itself, so that the counts are exact.
-	hive.AddConfigOverride(h, func(c *allocator.EtcdConfig) { c.IdentityGCInterval = 0 })
+	hive.AddConfigOverride(h, func(c *etcdstore.Config) { c.IdentityGCInterval = 0 })
 	log := hivetest.Logger(t)
 	if err := h.Start(log, t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	defer h.Stop(log, context.Background())
-	etcd, ok := backend.(*allocator.EtcdBackend)
+	etcd, ok := backend.(*etcdstore.Store)
 	if !ok {
 		t.Fatalf("global backend is %T, want the etcd backend", backend)
 	}
@@ -329,14 +331,14 @@ func TestScrapeGC(t *testing.T) {
 func TestScrapeNodeChecks(t *testing.T) {
 	var (
 		alloc   allocator.Allocator
-		backend allocator.GlobalBackend
+		backend globalstore.Backend
 		kv      *kvstore.Client
 		server  *metrics.Server
 	)
 	h := hive.New(
 		health.Cell, metrics.Cell, scrape.Cell, job.Cell, statedb.Cell, statedir.Cell,
-		kvstore.Cell, allocator.Cell,
-		cell.Invoke(func(a allocator.Allocator, b allocator.GlobalBackend, k *kvstore.Client, s *metrics.Server) {
+		kvstore.Cell, allocator.Cell, etcdstore.Cell,
+		cell.Invoke(func(a allocator.Allocator, b globalstore.Backend, k *kvstore.Client, s *metrics.Server) {
 			alloc, backend, kv, server = a, b, k, s
 		}),
 	)
@@ -345,13 +347,13 @@ func TestScrapeNodeChecks(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	hive.AddConfigOverride(h, func(c *kvstore.Config) { c.NodeName = "scraped" })
 	// The test runs the checks itself, so that the counts are exact.
-	hive.AddConfigOverride(h, func(c *allocator.EtcdConfig) { c.KVStorePeriodicSync = 0 })
+	hive.AddConfigOverride(h, func(c *etcdstore.Config) { c.KVStorePeriodicSync = 0 })
 	log := hivetest.Logger(t)
 	if err := h.Start(log, t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	defer h.Stop(log, context.Background())
-	etcd := backend.(*allocator.EtcdBackend)
+	etcd := backend.(*etcdstore.Store)
 	expect(t, scrapeMetrics(t, server.Addr()), map[string]float64{
 		`identityd_kvstore_node_name_conflicts_total`:  0,
 		`identityd_kvstore_references_rewritten_total`: 0,
@@ -369,7 +371,7 @@ func TestScrapeNodeChecks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ref := allocator.ReferenceKeyPrefix + l.Canonical() + "/scraped"
+	ref := etcdstore.ReferenceKeyPrefix + l.Canonical() + "/scraped"
 	if _, err := cli.Put(t.Context(), ref, id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}

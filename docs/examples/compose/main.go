@@ -23,6 +23,8 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/clustermesh"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
@@ -100,6 +102,8 @@ func main() {
 		statedir.Cell,
 		kvstore.Cell,
 		allocator.Cell,
+		etcdstore.Cell,
+		clustermesh.Cell,
 		checkpoint.Cell,
 		ipcache.Cell,
 		restoration.Cell,

@@ -1,4 +1,4 @@
-package allocator
+package clustermesh
 
 import (
 	"context"
@@ -13,14 +13,18 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
 
-// ClusterMesh follows the global identities of remote clusters: for each
+// Mesh follows the global identities of remote clusters: for each
 // file of --clustermesh-config, a read-only list+watch of that cluster's
 // master keys in its own etcd. It never allocates, releases or collects
 // anything there. Accepted identities reach the allocator's lookups, its
@@ -34,12 +38,15 @@ import (
 // one disconnects it and deletes all its identities. A cluster unreachable
 // for longer than --clustermesh-remote-timeout has its identities deleted
 // too, until it answers again.
-type ClusterMesh struct {
-	cfg   ClusterMeshConfig
+type Mesh struct {
+	cfg   Config
 	local identity.ClusterInfo
 	log   *slog.Logger
-	// push delivers the remote identities' changes to the allocator.
-	push func(event)
+	// events receives the remote identities' changes (the allocator's).
+	events globalstore.Events
+	jobs   job.Group
+	// life ends when the mesh stops; every cluster's loops run on it.
+	life context.Context
 
 	mu       sync.RWMutex
 	clusters map[string]*remoteCluster
@@ -52,63 +59,85 @@ type ClusterMesh struct {
 	wg     sync.WaitGroup
 }
 
-type clusterMeshParams struct {
+type params struct {
 	cell.In
 
-	Config     Config
-	MeshConfig ClusterMeshConfig
-	Log        *slog.Logger
+	Cluster identity.ClusterInfo
+	Config  Config
+	Log     *slog.Logger
+	Jobs    job.Registry
+	Health  cell.Health `optional:"true"`
 }
 
-func newClusterMesh(p clusterMeshParams) (*ClusterMesh, error) {
-	if err := p.MeshConfig.Validate(); err != nil {
-		return nil, err
+type out struct {
+	cell.Out
+
+	Mesh   *Mesh
+	Remote globalstore.Remote
+}
+
+func newMesh(p params) (out, error) {
+	if err := p.Config.Validate(); err != nil {
+		return out{}, err
 	}
-	return NewClusterMesh(p.Log, p.MeshConfig, p.Config.ClusterInfo()), nil
+	m := New(p.Log, p.Config, p.Cluster, p.Jobs.NewGroup(health.OrDetached(p.Health)))
+	return out{Mesh: m, Remote: m}, nil
 }
 
-// NewClusterMesh returns the remote cluster manager of the local cluster.
-// It does nothing until the allocator that owns it starts.
-func NewClusterMesh(log *slog.Logger, cfg ClusterMeshConfig, local identity.ClusterInfo) *ClusterMesh {
-	return &ClusterMesh{
+// New returns the remote cluster manager of the local cluster. It does
+// nothing until the allocator that owns it starts it; its loops are jobs
+// of jobs.
+func New(log *slog.Logger, cfg Config, local identity.ClusterInfo, jobs job.Group) *Mesh {
+	return &Mesh{
 		cfg:      cfg,
 		local:    local,
 		log:      log,
+		jobs:     jobs,
 		clusters: map[string]*remoteCluster{},
 		invalid:  map[string]*configFile{},
 		reported: map[string]string{},
 	}
 }
 
-// start reads the directory at once, so that clusters configured at start
-// begin connecting before the allocator's start returns, then polls it.
-func (m *ClusterMesh) start(push func(event)) {
-	if m == nil || m.cfg.ClusterMeshConfig == "" {
-		return
+var _ globalstore.Remote = (*Mesh)(nil)
+
+// Start reads the directory at once, so that clusters configured at start
+// begin connecting before the allocator's start returns, then polls it in
+// the job clustermesh-config-poll. Identities are reported to events.
+func (m *Mesh) Start(ctx context.Context, events globalstore.Events) error {
+	if m.cfg.ClusterMeshConfig == "" {
+		return nil
 	}
-	m.push = push
-	ctx, cancel := context.WithCancel(context.Background())
-	m.cancel = cancel
-	m.sync()
-	m.wg.Go(func() {
+	m.events = events
+	m.life, m.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	m.sync(ctx)
+	m.wg.Add(1)
+	m.jobs.Add(job.OneShot("clustermesh-config-poll", func(ctx context.Context, _ cell.Health) error {
+		defer m.wg.Done()
+		// The clusters' loops end with the poll: the hive stops jobs
+		// before the allocator, which stops the mesh.
+		defer m.cancel()
 		t := time.NewTicker(clusterMeshPollInterval)
 		defer t.Stop()
 		for {
 			select {
 			case <-ctx.Done():
-				return
+				return nil
+			case <-m.life.Done():
+				return nil
 			case <-t.C:
-				m.sync()
+				m.sync(ctx)
 			}
 		}
-	})
+	}))
+	return nil
 }
 
-// stop disconnects every cluster without deleting its identities: the
+// Stop disconnects every cluster without deleting its identities: the
 // allocator is stopping with them.
-func (m *ClusterMesh) stop() {
-	if m == nil || m.cancel == nil {
-		return
+func (m *Mesh) Stop(ctx context.Context) error {
+	if m.cancel == nil {
+		return nil
 	}
 	m.cancel()
 	m.wg.Wait()
@@ -117,12 +146,13 @@ func (m *ClusterMesh) stop() {
 	m.clusters = map[string]*remoteCluster{}
 	m.mu.Unlock()
 	for _, rc := range clusters {
-		rc.stop()
+		rc.stop(ctx)
 	}
+	return nil
 }
 
 // sync brings the running clusters in step with the directory.
-func (m *ClusterMesh) sync() {
+func (m *Mesh) sync(ctx context.Context) {
 	files, err := readConfigDir(m.cfg.ClusterMeshConfig, m.local)
 	if err != nil {
 		if !errors.Is(err, fs.ErrNotExist) {
@@ -151,8 +181,8 @@ func (m *ClusterMesh) sync() {
 		m.mu.Lock()
 		delete(m.clusters, rc.name)
 		m.mu.Unlock()
-		rc.stop()
-		rc.cache.clear()
+		rc.stop(ctx)
+		rc.cache.Clear()
 	}
 
 	invalid := map[string]*configFile{}
@@ -175,7 +205,7 @@ func (m *ClusterMesh) sync() {
 		}
 		if rc != nil {
 			m.log.Info("Configuration of remote cluster changed; reconnecting", "cluster", name)
-			rc.stop()
+			rc.stop(ctx)
 		} else {
 			m.log.Info("Connecting to remote cluster", "cluster", name, "cluster-id", f.cfg.ClusterID, "endpoints", f.cfg.Endpoints)
 		}
@@ -183,7 +213,7 @@ func (m *ClusterMesh) sync() {
 		m.mu.Lock()
 		m.clusters[name] = next
 		m.mu.Unlock()
-		next.start()
+		next.start(m.life)
 	}
 	m.mu.Lock()
 	m.invalid = invalid
@@ -200,7 +230,7 @@ func maps2slice(m map[string]*remoteCluster) []*remoteCluster {
 
 // reportOnce logs a configuration error once per version of the file, and
 // forgets it once the file is fixed (err nil).
-func (m *ClusterMesh) reportOnce(name, fingerprint string, err error) {
+func (m *Mesh) reportOnce(name, fingerprint string, err error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if err == nil {
@@ -219,7 +249,7 @@ func (m *ClusterMesh) reportOnce(name, fingerprint string, err error) {
 }
 
 // clusterByID returns the running cluster with this cluster ID.
-func (m *ClusterMesh) clusterByID(id uint32) *remoteCluster {
+func (m *Mesh) clusterByID(id uint32) *remoteCluster {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	for _, rc := range m.clusters {
@@ -231,23 +261,20 @@ func (m *ClusterMesh) clusterByID(id uint32) *remoteCluster {
 }
 
 // LookupByID returns the labels of a remote cluster's identity.
-func (m *ClusterMesh) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
-	if m == nil || id.Scope() != identity.ScopeGlobal {
+func (m *Mesh) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
+	if id.Scope() != identity.ScopeGlobal {
 		return nil, false
 	}
 	rc := m.clusterByID(identity.ClusterID(id, maxConnected(m.local)))
 	if rc == nil {
 		return nil, false
 	}
-	return rc.cache.lookupLabels(id)
+	return rc.cache.LookupByID(id)
 }
 
 // LookupByLabels returns the numeric identity of a remote cluster's label
 // set, found through its cluster label.
-func (m *ClusterMesh) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
-	if m == nil {
-		return 0, false
-	}
+func (m *Mesh) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
 	l, ok := lbls.Get(identity.ClusterLabelKey)
 	if !ok {
 		return 0, false
@@ -258,7 +285,7 @@ func (m *ClusterMesh) LookupByLabels(lbls labels.Labels) (identity.NumericIdenti
 	if rc == nil {
 		return 0, false
 	}
-	return rc.cache.cachedID(lbls.Canonical())
+	return rc.cache.LookupByLabels(lbls)
 }
 
 // RemoteClusterStatus is the state of one remote cluster (or of a file of
@@ -298,7 +325,7 @@ func (s RemoteClusterStatus) TableRow() []string {
 }
 
 // Status returns the state of every remote cluster, by name.
-func (m *ClusterMesh) Status() []RemoteClusterStatus {
+func (m *Mesh) Status() []RemoteClusterStatus {
 	if m == nil {
 		return nil
 	}
@@ -330,8 +357,8 @@ type remoteCluster struct {
 	info        identity.ClusterInfo
 	log         *slog.Logger
 	timeout     time.Duration
-	push        func(event)
-	cache       masterCache
+	events      globalstore.Events
+	cache       *etcdstore.Follower
 	// clusterLabel is the label every identity of the cluster carries.
 	clusterLabel labels.Label
 
@@ -346,7 +373,7 @@ type remoteCluster struct {
 	wg     sync.WaitGroup
 }
 
-func newRemoteCluster(m *ClusterMesh, name string, f *configFile, prev *remoteCluster) *remoteCluster {
+func newRemoteCluster(m *Mesh, name string, f *configFile, prev *remoteCluster) *remoteCluster {
 	rc := &remoteCluster{
 		name:         name,
 		fingerprint:  f.fingerprint,
@@ -354,26 +381,24 @@ func newRemoteCluster(m *ClusterMesh, name string, f *configFile, prev *remoteCl
 		info:         identity.ClusterInfo{ID: f.cfg.ClusterID, Name: name, MaxConnectedClusters: maxConnected(m.local)},
 		log:          m.log.With("cluster", name),
 		timeout:      m.cfg.ClusterMeshRemoteTimeout,
-		push:         m.push,
+		events:       m.events,
 		clusterLabel: labels.Label{Source: labels.SourceK8s, Key: identity.ClusterLabelKey, Value: name},
 		lastOK:       time.Now(),
 	}
-	rc.cache = newMasterCache(rc.log, rc, "identities of remote cluster "+name, cacheHooks{
-		validate: rc.validate,
-		emit:     rc.emit,
-		listed:   rc.listed,
-		failed:   rc.failed,
-	})
+	var prevCache *etcdstore.Follower
 	if prev != nil {
 		// The new connection's first listing reports only what
 		// differs from what the previous one knew; until then, and
 		// for the timeout if it never connects, those identities stay.
-		prev.cache.cacheMu.RLock()
-		for id, e := range prev.cache.byID {
-			rc.cache.byID[id] = e
-			rc.cache.byKey[e.key] = id
-		}
-		prev.cache.cacheMu.RUnlock()
+		prevCache = prev.cache
+	}
+	rc.cache = etcdstore.NewFollower(rc.log, rc, "identities of remote cluster "+name, etcdstore.FollowerHooks{
+		Validate: rc.validate,
+		Events:   m.events,
+		Listed:   rc.listed,
+		Failed:   rc.failed,
+	}, prevCache)
+	if prev != nil {
 		prev.mu.Lock()
 		rc.lastOK, rc.withdrawn = prev.lastOK, prev.withdrawn
 		prev.mu.Unlock()
@@ -411,16 +436,6 @@ func (rc *remoteCluster) validate(id identity.NumericIdentity, lbls labels.Label
 	return nil
 }
 
-func (rc *remoteCluster) emit(changes []change) {
-	for _, c := range changes {
-		kind := ChangeDelete
-		if c.upsert {
-			kind = ChangeUpsert
-		}
-		rc.push(event{kind: kind, ident: &identity.Identity{ID: c.id, Labels: c.lbls}, source: SourceRemote})
-	}
-}
-
 func (rc *remoteCluster) listed() {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
@@ -433,8 +448,8 @@ func (rc *remoteCluster) failed(err error) {
 	rc.connected, rc.lastErr = false, err.Error()
 }
 
-func (rc *remoteCluster) start() {
-	ctx, cancel := context.WithCancel(context.Background())
+func (rc *remoteCluster) start(life context.Context) {
+	ctx, cancel := context.WithCancel(life)
 	rc.cancel = cancel
 	rc.wg.Go(func() { rc.run(ctx) })
 	rc.wg.Go(func() { rc.watchdog(ctx) })
@@ -442,7 +457,7 @@ func (rc *remoteCluster) start() {
 
 // stop ends the connection, keeping the cache for a successor or for the
 // caller to clear.
-func (rc *remoteCluster) stop() {
+func (rc *remoteCluster) stop(ctx context.Context) {
 	rc.cancel()
 	rc.wg.Wait()
 	rc.mu.Lock()
@@ -450,7 +465,7 @@ func (rc *remoteCluster) stop() {
 	rc.kv, rc.connected = nil, false
 	rc.mu.Unlock()
 	if kv != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
 		if err := kv.Stop(ctx); err != nil {
 			rc.log.Warn("Closing the connection to the remote cluster failed", "error", err)
@@ -480,7 +495,7 @@ func (rc *remoteCluster) run(ctx context.Context) {
 			rc.mu.Lock()
 			rc.kv = kv
 			rc.mu.Unlock()
-			rc.cache.cacheLoop(ctx)
+			rc.cache.Run(ctx)
 			return
 		}
 		if ctx.Err() != nil {
@@ -517,7 +532,7 @@ func (rc *remoteCluster) watchdog(ctx context.Context) {
 			rc.mu.Unlock()
 			if relist {
 				rc.log.Info("Remote cluster reachable again; listing its identities")
-				rc.cache.requestRelist()
+				rc.cache.Relist()
 			}
 			continue
 		}
@@ -530,7 +545,7 @@ func (rc *remoteCluster) watchdog(ctx context.Context) {
 		if expired {
 			rc.log.Warn("Remote cluster unreachable for longer than --clustermesh-remote-timeout; withdrawing its identities",
 				"timeout", rc.timeout, "error", err)
-			rc.cache.clear()
+			rc.cache.Clear()
 		}
 	}
 }
@@ -547,12 +562,12 @@ func (rc *remoteCluster) probe(ctx context.Context, timeout time.Duration) error
 	}
 	pctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(ctx), max(timeout, time.Second))
 	defer cancel()
-	_, err := cli.Get(pctx, MasterKeyPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	_, err := cli.Get(pctx, etcdstore.MasterKeyPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
 	return err
 }
 
 func (rc *remoteCluster) status() RemoteClusterStatus {
-	cached, rejected := rc.cache.counts()
+	cached, rejected := rc.cache.Counts()
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	return RemoteClusterStatus{
@@ -563,7 +578,17 @@ func (rc *remoteCluster) status() RemoteClusterStatus {
 		Synced:        rc.cache.Synced() && !rc.withdrawn,
 		Identities:    cached,
 		Rejected:      rejected,
-		RejectedTotal: rc.cache.rejectedTotal.Load(),
+		RejectedTotal: rc.cache.RejectedTotal(),
 		LastError:     rc.lastErr,
+	}
+}
+
+// sleep waits for d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
 	}
 }

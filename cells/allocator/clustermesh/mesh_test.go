@@ -1,4 +1,4 @@
-package allocator
+package clustermesh
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/eventually"
+
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
@@ -18,6 +20,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -89,8 +93,8 @@ func TestReadConfigDir(t *testing.T) {
 
 // meshNode is an agent of one cluster of a mesh.
 type meshNode struct {
-	alloc Allocator
-	mesh  *ClusterMesh
+	alloc allocator.Allocator
+	mesh  *Mesh
 	h     *hive.Hive
 	stop  func()
 }
@@ -99,8 +103,8 @@ func startMeshNode(tb testing.TB, c *etcdtest.Cluster, id uint32, name, meshDir 
 	tb.Helper()
 	n := &meshNode{}
 	n.h = hive.New(
-		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
-		cell.Invoke(func(a Allocator, m *ClusterMesh) { n.alloc, n.mesh = a, m }),
+		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, etcdstore.Cell, Cell,
+		cell.Invoke(func(a allocator.Allocator, m *Mesh) { n.alloc, n.mesh = a, m }),
 	)
 	stateDir := tb.TempDir()
 	hive.AddConfigOverride(n.h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
@@ -110,9 +114,9 @@ func startMeshNode(tb testing.TB, c *etcdtest.Cluster, id uint32, name, meshDir 
 		cfg.KVStoreDialTimeout = 10 * time.Second
 		cfg.KVStoreRequestTimeout = 5 * time.Second
 	})
-	hive.AddConfigOverride(n.h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
-	hive.AddConfigOverride(n.h, func(cfg *Config) { cfg.ClusterID, cfg.ClusterName = id, name })
-	hive.AddConfigOverride(n.h, func(cfg *ClusterMeshConfig) {
+	hive.AddConfigOverride(n.h, func(cfg *etcdstore.Config) { cfg.IdentityGCInterval = 0 })
+	hive.AddConfigOverride(n.h, func(cfg *allocator.Config) { cfg.ClusterID, cfg.ClusterName = id, name })
+	hive.AddConfigOverride(n.h, func(cfg *Config) {
 		cfg.ClusterMeshConfig = meshDir
 		cfg.ClusterMeshRemoteTimeout = timeout
 	})
@@ -139,14 +143,14 @@ func startMeshNode(tb testing.TB, c *etcdtest.Cluster, id uint32, name, meshDir 
 // changeLog records an Observe stream.
 type changeLog struct {
 	mu      sync.Mutex
-	changes []Change
+	changes []allocator.Change
 }
 
-func observe(tb testing.TB, a Allocator) *changeLog {
+func observe(tb testing.TB, a allocator.Allocator) *changeLog {
 	l := &changeLog{}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	a.Observe(ctx, func(c Change) {
+	a.Observe(ctx, func(c allocator.Change) {
 		l.mu.Lock()
 		l.changes = append(l.changes, c)
 		l.mu.Unlock()
@@ -161,7 +165,7 @@ func (l *changeLog) of(id identity.NumericIdentity) []string {
 	defer l.mu.Unlock()
 	var out []string
 	for _, c := range l.changes {
-		if c.Kind != ChangeSync && c.ID == id {
+		if c.Kind != allocator.ChangeSync && c.ID == id {
 			out = append(out, c.Kind.String())
 		}
 	}
@@ -174,9 +178,9 @@ func (l *changeLog) checkNoDuplicates(tb testing.TB) {
 	tb.Helper()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	last := map[identity.NumericIdentity]Change{}
+	last := map[identity.NumericIdentity]allocator.Change{}
 	for _, c := range l.changes {
-		if c.Kind == ChangeSync {
+		if c.Kind == allocator.ChangeSync {
 			continue
 		}
 		if p, ok := last[c.ID]; ok && p.Kind == c.Kind && p.Labels.Equal(c.Labels) {
@@ -199,7 +203,7 @@ func writeMeshFile(tb testing.TB, dir, name string, id uint32, endpoints []strin
 	}
 }
 
-func remoteStatus(m *ClusterMesh, name string) RemoteClusterStatus {
+func remoteStatus(m *Mesh, name string) RemoteClusterStatus {
 	for _, st := range m.Status() {
 		if st.Name == name {
 			return st
@@ -246,18 +250,18 @@ func TestClusterMesh(t *testing.T) {
 
 	// Remote identities with their numbers, in lookups, List and Observe.
 	for _, want := range []*identity.Identity{web2, db2, web3} {
-		eventually(t, fmt.Sprintf("remote identity %d on cluster 1", want.ID), func() bool {
+		eventually.True(t, fmt.Sprintf("remote identity %d on cluster 1", want.ID), func() bool {
 			got := n1.alloc.LookupByID(want.ID)
 			return got != nil && got.Labels.Equal(want.Labels)
 		})
 		if got := n1.alloc.LookupByLabels(want.Labels); got == nil || got.ID != want.ID {
 			t.Fatalf("lookup by labels of %v: %v", want.Labels, got)
 		}
-		eventually(t, "upsert observed", func() bool { return len(log.of(want.ID)) == 1 })
+		eventually.True(t, "upsert observed", func() bool { return len(log.of(want.ID)) == 1 })
 	}
 	var remote int
 	for _, e := range n1.alloc.List() {
-		if e.Source == SourceRemote {
+		if e.Source == allocator.SourceRemote {
 			remote++
 		}
 	}
@@ -289,7 +293,7 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	cli2 := e2.Client(t)
 	put := func(id identity.NumericIdentity, l string) {
 		t.Helper()
-		if _, err := cli2.Put(ctx, masterKey(id), labels.MustParse(strings.Split(l, " ")...).Canonical()); err != nil {
+		if _, err := cli2.Put(ctx, etcdstore.MasterKeyPrefix+id.String(), labels.MustParse(strings.Split(l, " ")...).Canonical()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -297,7 +301,7 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	put(c2.MinID()+5000, "k8s:app=evil k8s:io.cilium.k8s.policy.cluster=c3") // wrong cluster
 	put(c2.MinID()+5001, "k8s:app=nolabel")                                  // no cluster label
 	put(c2.MinID()+5002, "k8s:app=ok k8s:io.cilium.k8s.policy.cluster=c2")
-	eventually(t, "rejections counted", func() bool {
+	eventually.True(t, "rejections counted", func() bool {
 		st := remoteStatus(n1.mesh, "c2")
 		return st.Rejected == 3 && st.RejectedTotal == 3 && st.Identities == 3
 	})
@@ -311,12 +315,12 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	}
 	// A valid entry overwritten with an invalid one is withdrawn.
 	put(c2.MinID()+5002, "k8s:app=ok k8s:io.cilium.k8s.policy.cluster=c3")
-	eventually(t, "overwritten entry withdrawn", func() bool { return n1.alloc.LookupByID(c2.MinID()+5002) == nil })
-	if _, err := cli2.Delete(ctx, MasterKeyPrefix, clientv3.WithPrefix()); err != nil {
+	eventually.True(t, "overwritten entry withdrawn", func() bool { return n1.alloc.LookupByID(c2.MinID()+5002) == nil })
+	if _, err := cli2.Delete(ctx, etcdstore.MasterKeyPrefix, clientv3.WithPrefix()); err != nil {
 		t.Fatal(err)
 	}
 	// The allocator of cluster 2 re-creates the master keys it uses.
-	eventually(t, "hand-written entries gone", func() bool {
+	eventually.True(t, "hand-written entries gone", func() bool {
 		st := remoteStatus(n1.mesh, "c2")
 		return st.Rejected == 0 && st.Identities == 2 &&
 			n1.alloc.LookupByID(web2.ID) != nil && n1.alloc.LookupByID(db2.ID) != nil
@@ -325,19 +329,19 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	// A short outage of cluster 2's etcd, with changes right after it:
 	// only the changes are reported.
 	e2.Member(0).Kill()
-	eventually(t, "c2 seen down", func() bool { return !remoteStatus(n1.mesh, "c2").Connected })
+	eventually.True(t, "c2 seen down", func() bool { return !remoteStatus(n1.mesh, "c2").Connected })
 	e2.Member(0).Restart()
 	if _, err := n2.alloc.Release(ctx, db2); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli2.Delete(ctx, masterKey(db2.ID)); err != nil {
+	if _, err := cli2.Delete(ctx, etcdstore.MasterKeyPrefix+db2.ID.String()); err != nil {
 		t.Fatal(err)
 	}
 	api2, _, err := n2.alloc.Allocate(ctx, labels.MustParse("k8s:app=api", "k8s:io.cilium.k8s.policy.cluster=c2"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "c2 converged after the restart", func() bool {
+	eventually.True(t, "c2 converged after the restart", func() bool {
 		return n1.alloc.LookupByID(api2.ID) != nil && n1.alloc.LookupByID(db2.ID) == nil &&
 			n1.alloc.LookupByID(web2.ID) != nil && remoteStatus(n1.mesh, "c2").Connected
 	})
@@ -347,19 +351,19 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	// timeout; they come back once it answers.
 	before := log.of(web2.ID)
 	e2.Member(0).Kill()
-	eventuallyWithin(t, 30*time.Second, "c2's identities withdrawn", func() bool {
+	eventually.Within(t, 30*time.Second, "c2's identities withdrawn", func() bool {
 		return n1.alloc.LookupByID(web2.ID) == nil && n1.alloc.LookupByID(api2.ID) == nil
 	})
 	if n1.alloc.LookupByID(web3.ID) == nil {
 		t.Fatal("cluster 3's identity withdrawn with cluster 2's")
 	}
 	e2.Member(0).Restart()
-	eventuallyWithin(t, 30*time.Second, "c2's identities back", func() bool {
+	eventually.Within(t, 30*time.Second, "c2's identities back", func() bool {
 		return n1.alloc.LookupByID(web2.ID) != nil && n1.alloc.LookupByID(api2.ID) != nil
 	})
 	// Lookups answer from the mesh at once; Observe delivers on its own
 	// goroutine, so its events may trail them.
-	eventually(t, "c2's withdrawal and return observed", func() bool { return len(log.of(web2.ID)) >= len(before)+2 })
+	eventually.True(t, "c2's withdrawal and return observed", func() bool { return len(log.of(web2.ID)) >= len(before)+2 })
 	if got, want := strings.Join(log.of(web2.ID), ","), strings.Join(append(before, "delete", "upsert"), ","); got != want {
 		t.Fatalf("events of %d: %s, want %s", web2.ID, got, want)
 	}
@@ -369,10 +373,10 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 	if err := os.Remove(filepath.Join(meshDir, "c2")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "c2 removed", func() bool {
+	eventually.True(t, "c2 removed", func() bool {
 		return n1.alloc.LookupByID(web2.ID) == nil && n1.alloc.LookupByID(api2.ID) == nil
 	})
-	eventually(t, "deletes observed", func() bool {
+	eventually.True(t, "deletes observed", func() bool {
 		w, a := log.of(web2.ID), log.of(api2.ID)
 		return len(w) > 0 && w[len(w)-1] == "delete" && len(a) > 0 && a[len(a)-1] == "delete"
 	})
@@ -383,4 +387,10 @@ identityd_clustermesh_remote_cluster_identities{cluster="c9"} 0
 		t.Fatal("cluster 3's identity withdrawn with cluster 2's")
 	}
 	log.checkNoDuplicates(t)
+}
+
+func testCtx(tb testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	tb.Cleanup(cancel)
+	return ctx
 }

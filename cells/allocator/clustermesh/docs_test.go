@@ -1,4 +1,4 @@
-package allocator
+package clustermesh
 
 import (
 	"os"
@@ -15,7 +15,7 @@ import (
 // operator would copy them, and checks that the node of the example
 // accepts both with what the text says they hold.
 func TestOperationsDocClusterMeshExample(t *testing.T) {
-	doc, err := os.ReadFile("../../docs/operations.md")
+	doc, err := os.ReadFile("../../../docs/operations.md")
 	if err != nil {
 		t.Fatal(err)
 	}

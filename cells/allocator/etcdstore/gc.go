@@ -1,14 +1,17 @@
-package allocator
+package etcdstore
 
 import (
 	"context"
 	"fmt"
 	"strings"
 	"sync/atomic"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/cilium/hive/job"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -27,7 +30,7 @@ type gcCounters struct {
 }
 
 // GCStats returns the garbage collection's counters, for metrics.
-func (b *EtcdBackend) GCStats() GCStats {
+func (b *Store) GCStats() GCStats {
 	return GCStats{
 		Runs:    b.gc.runs.Load(),
 		Failed:  b.gc.failed.Load(),
@@ -36,34 +39,35 @@ func (b *EtcdBackend) GCStats() GCStats {
 	}
 }
 
-func (b *EtcdBackend) gcLoop(ctx context.Context) {
-	select {
-	case <-b.synced:
-	case <-ctx.Done():
-		return
-	}
-	t := time.NewTicker(b.cfg.IdentityGCInterval)
-	defer t.Stop()
-	for {
+func (b *Store) gcTick(life context.Context) job.TimerFunc {
+	return func(ctx context.Context) error {
+		ctx, cancel := lifeOf(ctx, life)
+		defer cancel()
 		select {
-		case <-ctx.Done():
-			return
+		case <-b.synced:
+		default:
+			// Nothing to collect from before the first listing.
+			return nil
+		}
+		select {
 		case <-b.kv.Stopping():
 			// No collection while the agent stops: it would only
 			// compete with the stop for its short etcd deadline.
-			return
-		case <-t.C:
+			return nil
+		default:
 		}
 		deleted, skipped, err := b.RunGC(ctx)
 		if err != nil {
-			if ctx.Err() == nil {
-				b.log.Warn("Garbage collection of global identities failed", "error", err, "deleted", deleted)
+			if ctx.Err() != nil {
+				return nil
 			}
-			continue
+			// etcd's doing, not the agent's: readiness, not liveness.
+			return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", deleted, err))
 		}
 		if deleted > 0 || skipped > 0 {
 			b.log.Info("Garbage collection of global identities", "deleted", deleted, "skipped", skipped)
 		}
+		return nil
 	}
 }
 
@@ -75,7 +79,7 @@ func (b *EtcdBackend) gcLoop(ctx context.Context) {
 // same time either makes the compare fail or sees the key gone, so unlike
 // a mark-and-sweep the collection needs no second pass. Deletions are paced
 // by --identity-gc-rate-limit per --identity-gc-rate-interval.
-func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err error) {
+func (b *Store) RunGC(ctx context.Context) (deleted, skipped int, err error) {
 	b.gc.runs.Add(1)
 	defer func() {
 		if err != nil {
@@ -83,11 +87,11 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 		}
 	}()
 	if !b.Synced() {
-		return 0, 0, fmt.Errorf("%w: global identities are not listed yet", ErrKVStoreUnavailable)
+		return 0, 0, fmt.Errorf("%w: global identities are not listed yet", globalstore.ErrUnavailable)
 	}
 	cli := b.kv.Client()
 	if cli == nil {
-		return 0, 0, fmt.Errorf("%w: the kvstore client is stopped", ErrKVStoreUnavailable)
+		return 0, 0, fmt.Errorf("%w: the kvstore client is stopped", globalstore.ErrUnavailable)
 	}
 	referenced, listRev, err := b.referencedLabelSets(ctx, cli)
 	if err != nil {
@@ -126,7 +130,7 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 		).Then(clientv3.OpDelete(master)).Commit()
 		cancel()
 		if err != nil {
-			return deleted, skipped, fmt.Errorf("%w: deleting master key %s: %w", ErrKVStoreUnavailable, master, err)
+			return deleted, skipped, fmt.Errorf("%w: deleting master key %s: %w", globalstore.ErrUnavailable, master, err)
 		}
 		if resp.Succeeded {
 			deleted++
@@ -143,7 +147,7 @@ func (b *EtcdBackend) RunGC(ctx context.Context) (deleted, skipped int, err erro
 // all at one revision, which it returns) and returns the reference bases (see referenceBase) that have at least
 // one: a label string cleaned as Cilium cleans it, which the master key's
 // value need not be.
-func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Client) (map[string]struct{}, int64, error) {
+func (b *Store) referencedLabelSets(ctx context.Context, cli *clientv3.Client) (map[string]struct{}, int64, error) {
 	out := map[string]struct{}{}
 	end := clientv3.GetPrefixRangeEnd(ReferenceKeyPrefix)
 	from, rev := ReferenceKeyPrefix, int64(0)
@@ -156,7 +160,7 @@ func (b *EtcdBackend) referencedLabelSets(ctx context.Context, cli *clientv3.Cli
 		resp, err := cli.Get(rctx, from, opts...)
 		cancel()
 		if err != nil {
-			return nil, 0, fmt.Errorf("%w: listing reference keys: %w", ErrKVStoreUnavailable, err)
+			return nil, 0, fmt.Errorf("%w: listing reference keys: %w", globalstore.ErrUnavailable, err)
 		}
 		if rev == 0 {
 			rev = resp.Header.Revision

@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -30,7 +31,7 @@ var ErrClusterMismatch = errors.New("this node's cluster does not match the etcd
 // gives another ID, when the etcd holds global identities but none in this
 // cluster's range, or when those in this cluster's range name another
 // cluster in their cluster label and none names this one.
-func (b *EtcdBackend) checkCluster(ctx context.Context) error {
+func (b *Store) checkCluster(ctx context.Context) error {
 	if err := b.checkClusterConfig(ctx); err != nil {
 		return err
 	}
@@ -66,10 +67,10 @@ func (b *EtcdBackend) checkCluster(ctx context.Context) error {
 
 // checkClusterConfig reads Cilium's configuration of this cluster name,
 // where a clustermesh wrote one; a role without access to it is no error.
-func (b *EtcdBackend) checkClusterConfig(ctx context.Context) error {
+func (b *Store) checkClusterConfig(ctx context.Context) error {
 	cli := b.kv.Client()
 	if cli == nil {
-		return ErrKVStoreUnavailable
+		return globalstore.ErrUnavailable
 	}
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()

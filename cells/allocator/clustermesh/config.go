@@ -1,4 +1,4 @@
-package allocator
+package clustermesh
 
 import (
 	"bytes"
@@ -18,9 +18,9 @@ import (
 	"github.com/identityd/identityd/identity"
 )
 
-// ClusterMeshConfig configures the remote clusters whose identities this
+// Config configures the remote clusters whose identities this
 // node follows.
-type ClusterMeshConfig struct {
+type Config struct {
 	// ClusterMeshConfig is a directory with one file per remote cluster,
 	// named after the cluster (see RemoteClusterConfig). Empty follows no
 	// remote cluster.
@@ -30,20 +30,20 @@ type ClusterMeshConfig struct {
 	ClusterMeshRemoteTimeout time.Duration
 }
 
-// DefaultClusterMeshConfig is the default: no remote clusters, identities
+// DefaultConfig is the default: no remote clusters, identities
 // of an unreachable one withdrawn after 5 minutes.
-var DefaultClusterMeshConfig = ClusterMeshConfig{
+var DefaultConfig = Config{
 	ClusterMeshRemoteTimeout: 5 * time.Minute,
 }
 
 // Flags registers the --clustermesh-* flags.
-func (def ClusterMeshConfig) Flags(flags *pflag.FlagSet) {
+func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("clustermesh-config", def.ClusterMeshConfig, "Directory with one file per remote cluster (file name = cluster name; YAML with endpoints, cluster-id, TLS and auth settings); polled every second")
 	flags.Duration("clustermesh-remote-timeout", def.ClusterMeshRemoteTimeout, "Time a remote cluster may be unreachable before its identities are withdrawn")
 }
 
 // Validate checks the configuration.
-func (c ClusterMeshConfig) Validate() error {
+func (c Config) Validate() error {
 	if c.ClusterMeshRemoteTimeout <= 0 {
 		return errors.New("--clustermesh-remote-timeout must be positive")
 	}

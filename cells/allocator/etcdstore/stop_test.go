@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 
+	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -45,12 +46,12 @@ func TestEtcdStopReleasesReferences(t *testing.T) {
 
 func testEtcdStop(t *testing.T, c *etcdtest.Cluster, killEtcd bool) {
 	var (
-		alloc Allocator
+		alloc allocator.Allocator
 		held  []*identity.Identity
 	)
 	h := hive.New(
-		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
-		cell.Invoke(func(lc cell.Lifecycle, a Allocator) {
+		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
+		cell.Invoke(func(lc cell.Lifecycle, a allocator.Allocator) {
 			alloc = a
 			lc.Append(cell.Hook{OnStop: func(ctx cell.HookContext) error {
 				for _, id := range held {
@@ -71,7 +72,7 @@ func testEtcdStop(t *testing.T, c *etcdtest.Cluster, killEtcd bool) {
 			t.Fatalf("request timeout %s, want the default", cfg.KVStoreRequestTimeout)
 		}
 	})
-	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 100 * time.Millisecond })
+	hive.AddConfigOverride(h, func(cfg *Config) { cfg.IdentityGCInterval = 100 * time.Millisecond })
 	log := nodeLogger(t)
 	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
 		t.Fatal(err)

@@ -1,4 +1,4 @@
-package allocator
+package clustermesh
 
 import (
 	"github.com/cilium/hive"
@@ -9,13 +9,13 @@ import (
 	"github.com/identityd/identityd/internal/shellfmt"
 )
 
-func newClusterMeshCommands(m *ClusterMesh) hive.ScriptCmdsOut {
+func newClusterMeshCommands(m *Mesh) hive.ScriptCmdsOut {
 	return hive.NewScriptCmds(map[string]script.Cmd{
 		"clustermesh/status": clusterMeshStatusCmd(m),
 	})
 }
 
-func clusterMeshStatusCmd(m *ClusterMesh) script.Cmd {
+func clusterMeshStatusCmd(m *Mesh) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: "Show the remote clusters of --clustermesh-config",
@@ -51,12 +51,12 @@ func clusterMeshStatusCmd(m *ClusterMesh) script.Cmd {
 // clusterMeshCollector exports Status as metrics at scrape time, so that
 // the numbers never lag the caches.
 type clusterMeshCollector struct {
-	mesh                                *ClusterMesh
+	mesh                                *Mesh
 	ready, synced, identities, rejected *prometheus.Desc
 	rejectedTotal                       *prometheus.Desc
 }
 
-func newClusterMeshMetrics(m *ClusterMesh) metrics.CollectorOut {
+func newClusterMeshMetrics(m *Mesh) metrics.CollectorOut {
 	desc := func(name, help string) *prometheus.Desc {
 		return prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "clustermesh", name), help, []string{"cluster"}, nil)
 	}

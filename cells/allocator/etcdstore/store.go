@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
-	"github.com/spf13/pflag"
+	"github.com/cilium/hive/job"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
@@ -46,15 +47,6 @@ const (
 	LockKeyPrefix = IdentitiesPrefix + "/locks/"
 )
 
-// Errors of the etcd backend, besides ErrGlobalSpaceExhausted.
-var (
-	// ErrAllocationConflict: other writers kept winning the races for the
-	// label set or its candidate IDs until the attempts ran out.
-	ErrAllocationConflict = errors.New("global identity allocation kept conflicting with other writers")
-	// ErrKVStoreUnavailable: etcd did not answer, or refused the request.
-	ErrKVStoreUnavailable = errors.New("kvstore unavailable")
-)
-
 // Bounds of one allocation. Conflicts are rare (IDs are picked at random and
 // the cache knows most used ones), so a handful of them in a row means
 // something is wrong; transient errors get more room because a leader
@@ -66,98 +58,43 @@ const (
 	restoreWorkers = 16
 )
 
-// EtcdConfig configures the etcd backend of global identities.
-type EtcdConfig struct {
-	// AllocatorListTimeout bounds how long the allocator's start waits
-	// for the first listing of global identities; the listing goes on in
-	// the background after it.
-	AllocatorListTimeout time.Duration
-	// IdentityGCInterval is the period of the garbage collection of
-	// unused master keys; 0 disables it.
-	IdentityGCInterval time.Duration
-	// IdentityGCRateLimit is the most master keys deleted per
-	// IdentityGCRateInterval.
-	IdentityGCRateLimit int64
-	// IdentityGCRateInterval is the window of IdentityGCRateLimit.
-	IdentityGCRateInterval time.Duration
-	// KVStorePeriodicSync is the period at which this node checks that
-	// its reference keys are in etcd as it wrote them, and writes the
-	// missing ones again; 0 disables it.
-	KVStorePeriodicSync time.Duration
-}
-
-// DefaultEtcdConfig is the default configuration of the etcd backend.
-var DefaultEtcdConfig = EtcdConfig{
-	AllocatorListTimeout:   3 * time.Minute,
-	IdentityGCInterval:     15 * time.Minute,
-	IdentityGCRateLimit:    2500,
-	IdentityGCRateInterval: time.Minute,
-	KVStorePeriodicSync:    5 * time.Minute,
-}
-
-// Flags registers the flags of the etcd backend.
-func (def EtcdConfig) Flags(flags *pflag.FlagSet) {
-	flags.Duration("allocator-list-timeout", def.AllocatorListTimeout, "Time the start waits for the first listing of global identities from etcd (listing continues in the background)")
-	flags.Duration("identity-gc-interval", def.IdentityGCInterval, "Interval of the garbage collection of unused global identities in etcd; 0 disables it")
-	flags.Int64("identity-gc-rate-limit", def.IdentityGCRateLimit, "Maximum number of global identities deleted by the garbage collection per --identity-gc-rate-interval")
-	flags.Duration("identity-gc-rate-interval", def.IdentityGCRateInterval, "Window of --identity-gc-rate-limit")
-	flags.Duration("kvstore-periodic-sync", def.KVStorePeriodicSync, "Interval at which this node checks its identity reference keys in etcd and writes missing ones again; 0 disables it")
-}
-
-// Validate checks the configuration.
-func (c EtcdConfig) Validate() error {
-	switch {
-	case c.AllocatorListTimeout <= 0:
-		return errors.New("--allocator-list-timeout must be positive")
-	case c.IdentityGCInterval < 0:
-		return errors.New("--identity-gc-interval must not be negative")
-	case c.IdentityGCRateLimit <= 0:
-		return errors.New("--identity-gc-rate-limit must be positive")
-	case c.IdentityGCRateInterval <= 0:
-		return errors.New("--identity-gc-rate-interval must be positive")
-	case c.KVStorePeriodicSync < 0:
-		return errors.New("--kvstore-periodic-sync must not be negative")
-	}
-	return nil
-}
-
-type etcdParams struct {
+type params struct {
 	cell.In
 
-	Client     *kvstore.Client `optional:"true"`
-	Config     Config
-	EtcdConfig EtcdConfig
-	Log        *slog.Logger
-	Health     cell.Health `optional:"true"`
+	Client  *kvstore.Client `optional:"true"`
+	Cluster identity.ClusterInfo
+	Config  Config
+	Log     *slog.Logger
+	Jobs    job.Registry
+	Health  cell.Health `optional:"true"`
 }
 
-// newEtcdBackend provides the GlobalBackend when the hive has a kvstore
+// newBackend provides the globalstore.Backend when the hive has a kvstore
 // client. Without one it provides a nil interface, which the allocator
-// treats as "no global backend" (ErrNoGlobalBackend).
-func newEtcdBackend(p etcdParams) (GlobalBackend, error) {
+// treats as "no global backend" (allocator.ErrNoGlobalBackend).
+func newBackend(p params) (globalstore.Backend, error) {
 	if p.Client == nil {
 		return nil, nil
 	}
-	if err := p.EtcdConfig.Validate(); err != nil {
+	if err := p.Config.Validate(); err != nil {
 		return nil, err
 	}
-	b := NewEtcdBackend(p.Log, p.Client, p.Config.ClusterInfo(), p.EtcdConfig)
-	if p.Health != nil {
-		b.health = p.Health.NewScope("node-name")
-	}
+	h := health.OrDetached(p.Health)
+	b := New(p.Log, p.Client, p.Cluster, p.Config, p.Jobs.NewGroup(h))
+	b.health = h.NewScope("node-name")
 	return b, nil
 }
 
-// EtcdBackend is the GlobalBackend that keeps global identities in etcd
+// Store is the globalstore.Backend that keeps global identities in etcd
 // with Cilium's key layout. A new label set costs one transaction, adopting
 // another node's identity at most two (one when the cache knows it), and
 // the last release one delete. It keeps a cache of all master keys by
 // list and watch, re-creates this node's keys after a lost lease, and
 // collects unused master keys.
-type EtcdBackend struct {
+type Store struct {
 	log     *slog.Logger
 	kv      *kvstore.Client
-	cfg     EtcdConfig
+	cfg     Config
 	cluster identity.ClusterInfo
 	node    string
 	pool    *idpool.Pool
@@ -166,7 +103,7 @@ type EtcdBackend struct {
 	// backend keeps its ID pool in step with it and reports its changes
 	// to events.
 	masterCache
-	events GlobalEvents
+	events globalstore.Events
 
 	// writeMu orders this node's reference writes against the
 	// re-creation of all of them after a lost lease: each write holds
@@ -202,21 +139,25 @@ type EtcdBackend struct {
 	conflictSeen atomic.Bool
 	health       cell.Health
 
+	// jobs runs the store's loops (see Start).
+	jobs job.Group
 	// stopCreates ends the requests creates sends for queued callers.
 	stopCreates context.CancelFunc
 	cancel      context.CancelFunc
 	wg          sync.WaitGroup
 }
 
-var _ GlobalBackend = (*EtcdBackend)(nil)
+var _ globalstore.Backend = (*Store)(nil)
 
-// NewEtcdBackend returns the backend for the cluster's ID range, writing
-// through kv (which must be started before Start is called).
-func NewEtcdBackend(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg EtcdConfig) *EtcdBackend {
+// New returns the store for the cluster's ID range, writing through kv
+// (which must be started before Start is called) and running its loops as
+// jobs of jobs.
+func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg Config, jobs job.Group) *Store {
 	perDeletion := cfg.IdentityGCRateInterval / time.Duration(max(cfg.IdentityGCRateLimit, 1))
-	b := &EtcdBackend{
+	b := &Store{
 		log:         log,
 		kv:          kv,
+		jobs:        jobs,
 		cfg:         cfg,
 		cluster:     cluster,
 		node:        kv.NodeName(),
@@ -281,9 +222,9 @@ func checkKeyLayout(key string) error {
 // waits for the first listing at most --allocator-list-timeout; when that
 // is not enough the listing goes on and WaitForInitialGlobalIdentities
 // callers wait for it.
-func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
+func (b *Store) Start(ctx context.Context, events globalstore.Events) error {
 	if b.kv.Client() == nil {
-		return fmt.Errorf("%w: the kvstore client is not started", ErrKVStoreUnavailable)
+		return fmt.Errorf("%w: the kvstore client is not started", globalstore.ErrUnavailable)
 	}
 	b.events = events
 	// A second live agent with this node name would delete this node's
@@ -300,15 +241,18 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 	case b.health != nil:
 		b.health.OK(fmt.Sprintf("Node name %q claimed", b.node))
 	}
-	runCtx, cancel := context.WithCancel(context.Background())
+	// The loops are jobs of the store's group, each with its health
+	// scope. They run on the job's context, ended by the hive's stop,
+	// and on the store's own, ended by Stop (or a failed start).
+	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	b.cancel = cancel
-	b.wg.Go(func() { b.cacheLoop(runCtx) })
-	b.wg.Go(func() { b.repairLoop(runCtx) })
+	b.jobs.Add(b.oneShot(life, "global-identities-watch", b.cacheLoop))
+	b.jobs.Add(b.oneShot(life, "lease-repair", b.repairLoop))
 	if b.cfg.IdentityGCInterval > 0 {
-		b.wg.Go(func() { b.gcLoop(runCtx) })
+		b.jobs.Add(job.Timer("identity-gc", b.gcTick(life), b.cfg.IdentityGCInterval))
 	}
 	if b.cfg.KVStorePeriodicSync > 0 {
-		b.wg.Go(func() { b.syncLoop(runCtx) })
+		b.jobs.Add(job.Timer("kvstore-periodic-sync", b.syncTick(life), b.cfg.KVStorePeriodicSync))
 	}
 	timer := time.NewTimer(b.cfg.AllocatorListTimeout)
 	defer timer.Stop()
@@ -330,17 +274,38 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 	}
 	// Compare the cluster once the listing is complete; too late to
 	// refuse the start, so a mismatch is an error in the log.
-	b.wg.Go(func() {
+	b.jobs.Add(b.oneShot(life, "cluster-check", func(ctx context.Context) {
 		select {
 		case <-b.synced:
-		case <-runCtx.Done():
+		case <-ctx.Done():
 			return
 		}
-		if err := b.checkCluster(runCtx); err != nil && runCtx.Err() == nil {
+		if err := b.checkCluster(ctx); err != nil && ctx.Err() == nil {
 			b.log.Error("This node's cluster does not match the etcd's; its identities may be another cluster's", "error", err)
 		}
-	})
+	}))
 	return nil
+}
+
+// oneShot returns a job running loop until the hive stops the job or the
+// store ends life. Stop waits for it.
+func (b *Store) oneShot(life context.Context, name string, loop func(context.Context)) job.Job {
+	b.wg.Add(1)
+	return job.OneShot(name, func(ctx context.Context, _ cell.Health) error {
+		defer b.wg.Done()
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		defer context.AfterFunc(life, cancel)()
+		loop(ctx)
+		return nil
+	})
+}
+
+// lifeOf bounds a timer job's run by the store's life as well.
+func lifeOf(ctx, life context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(life, cancel)
+	return ctx, func() { stop(); cancel() }
 }
 
 // Stop ends the cache and the background work, then revokes the node's
@@ -349,7 +314,7 @@ func (b *EtcdBackend) Start(ctx context.Context, events GlobalEvents) error {
 // Its etcd work shares the stop path's deadline (kvstore.StopBudget), which
 // also ends the requests of callers still in flight: with etcd gone the
 // stop takes seconds, and the references expire with the lease's TTL.
-func (b *EtcdBackend) Stop(ctx context.Context) error {
+func (b *Store) Stop(ctx context.Context) error {
 	sctx, cancel := b.kv.StopContext(ctx)
 	defer cancel()
 	if b.cancel != nil {
@@ -379,13 +344,13 @@ func (b *EtcdBackend) Stop(ctx context.Context) error {
 	return nil
 }
 
-// LookupByID implements GlobalBackend from the cache.
-func (b *EtcdBackend) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
+// LookupByID implements globalstore.Backend from the cache.
+func (b *Store) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
 	return b.lookupLabels(id)
 }
 
-// LookupByLabels implements GlobalBackend from the cache.
-func (b *EtcdBackend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
+// LookupByLabels implements globalstore.Backend from the cache.
+func (b *Store) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
 	return b.cachedID(lbls.Canonical())
 }
 
@@ -416,8 +381,8 @@ type attempt struct {
 	rev     int64
 }
 
-// Allocate implements GlobalBackend.
-func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
+// Allocate implements globalstore.Backend.
+func (b *Store) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	key := lbls.Canonical()
 	if err := checkKeyLayout(key); err != nil {
 		return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
@@ -444,14 +409,14 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 			a, err = b.create(ctx, key, lbls, foreignRev)
 		}
 		if err != nil {
-			if errors.Is(err, ErrGlobalSpaceExhausted) || errors.Is(err, ErrAllocationConflict) || errors.Is(err, ErrKeyLayout) {
+			if errors.Is(err, globalstore.ErrSpaceExhausted) || errors.Is(err, globalstore.ErrConflict) || errors.Is(err, ErrKeyLayout) {
 				return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
 			}
 			if !retryable(err) || ctx.Err() != nil {
-				return 0, false, fmt.Errorf("%w: allocating global identity for %s: %w", ErrKVStoreUnavailable, key, err)
+				return 0, false, fmt.Errorf("%w: allocating global identity for %s: %w", globalstore.ErrUnavailable, key, err)
 			}
 			if transient++; transient > maxTransient {
-				return 0, false, fmt.Errorf("%w: allocating global identity for %s after %d attempts: %w", ErrKVStoreUnavailable, key, transient, err)
+				return 0, false, fmt.Errorf("%w: allocating global identity for %s after %d attempts: %w", globalstore.ErrUnavailable, key, transient, err)
 			}
 			b.log.Debug("Retrying global identity allocation", "labels", key, "error", err)
 			if !isLeaseNotFound(err) {
@@ -483,7 +448,7 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 			hint, adoptRev, foreignRev = 0, 0, a.rev
 		}
 		if conflicts++; conflicts > maxConflicts {
-			return 0, false, fmt.Errorf("%w: %s after %d attempts", ErrAllocationConflict, key, conflicts)
+			return 0, false, fmt.Errorf("%w: %s after %d attempts", globalstore.ErrConflict, key, conflicts)
 		}
 	}
 }
@@ -497,10 +462,10 @@ func (b *EtcdBackend) Allocate(ctx context.Context, lbls labels.Labels) (identit
 // held keys of other label sets only; then "no node references the label
 // set" is compared as "no key under the prefix was written after
 // foreignRev", since those keys would fail a compare that none exists.
-func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels, foreignRev int64) (attempt, error) {
+func (b *Store) create(ctx context.Context, key string, lbls labels.Labels, foreignRev int64) (attempt, error) {
 	nid := b.pool.LeaseAvailableID()
 	if nid == idpool.NoID {
-		return attempt{}, ErrGlobalSpaceExhausted
+		return attempt{}, globalstore.ErrSpaceExhausted
 	}
 	id := identity.NumericIdentity(nid)
 	cli, lease, err := b.writer(ctx)
@@ -571,7 +536,7 @@ func (b *EtcdBackend) create(ctx context.Context, key string, lbls labels.Labels
 // settleFailedCreate returns the reads of a create transaction whose
 // compares failed, and gives its candidate ID back to the pool unless the
 // ID turned out to be taken.
-func (b *EtcdBackend) settleFailedCreate(nid idpool.ID, resp *pb.TxnResponse) (masterKVs, refKVs []*mvccpb.KeyValue) {
+func (b *Store) settleFailedCreate(nid idpool.ID, resp *pb.TxnResponse) (masterKVs, refKVs []*mvccpb.KeyValue) {
 	masterKVs = resp.Responses[0].GetResponseRange().GetKvs()
 	refKVs = resp.Responses[1].GetResponseRange().GetKvs()
 	if len(masterKVs) > 0 {
@@ -591,7 +556,7 @@ func (b *EtcdBackend) settleFailedCreate(nid idpool.ID, resp *pb.TxnResponse) (m
 // the watch. Without an answer the outcome is unknown, as when a single
 // request is given up on: the watch corrects the pool, and a reference
 // that was written expires with the lease.
-func (b *EtcdBackend) settleAbandoned(nid idpool.ID, ref string, resp *pb.TxnResponse, err error) {
+func (b *Store) settleAbandoned(nid idpool.ID, ref string, resp *pb.TxnResponse, err error) {
 	switch {
 	case err != nil:
 		b.pool.Release(nid)
@@ -714,7 +679,7 @@ func isReferenceOf(key []byte, prefix string) bool {
 // named id and the prefix also held keys of other label sets (see
 // outForeign), which fail the compare that every key under the prefix
 // names id; the compare is then that nothing under it changed since.
-func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
+func (b *Store) adopt(ctx context.Context, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
 	cli, lease, err := b.writer(ctx)
 	if err != nil {
 		return attempt{}, err
@@ -799,7 +764,7 @@ func (b *EtcdBackend) adopt(ctx context.Context, key string, id identity.Numeric
 
 // scanReferences reads the label set's references under prefix and
 // returns the IDs they name, with the revision of the read.
-func (b *EtcdBackend) scanReferences(ctx context.Context, cli *clientv3.Client, prefix string) (map[identity.NumericIdentity]int, int64, error) {
+func (b *Store) scanReferences(ctx context.Context, cli *clientv3.Client, prefix string) (map[identity.NumericIdentity]int, int64, error) {
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
 	resp, err := cli.Get(rctx, prefix, clientv3.WithPrefix())
@@ -822,7 +787,7 @@ func (b *EtcdBackend) scanReferences(ctx context.Context, cli *clientv3.Client, 
 
 // writer returns the client and the lease to write with, holding
 // writeMu's read lock on success.
-func (b *EtcdBackend) writer(ctx context.Context) (*clientv3.Client, clientv3.LeaseID, error) {
+func (b *Store) writer(ctx context.Context) (*clientv3.Client, clientv3.LeaseID, error) {
 	cli := b.kv.Client()
 	if cli == nil {
 		return nil, 0, kvstore.ErrStopped
@@ -836,7 +801,7 @@ func (b *EtcdBackend) writer(ctx context.Context) (*clientv3.Client, clientv3.Le
 	return cli, lease, nil
 }
 
-func (b *EtcdBackend) noteLease(lease clientv3.LeaseID) {
+func (b *Store) noteLease(lease clientv3.LeaseID) {
 	if b.lease.Swap(int64(lease)) != int64(lease) {
 		select {
 		case b.leaseSeen <- struct{}{}:
@@ -849,7 +814,7 @@ func (b *EtcdBackend) noteLease(lease clientv3.LeaseID) {
 // the stop path's deadline, once the agent stops) and makes it fail at once
 // on a member that lost its leader, so that the retry reaches a member that
 // has one.
-func (b *EtcdBackend) requestContext(ctx context.Context) (context.Context, context.CancelFunc) {
+func (b *Store) requestContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return b.kv.RequestContext(clientv3.WithRequireLeader(ctx))
 }
 
@@ -863,7 +828,7 @@ type heldRef struct {
 
 // hold records that this node references id for key, with its reference
 // key written at revision rev.
-func (b *EtcdBackend) hold(key string, id identity.NumericIdentity, rev int64) {
+func (b *Store) hold(key string, id identity.NumericIdentity, rev int64) {
 	b.heldMu.Lock()
 	defer b.heldMu.Unlock()
 	b.held[key] = heldRef{id: id, rev: rev}
@@ -872,7 +837,7 @@ func (b *EtcdBackend) hold(key string, id identity.NumericIdentity, rev int64) {
 
 // rewrote records that the reference key of a held label set was written
 // again, at revision rev.
-func (b *EtcdBackend) rewrote(key string, id identity.NumericIdentity, rev int64) {
+func (b *Store) rewrote(key string, id identity.NumericIdentity, rev int64) {
 	b.heldMu.Lock()
 	defer b.heldMu.Unlock()
 	if h := b.held[key]; h.id == id {
@@ -880,8 +845,8 @@ func (b *EtcdBackend) rewrote(key string, id identity.NumericIdentity, rev int64
 	}
 }
 
-// Release implements GlobalBackend: it deletes this node's reference key.
-func (b *EtcdBackend) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
+// Release implements globalstore.Backend: it deletes this node's reference key.
+func (b *Store) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
 	key := lbls.Canonical()
 	b.writeMu.RLock()
 	defer b.writeMu.RUnlock()
@@ -906,12 +871,12 @@ func (b *EtcdBackend) Release(ctx context.Context, id identity.NumericIdentity, 
 	}
 	cli := b.kv.Client()
 	if cli == nil {
-		return fmt.Errorf("%w: %w", ErrKVStoreUnavailable, kvstore.ErrStopped)
+		return fmt.Errorf("%w: %w", globalstore.ErrUnavailable, kvstore.ErrStopped)
 	}
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
 	if _, err := releaseTxn(cli.Txn(rctx), referencePrefix(key)+b.node, rev).Commit(); err != nil {
-		return fmt.Errorf("%w: deleting reference key of %s: %w", ErrKVStoreUnavailable, key, err)
+		return fmt.Errorf("%w: deleting reference key of %s: %w", globalstore.ErrUnavailable, key, err)
 	}
 	return nil
 }
@@ -933,7 +898,7 @@ func releaseTxn(txn clientv3.Txn, ref string, rev int64) clientv3.Txn {
 
 // Held returns the label sets this node references in etcd, by canonical
 // string.
-func (b *EtcdBackend) Held() map[string]identity.NumericIdentity {
+func (b *Store) Held() map[string]identity.NumericIdentity {
 	b.heldMu.Lock()
 	defer b.heldMu.Unlock()
 	out := make(map[string]identity.NumericIdentity, len(b.held))
@@ -991,7 +956,7 @@ func sleep(ctx context.Context, d time.Duration) {
 
 // emit reports the cache's changes to the allocator, and protects master
 // keys this node still uses from deletion.
-func (b *EtcdBackend) emit(changes []change) {
+func (b *Store) emit(changes []change) {
 	for _, c := range changes {
 		if c.upsert {
 			b.events.Upsert(c.id, c.lbls)
@@ -1005,7 +970,7 @@ func (b *EtcdBackend) emit(changes []change) {
 // protect queues the re-creation of a deleted master key whose label set
 // this node still references: its users would otherwise lose the identity
 // to the next allocation of the ID.
-func (b *EtcdBackend) protect(id identity.NumericIdentity, lbls labels.Labels) {
+func (b *Store) protect(id identity.NumericIdentity, lbls labels.Labels) {
 	b.heldMu.Lock()
 	key, held := b.heldByID[id]
 	b.heldMu.Unlock()
@@ -1024,8 +989,10 @@ func (b *EtcdBackend) protect(id identity.NumericIdentity, lbls labels.Labels) {
 
 // repairLoop re-creates this node's keys: all references after the lease
 // they lived on was lost, and master keys someone deleted.
-func (b *EtcdBackend) repairLoop(ctx context.Context) {
+func (b *Store) repairLoop(ctx context.Context) {
 	var cur clientv3.LeaseID
+	// retry is set while master keys wait for another attempt.
+	var retry <-chan time.Time
 	for {
 		var lost <-chan struct{}
 		if cur != 0 {
@@ -1034,6 +1001,11 @@ func (b *EtcdBackend) repairLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
+		case <-retry:
+			retry = nil
+			if b.restoreMasters(ctx) {
+				retry = time.After(time.Second)
+			}
 		case <-b.leaseSeen:
 			cur = clientv3.LeaseID(b.lease.Load())
 		case <-lost:
@@ -1043,7 +1015,9 @@ func (b *EtcdBackend) repairLoop(ctx context.Context) {
 			}
 			cur = b.restoreReferences(ctx)
 		case <-b.repairWake:
-			b.restoreMasters(ctx)
+			if b.restoreMasters(ctx) {
+				retry = time.After(time.Second)
+			}
 		}
 	}
 }
@@ -1051,7 +1025,7 @@ func (b *EtcdBackend) repairLoop(ctx context.Context) {
 // restoreReferences writes every reference this node holds with a new
 // lease, re-creating master keys that vanished meanwhile. It returns the
 // lease used, or 0 when nothing is held (the next write grants one).
-func (b *EtcdBackend) restoreReferences(ctx context.Context) clientv3.LeaseID {
+func (b *Store) restoreReferences(ctx context.Context) clientv3.LeaseID {
 	b.writeMu.Lock()
 	defer b.writeMu.Unlock()
 	for attempt := 1; ctx.Err() == nil; attempt++ {
@@ -1072,7 +1046,7 @@ func (b *EtcdBackend) restoreReferences(ctx context.Context) clientv3.LeaseID {
 	return 0
 }
 
-func (b *EtcdBackend) restoreOnce(ctx context.Context, held map[string]identity.NumericIdentity) (clientv3.LeaseID, int, error) {
+func (b *Store) restoreOnce(ctx context.Context, held map[string]identity.NumericIdentity) (clientv3.LeaseID, int, error) {
 	cli := b.kv.Client()
 	if cli == nil {
 		return 0, 0, kvstore.ErrStopped
@@ -1132,7 +1106,7 @@ func cmpErr(first, err error) error {
 // master key from being reused while its users hold the ID), reports the
 // conflict, and its next sync writes the reference once the others are
 // gone.
-func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity) (bool, error) {
+func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity) (bool, error) {
 	master, refs := masterKey(id), referencePrefix(key)
 	end := clientv3.GetPrefixRangeEnd(refs)
 	own := refs + b.node
@@ -1194,12 +1168,12 @@ func (b *EtcdBackend) restoreReference(ctx context.Context, cli *clientv3.Client
 		}
 		// References changed under the read: read again.
 	}
-	return false, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", ErrAllocationConflict, id, key)
+	return false, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", globalstore.ErrConflict, id, key)
 }
 
 // splitConflict reports that other nodes use another ID for a label set
 // this node holds.
-func (b *EtcdBackend) splitConflict(key string, id, other identity.NumericIdentity) {
+func (b *Store) splitConflict(key string, id, other identity.NumericIdentity) {
 	b.nodeStats.splits.Add(1)
 	b.conflictSeen.Store(true)
 	b.log.Error("Other nodes reference a global label set this node uses under another ID; this node's reference is not written until they release it",
@@ -1213,10 +1187,11 @@ func (b *EtcdBackend) splitConflict(key string, id, other identity.NumericIdenti
 
 // restoreMasters re-creates deleted master keys of label sets this node
 // references, with this node's reference in the same transaction, unless
-// someone re-created the ID meanwhile. Whoever deleted the master key
+// someone re-created the ID meanwhile. It reports whether some failed and
+// are worth another try. Whoever deleted the master key
 // (another node's GC) saw no reference; without the reference written
 // again the next GC would delete the master key again.
-func (b *EtcdBackend) restoreMasters(ctx context.Context) {
+func (b *Store) restoreMasters(ctx context.Context) (retry bool) {
 	b.lostMu.Lock()
 	ids := make([]identity.NumericIdentity, 0, len(b.lostMasters))
 	for id := range b.lostMasters {
@@ -1244,35 +1219,29 @@ func (b *EtcdBackend) restoreMasters(ctx context.Context) {
 			b.lostMu.Lock()
 			b.lostMasters[id] = struct{}{}
 			b.lostMu.Unlock()
-			time.AfterFunc(time.Second, func() {
-				select {
-				case b.repairWake <- struct{}{}:
-				default:
-				}
-			})
+			retry = true
 		}
 	}
+	return retry
 }
 
-// syncLoop checks this node's reference keys every --kvstore-periodic-sync
+// syncTick checks this node's reference keys every --kvstore-periodic-sync
 // and writes again those that are missing or not as this node wrote them:
 // a second agent with the same node name deletes them when it stops, an
 // operator may delete them by hand, and the GC then frees numbers this
 // node still uses. (Cilium's agents sync their keys the same way.)
-func (b *EtcdBackend) syncLoop(ctx context.Context) {
-	t := time.NewTicker(b.cfg.KVStorePeriodicSync)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		if n, err := b.SyncReferences(ctx); err != nil && ctx.Err() == nil {
-			b.log.Warn("Checking this node's identity reference keys failed", "error", err, "rewritten", n)
-		} else if n > 0 {
+func (b *Store) syncTick(life context.Context) job.TimerFunc {
+	return func(ctx context.Context) error {
+		ctx, cancel := lifeOf(ctx, life)
+		defer cancel()
+		n, err := b.SyncReferences(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			return health.External(fmt.Errorf("checking this node's identity reference keys failed after rewriting %d: %w", n, err))
+		case n > 0:
 			b.log.Warn("Wrote missing identity reference keys of this node again", "rewritten", n)
 		}
+		return nil
 	}
 }
 
@@ -1280,7 +1249,7 @@ func (b *EtcdBackend) syncLoop(ctx context.Context) {
 // again those that are missing or were written by someone else since this
 // node wrote them, re-creating their master keys if these are gone too. It
 // returns how many it wrote.
-func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
+func (b *Store) SyncReferences(ctx context.Context) (int, error) {
 	cli := b.kv.Client()
 	if cli == nil {
 		return 0, kvstore.ErrStopped
@@ -1300,7 +1269,7 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 		resp, err := cli.Get(rctx, referencePrefix(key)+b.node)
 		cancel()
 		if err != nil {
-			return 0, fmt.Errorf("%w: reading reference key of %s: %w", ErrKVStoreUnavailable, key, err)
+			return 0, fmt.Errorf("%w: reading reference key of %s: %w", globalstore.ErrUnavailable, key, err)
 		}
 		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != h.rev || string(resp.Kvs[0].Value) != h.id.String() {
 			stale = append(stale, key)
@@ -1346,7 +1315,7 @@ func (b *EtcdBackend) SyncReferences(ctx context.Context) (int, error) {
 
 // reportChecked tells health that a check of this node's keys found no
 // conflict, if it found none.
-func (b *EtcdBackend) reportChecked() {
+func (b *Store) reportChecked() {
 	if !b.conflictSeen.Load() && b.health != nil {
 		b.health.OK(fmt.Sprintf("Node name %q claimed; reference keys checked", b.node))
 	}

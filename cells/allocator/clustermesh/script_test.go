@@ -1,4 +1,4 @@
-package allocator
+package clustermesh
 
 import (
 	"context"
@@ -15,11 +15,12 @@ import (
 	"github.com/cilium/statedb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/internal/scriptengine"
 )
 
-// TestClusterMeshScript runs testdata/clustermesh/*.txtar against a hive of
+// TestClusterMeshScript runs testdata/*.txtar against a hive of
 // cluster c1 (ID 1) without a kvstore, and one etcd serving as cluster c2
 // ($ETCD2). Besides the hive's commands, scripts have:
 //
@@ -33,14 +34,14 @@ func TestClusterMeshScript(t *testing.T) {
 	scripttest.Test(t, context.Background(),
 		func(tb testing.TB, args []string) *script.Engine {
 			meshDir := tb.TempDir()
-			h := hive.New(job.Cell, statedb.Cell, Cell)
-			hive.AddConfigOverride(h, func(c *Config) { c.ClusterID, c.ClusterName = 1, "c1" })
-			hive.AddConfigOverride(h, func(c *ClusterMeshConfig) {
+			h := hive.New(job.Cell, statedb.Cell, allocator.Cell, Cell)
+			hive.AddConfigOverride(h, func(c *allocator.Config) { c.ClusterID, c.ClusterName = 1, "c1" })
+			hive.AddConfigOverride(h, func(c *Config) {
 				c.ClusterMeshConfig = meshDir
 				c.ClusterMeshRemoteTimeout = time.Minute
 			})
 			return scriptengine.New(tb, h, meshScriptCmds(meshDir, cli))
-		}, []string{"ETCD2=" + e2.Endpoints()[0]}, "testdata/clustermesh/*.txtar")
+		}, []string{"ETCD2=" + e2.Endpoints()[0]}, "testdata/*.txtar")
 }
 
 func meshScriptCmds(dir string, cli *clientv3.Client) map[string]script.Cmd {

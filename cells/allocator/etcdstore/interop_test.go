@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"encoding/json"
@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/eventually"
+
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
@@ -18,6 +20,7 @@ import (
 	"github.com/cilium/statedb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
@@ -371,7 +374,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
 	// The periodic sync must not be what writes the reference here.
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = time.Hour })
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = time.Hour })
 	n2 := startEtcdNode(t, c, "node2")
 	ctx := testCtx(t, time.Minute)
 	l := labels.MustParse("k8s:app=twice-named")
@@ -385,7 +388,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 	if _, _, err := n2.backend.RunGC(ctx); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "master key and reference re-created", func() bool {
+	eventually.True(t, "master key and reference re-created", func() bool {
 		v, _, ok := getValue(t, cli, masterKey(id.ID))
 		r, _, rok := getValue(t, cli, refKey(l, "node1"))
 		return ok && v == l.Canonical() && rok && r == id.ID.String()
@@ -405,7 +408,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	sync := func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 300 * time.Millisecond }
+	sync := func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = 300 * time.Millisecond }
 	n1 := startEtcdNode(t, c, "node1", sync)
 	n2 := startEtcdNode(t, c, "node2", sync)
 	ctx := testCtx(t, time.Minute)
@@ -432,7 +435,7 @@ func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
 	if _, err := cli.Delete(ctx, ReferenceKeyPrefix, clientv3.WithPrefix()); err != nil {
 		t.Fatal(err)
 	}
-	eventuallyWithin(t, 10*time.Second, "every node's references written again", func() bool {
+	eventually.Within(t, 10*time.Second, "every node's references written again", func() bool {
 		for _, l := range sets {
 			for _, node := range []string{"node1", "node2"} {
 				v, _, ok := getValue(t, cli, refKey(l, node))
@@ -450,10 +453,10 @@ func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
 
 // startNodeErr starts a node that is expected to fail, with the cluster
 // set by cluster (nil: cluster 0, "default"), and returns the start error.
-func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string, cluster func(*Config)) error {
+func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string, cluster func(*allocator.Config)) error {
 	t.Helper()
-	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
-		cell.Invoke(func(Allocator) {}))
+	h := hive.New(statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
+		cell.Invoke(func(allocator.Allocator) {}))
 	stateDir := t.TempDir()
 	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
 	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
@@ -464,7 +467,7 @@ func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string, cluster func(*
 	if cluster != nil {
 		hive.AddConfigOverride(h, cluster)
 	}
-	hive.AddConfigOverride(h, func(cfg *EtcdConfig) { cfg.IdentityGCInterval = 0 })
+	hive.AddConfigOverride(h, func(cfg *Config) { cfg.IdentityGCInterval = 0 })
 	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
 	// A failed start leaves the hooks that ran started, as hive.Run's
 	// caller would stop them.
@@ -559,7 +562,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 0 })
+	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = 0 })
 	prov := health.NewProvider()
 	n.backend.health = prov.Root().NewScope("node-name")
 	ctx := testCtx(t, time.Minute)
@@ -626,8 +629,8 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	}
 }
 
-func inCluster(id uint32, name string) func(*Config) {
-	return func(c *Config) { c.ClusterID, c.ClusterName = id, name }
+func inCluster(id uint32, name string) func(*allocator.Config) {
+	return func(c *allocator.Config) { c.ClusterID, c.ClusterName = id, name }
 }
 
 // TestEtcdClusterMismatchRefused checks that a node whose cluster ID or
@@ -698,7 +701,7 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 		// The writer found no reference and created the next ID.
 		t.Fatalf("other node got %d", got)
 	}
-	eventually(t, "node1's cache knows both master keys", func() bool {
+	eventually.True(t, "node1's cache knows both master keys", func() bool {
 		_, ok := n1.backend.lookupLabels(referenced)
 		return ok
 	})
@@ -735,7 +738,7 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) { e.KVStorePeriodicSync = 0 })
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = 0 })
 	prov := health.NewProvider()
 	n1.backend.health = prov.Root().NewScope("node-name")
 	ctx := testCtx(t, time.Minute)

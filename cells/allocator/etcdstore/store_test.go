@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"context"
@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/eventually"
+
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
@@ -21,6 +23,8 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -34,22 +38,22 @@ type etcdNode struct {
 	t       testing.TB
 	name    string
 	h       *hive.Hive
-	alloc   Allocator
+	alloc   allocator.Allocator
 	kv      *kvstore.Client
-	backend *EtcdBackend
+	backend *Store
 	once    sync.Once
 }
 
-type nodeOpt func(kv *kvstore.Config, e *EtcdConfig)
+type nodeOpt func(kv *kvstore.Config, e *Config)
 
 func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...nodeOpt) *etcdNode {
 	tb.Helper()
 	n := &etcdNode{t: tb, name: name}
 	n.h = hive.New(
-		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
-		cell.Invoke(func(a Allocator, kv *kvstore.Client, b GlobalBackend) {
+		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
+		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b globalstore.Backend) {
 			n.alloc, n.kv = a, kv
-			n.backend, _ = b.(*EtcdBackend)
+			n.backend, _ = b.(*Store)
 		}),
 	)
 	stateDir := tb.TempDir()
@@ -60,10 +64,10 @@ func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...node
 		cfg.KVStoreDialTimeout = 10 * time.Second
 		cfg.KVStoreRequestTimeout = 5 * time.Second
 		for _, o := range opts {
-			o(cfg, new(EtcdConfig))
+			o(cfg, new(Config))
 		}
 	})
-	hive.AddConfigOverride(n.h, func(cfg *EtcdConfig) {
+	hive.AddConfigOverride(n.h, func(cfg *Config) {
 		// Tests run the GC themselves unless they ask for the job.
 		cfg.IdentityGCInterval = 0
 		for _, o := range opts {
@@ -130,22 +134,6 @@ func countKeys(tb testing.TB, cli *clientv3.Client, prefix string) int64 {
 	return resp.Count
 }
 
-func eventually(tb testing.TB, what string, cond func() bool) {
-	tb.Helper()
-	eventuallyWithin(tb, 20*time.Second, what, cond)
-}
-
-func eventuallyWithin(tb testing.TB, d time.Duration, what string, cond func() bool) {
-	tb.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			tb.Fatalf("timed out: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func refKey(lbls labels.Labels, node string) string {
 	return referencePrefix(lbls.Canonical()) + node
 }
@@ -158,11 +146,11 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	ctx := testCtx(t, time.Minute)
 
 	// node2 observes what node1 creates.
-	seen := make(chan Change, 64)
+	seen := make(chan allocator.Change, 64)
 	octx, ocancel := context.WithCancel(ctx)
 	defer ocancel()
-	n2.alloc.Observe(octx, func(ch Change) {
-		if ch.Kind != ChangeSync && !ch.ID.IsReserved() {
+	n2.alloc.Observe(octx, func(ch allocator.Change) {
+		if ch.Kind != allocator.ChangeSync && !ch.ID.IsReserved() {
 			seen <- ch
 		}
 	}, func(error) {})
@@ -201,10 +189,10 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	}
 
 	// Watch: node2 learns of it by ID and through Observe.
-	eventually(t, "node2 sees the identity", func() bool { return n2.alloc.LookupByID(id.ID) != nil })
+	eventually.True(t, "node2 sees the identity", func() bool { return n2.alloc.LookupByID(id.ID) != nil })
 	select {
 	case ch := <-seen:
-		if ch.Kind != ChangeUpsert || ch.ID != id.ID || !ch.Labels.Equal(web) {
+		if ch.Kind != allocator.ChangeUpsert || ch.ID != id.ID || !ch.Labels.Equal(web) {
 			t.Fatalf("node2 observed %+v", ch)
 		}
 	case <-ctx.Done():
@@ -285,11 +273,11 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	if s := n1.backend.GCStats(); s.Deleted != 1 || s.Runs != 2 {
 		t.Fatalf("GC stats %+v", s)
 	}
-	eventually(t, "the delete reaches node2", func() bool { return n2.alloc.LookupByID(id.ID) == nil })
+	eventually.True(t, "the delete reaches node2", func() bool { return n2.alloc.LookupByID(id.ID) == nil })
 	for {
 		select {
 		case ch := <-seen:
-			if ch.Kind == ChangeDelete && ch.ID == id.ID {
+			if ch.Kind == allocator.ChangeDelete && ch.ID == id.ID {
 				return
 			}
 		case <-ctx.Done():
@@ -303,7 +291,7 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 func TestEtcdGCRace(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *EtcdConfig) {
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) {
 		e.IdentityGCInterval = 50 * time.Millisecond
 		e.IdentityGCRateLimit = 1_000_000
 	})
@@ -317,13 +305,13 @@ func TestEtcdGCRace(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The periodic GC collects it.
-	eventually(t, "periodic GC", func() bool {
+	eventually.True(t, "periodic GC", func() bool {
 		_, _, ok := getValue(t, cli, masterKey(id.ID))
 		return !ok
 	})
 	// The GC counts the deletion once etcd answered it, which may be
 	// after the key was seen gone here.
-	eventually(t, "GC stats counting the deletion", func() bool {
+	eventually.True(t, "GC stats counting the deletion", func() bool {
 		return n1.backend.GCStats().Deleted >= 1
 	})
 }
@@ -348,7 +336,7 @@ func TestEtcdRelistAfterCompaction(t *testing.T) {
 	// falls behind: changes happen and etcd compacts them away before its
 	// watch starts.
 	rec := &recorder{}
-	b := NewEtcdBackend(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, DefaultEtcdConfig)
+	b := New(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, DefaultConfig, nil)
 	b.events = rec
 	rev, err := b.list(ctx)
 	if err != nil {
@@ -404,7 +392,7 @@ func TestEtcdRelistAfterCompaction(t *testing.T) {
 	}
 
 	// The node's own cache, behind nothing, followed all of it by watch.
-	eventually(t, "node1's watch", func() bool {
+	eventually.True(t, "node1's watch", func() bool {
 		_, ok1 := n1.backend.LookupByID(1003)
 		_, ok2 := n1.backend.LookupByID(1000)
 		return ok1 && !ok2
@@ -447,7 +435,7 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 	cli := c.Client(t)
 	// The shortest TTL makes the keepalive notice a revocation within
 	// seconds.
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *Config) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
 	ctx := testCtx(t, 2*time.Minute)
 
 	var sets []labels.Labels
@@ -486,7 +474,7 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 		return true
 	}
 	// Nothing writes: the keepalive notices the loss.
-	eventuallyWithin(t, time.Minute, "references restored with a new lease", restored)
+	eventually.Within(t, time.Minute, "references restored with a new lease", restored)
 
 	// Revoked again, and this time a write notices: etcd refuses the
 	// lease, the allocation retries with a new one, and the references
@@ -498,7 +486,7 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 	if _, allocated, err := n1.alloc.Allocate(ctx, labels.MustParse("k8s:app=after-loss")); err != nil || !allocated {
 		t.Fatalf("allocation after lease loss: %v %v", allocated, err)
 	}
-	eventually(t, "references restored after a refused write", restored)
+	eventually.True(t, "references restored after a refused write", restored)
 
 	// The restored references are released like any other: each release
 	// deletes the reference written by the restore.
@@ -585,7 +573,7 @@ func TestEtcdMasterKeyProtection(t *testing.T) {
 	if _, err := cli.Delete(ctx, masterKey(id.ID)); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "master key re-created", func() bool {
+	eventually.True(t, "master key re-created", func() bool {
 		v, _, ok := getValue(t, cli, masterKey(id.ID))
 		return ok && v == l.Canonical()
 	})
@@ -644,7 +632,7 @@ func TestEtcdCiliumLock(t *testing.T) {
 func TestEtcdTLS(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithTLS(nil), etcdtest.WithUnsafeNoFsync())
 	certs := c.Certs()
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *EtcdConfig) {
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *Config) {
 		kv.KVStoreCAFile = certs.CAFile
 		kv.KVStoreCertFile = certs.ClientCertFile
 		kv.KVStoreKeyFile = certs.ClientKeyFile
@@ -666,7 +654,7 @@ func startAuthNode(t *testing.T, c *etcdtest.Cluster, name, user, password strin
 	if err := os.WriteFile(file, []byte(password+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *EtcdConfig) {
+	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *Config) {
 		kv.KVStoreUsername = user
 		kv.KVStorePasswordFile = file
 	})
@@ -770,9 +758,9 @@ func TestEtcdAuthPrefixRole(t *testing.T) {
 }
 
 func TestEtcdNoKVStore(t *testing.T) {
-	var a Allocator
-	var b GlobalBackend
-	h := hive.New(job.Cell, statedb.Cell, Cell, cell.Invoke(func(x Allocator, y GlobalBackend) { a, b = x, y }))
+	var a allocator.Allocator
+	var b globalstore.Backend
+	h := hive.New(job.Cell, statedb.Cell, allocator.Cell, Cell, cell.Invoke(func(x allocator.Allocator, y globalstore.Backend) { a, b = x, y }))
 	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
 		t.Fatal(err)
 	}
@@ -780,7 +768,7 @@ func TestEtcdNoKVStore(t *testing.T) {
 	if b != nil {
 		t.Fatalf("backend without a kvstore: %v", b)
 	}
-	if _, _, err := a.Allocate(t.Context(), labels.MustParse("k8s:app=x")); !errors.Is(err, ErrNoGlobalBackend) {
+	if _, _, err := a.Allocate(t.Context(), labels.MustParse("k8s:app=x")); !errors.Is(err, allocator.ErrNoGlobalBackend) {
 		t.Fatalf("allocation without a kvstore: %v", err)
 	}
 }
@@ -866,7 +854,7 @@ func multiNode(t *testing.T, c *etcdtest.Cluster, sets int, during func()) {
 		}
 	}
 	for _, n := range nodes {
-		eventually(t, n.name+"'s cache has every identity", func() bool {
+		eventually.True(t, n.name+"'s cache has every identity", func() bool {
 			for i := range all {
 				if id, ok := n.backend.LookupByLabels(all[i]); !ok || id != got[0][i] {
 					return false

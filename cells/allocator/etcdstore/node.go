@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"bytes"
@@ -15,6 +15,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 )
 
@@ -72,7 +73,7 @@ type nodeCounters struct {
 }
 
 // NodeStats returns the counters of the node key and reference checks.
-func (b *EtcdBackend) NodeStats() NodeStats {
+func (b *Store) NodeStats() NodeStats {
 	return NodeStats{
 		NameConflicts:       b.nodeStats.conflicts.Load(),
 		ReferencesRewritten: b.nodeStats.rewritten.Load(),
@@ -83,14 +84,14 @@ func (b *EtcdBackend) NodeStats() NodeStats {
 // claimNodeName writes this node's key on its lease unless another live
 // agent holds it. A key left by an agent that is gone (same host, its
 // process ended, as after a SIGKILL and restart) is taken over.
-func (b *EtcdBackend) claimNodeName(ctx context.Context) error {
+func (b *Store) claimNodeName(ctx context.Context) error {
 	cli := b.kv.Client()
 	if cli == nil {
-		return ErrKVStoreUnavailable
+		return globalstore.ErrUnavailable
 	}
 	lease, err := b.kv.Lease(ctx)
 	if err != nil {
-		return fmt.Errorf("%w: %w", ErrKVStoreUnavailable, err)
+		return fmt.Errorf("%w: %w", globalstore.ErrUnavailable, err)
 	}
 	b.noteLease(lease)
 	key := NodeKeyPrefix + b.node
@@ -104,7 +105,7 @@ func (b *EtcdBackend) claimNodeName(ctx context.Context) error {
 			Commit()
 		cancel()
 		if err != nil {
-			return fmt.Errorf("%w: claiming node name %q: %w", ErrKVStoreUnavailable, b.node, err)
+			return fmt.Errorf("%w: claiming node name %q: %w", globalstore.ErrUnavailable, b.node, err)
 		}
 		if resp.Succeeded {
 			liveInstances.Store(b.claim.Instance, struct{}{})
@@ -129,7 +130,7 @@ func (b *EtcdBackend) claimNodeName(ctx context.Context) error {
 			Commit()
 		cancel()
 		if err != nil {
-			return fmt.Errorf("%w: claiming node name %q: %w", ErrKVStoreUnavailable, b.node, err)
+			return fmt.Errorf("%w: claiming node name %q: %w", globalstore.ErrUnavailable, b.node, err)
 		}
 		if take.Succeeded {
 			if other.Instance != b.claim.Instance {
@@ -139,13 +140,13 @@ func (b *EtcdBackend) claimNodeName(ctx context.Context) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("%w: claiming node name %q: the key kept changing", ErrAllocationConflict, b.node)
+	return fmt.Errorf("%w: claiming node name %q: the key kept changing", globalstore.ErrConflict, b.node)
 }
 
 // claimIsStale reports whether the agent that wrote other is certainly
 // gone: it ran on this host and its process has ended, or it was a hive
 // of this process that is no longer running.
-func (b *EtcdBackend) claimIsStale(other nodeClaim) bool {
+func (b *Store) claimIsStale(other nodeClaim) bool {
 	if other.Host != b.claim.Host {
 		return false
 	}
@@ -177,19 +178,19 @@ func processAlive(pid int) bool {
 
 // releaseNodeName forgets this backend's claim in the process; the key
 // itself goes with the lease.
-func (b *EtcdBackend) releaseNodeName() {
+func (b *Store) releaseNodeName() {
 	liveInstances.Delete(b.claim.Instance)
 }
 
 // checkNodeName reads this node's key during the periodic sync: a missing
 // key (the lease was lost) is claimed again, another agent's is a conflict.
-func (b *EtcdBackend) checkNodeName(ctx context.Context, cli *clientv3.Client) error {
+func (b *Store) checkNodeName(ctx context.Context, cli *clientv3.Client) error {
 	key := NodeKeyPrefix + b.node
 	rctx, cancel := b.requestContext(ctx)
 	resp, err := cli.Get(rctx, key)
 	cancel()
 	if err != nil {
-		return fmt.Errorf("%w: reading node key %s: %w", ErrKVStoreUnavailable, key, err)
+		return fmt.Errorf("%w: reading node key %s: %w", globalstore.ErrUnavailable, key, err)
 	}
 	if len(resp.Kvs) == 0 {
 		return b.claimNodeName(ctx)
@@ -202,7 +203,7 @@ func (b *EtcdBackend) checkNodeName(ctx context.Context, cli *clientv3.Client) e
 }
 
 // nameConflict reports a second writer of this node's name.
-func (b *EtcdBackend) nameConflict(err error) {
+func (b *Store) nameConflict(err error) {
 	b.nodeStats.conflicts.Add(1)
 	b.conflictSeen.Store(true)
 	b.log.Error("Another agent uses this node's name in etcd; each agent needs its own --node-name", "node", b.node, "error", err)

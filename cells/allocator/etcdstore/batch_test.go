@@ -1,4 +1,4 @@
-package allocator
+package etcdstore
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/identityd/identityd/internal/eventually"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -18,7 +20,7 @@ import (
 
 // batchItem builds the create transaction node b would send for lbls with
 // candidate ID id.
-func batchItem(tb testing.TB, b *EtcdBackend, lbls labels.Labels, id identity.NumericIdentity) *createItem {
+func batchItem(tb testing.TB, b *Store, lbls labels.Labels, id identity.NumericIdentity) *createItem {
 	tb.Helper()
 	lease, err := b.kv.Lease(testCtx(tb, 10*time.Second))
 	if err != nil {
@@ -220,7 +222,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 	blockCreates(q)
 	qctx, qcancel := context.WithCancel(ctx)
 	done := allocate(qctx, labels.MustParse("k8s:app=queued"))
-	eventually(t, "the create queues", func() bool { return queued(q) == 1 })
+	eventually.True(t, "the create queues", func() bool { return queued(q) == 1 })
 	qcancel()
 	if err := <-done; !errors.Is(err, context.Canceled) {
 		t.Fatalf("abandoned queued allocation: %v, want context.Canceled", err)
@@ -237,7 +239,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 	inFlight := labels.MustParse("k8s:app=in-flight")
 	fctx, fcancel := context.WithCancel(ctx)
 	done = allocate(fctx, inFlight)
-	eventually(t, "the create queues", func() bool { return queued(q) == 1 })
+	eventually.True(t, "the create queues", func() bool { return queued(q) == 1 })
 	c.Member(0).Pause()
 	unblockCreates(q)
 	fcancel()
@@ -248,7 +250,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 	}
 
 	var id identity.NumericIdentity
-	eventually(t, "the abandoned create's master key appears", func() bool {
+	eventually.True(t, "the abandoned create's master key appears", func() bool {
 		resp, err := cli.Get(ctx, MasterKeyPrefix, clientv3.WithPrefix())
 		if err != nil {
 			return false
@@ -261,7 +263,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 		}
 		return false
 	})
-	eventually(t, "the abandoned create's reference is deleted", func() bool {
+	eventually.True(t, "the abandoned create's reference is deleted", func() bool {
 		_, _, ok := getValue(t, cli, refKey(inFlight, "node1"))
 		return !ok
 	})
@@ -318,7 +320,7 @@ func TestEtcdCreatesAfterStop(t *testing.T) {
 		_, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=waiting"))
 		done <- err
 	}()
-	eventually(t, "the create queues", func() bool { return queued(q) == 1 })
+	eventually.True(t, "the create queues", func() bool { return queued(q) == 1 })
 	q.stop()
 	if err := <-done; !errors.Is(err, kvstore.ErrStopped) {
 		t.Fatalf("queued allocation at stop: %v, want kvstore.ErrStopped", err)
