@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
@@ -29,6 +30,7 @@ type params struct {
 	Backend   globalstore.Backend `optional:"true"`
 	Remote    globalstore.Remote  `optional:"true"`
 	Metrics   *allocationMetrics
+	Jobs      job.Registry
 	Health    cell.Health `optional:"true"`
 }
 
@@ -82,9 +84,6 @@ type identityAllocator struct {
 	health  cell.Health // nil outside a hive with a health provider
 	synced  chan struct{}
 	once    sync.Once
-
-	cancel context.CancelFunc
-	done   chan struct{}
 }
 
 var _ Allocator = (*identityAllocator)(nil)
@@ -99,6 +98,10 @@ func newAllocator(p params) (allocatorOut, error) {
 		a.mesh = p.Remote
 	}
 	a.health = p.Health
+	// Added before the allocator's hook, the jobs start before it and
+	// stop after it: every change up to the end of the allocator's stop
+	// reaches observers, handlers and the table.
+	p.Jobs.NewGroup(health.OrDetached(p.Health)).Add(a.jobs()...)
 	p.Lifecycle.Append(a)
 	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp}}, nil
 }
@@ -131,31 +134,38 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 	return a
 }
 
-// Start runs the dispatcher and the global backend's cache.
-func (a *identityAllocator) Start(ctx cell.HookContext) error {
-	runCtx, cancel := context.WithCancel(context.Background())
-	a.cancel = cancel
-	a.done = make(chan struct{})
-	go func() {
-		defer close(a.done)
-		var wg sync.WaitGroup
-		wg.Go(func() { a.table.run(runCtx) })
+// jobs returns the allocator's loops: the writer of the identities table
+// and the dispatcher, which feeds it, Observe and the handlers. Each drains
+// what is queued when its context ends; the dispatcher, listed last, stops
+// first, so the table writer gets its last changes.
+func (a *identityAllocator) jobs() []job.Job {
+	return []job.Job{
+		job.OneShot("identities-table-writer", func(ctx context.Context, _ cell.Health) error {
+			a.table.run(ctx)
+			return nil
+		}),
 		// The dispatcher wakes at once: the reserved identities queued
 		// by the constructor reach handlers before anything else.
-		a.disp.run(runCtx)
-		wg.Wait()
-	}()
+		job.OneShot("identity-dispatcher", func(ctx context.Context, _ cell.Health) error {
+			a.disp.run(ctx)
+			return nil
+		}),
+	}
+}
+
+// Start starts the global backend's cache and the remote clusters.
+func (a *identityAllocator) Start(ctx cell.HookContext) error {
 	if a.backend != nil {
 		if err := a.backend.Start(ctx, a); err != nil {
-			cancel()
-			<-a.done
 			return fmt.Errorf("starting global identity backend: %w", err)
 		}
 	}
 	// Remote clusters connect in the background; their identities reach
 	// the dispatcher like the global ones, marked as remote.
 	if err := a.mesh.Start(ctx, remoteEvents{a.queue}); err != nil {
-		a.Stop(ctx)
+		if a.backend != nil {
+			a.backend.Stop(ctx)
+		}
 		return fmt.Errorf("starting the cluster mesh: %w", err)
 	}
 	a.reportHealth()
@@ -182,15 +192,12 @@ func (a *identityAllocator) reportHealth() {
 	}
 }
 
-// Stop stops the backend and the dispatcher, after delivering what is queued.
+// Stop stops the remote clusters and the backend; the dispatcher's job,
+// stopped next, delivers what is queued.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
 	err := a.mesh.Stop(ctx)
 	if a.backend != nil {
 		err = errors.Join(err, a.backend.Stop(ctx))
-	}
-	if a.cancel != nil {
-		a.cancel()
-		<-a.done
 	}
 	return err
 }

@@ -54,10 +54,10 @@ func testAllocatorWith(t testing.TB, cfg Config, maxLocal identity.NumericIdenti
 		log = slog.New(slog.DiscardHandler)
 	}
 	a := newIdentityAllocator(cfg, log, db, table, nil, handlers, maxLocal)
-	if err := a.Start(context.Background()); err != nil {
+	if err := a.startStandalone(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { a.Stop(context.Background()) })
+	t.Cleanup(func() { a.stopStandalone(context.Background()) })
 	return a, db, table
 }
 

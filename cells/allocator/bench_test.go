@@ -57,7 +57,7 @@ func BenchmarkLocalNew(b *testing.B) {
 	for b.Loop() {
 		if i == len(sets) {
 			b.StopTimer()
-			a.Stop(ctx)
+			a.stopStandalone(ctx)
 			a = benchAllocator(b)
 			i = 0
 			b.StartTimer()
@@ -152,7 +152,7 @@ func BenchmarkLocalRelease(b *testing.B) {
 	for b.Loop() {
 		if i == len(ids) {
 			b.StopTimer()
-			a.Stop(ctx)
+			a.stopStandalone(ctx)
 			a, ids = fill()
 			i = 0
 			b.StartTimer()
@@ -204,7 +204,7 @@ func BenchmarkLocalMemory(b *testing.B) {
 			a = benchAllocator(b)
 		} else {
 			a = newIdentityAllocator(DefaultConfig, slog.New(slog.DiscardHandler), nil, nil, nil, nil, identity.MaxLocalIdentity)
-			a.Start(ctx)
+			a.startStandalone(ctx)
 		}
 		for _, s := range sets {
 			a.Allocate(ctx, s)
@@ -217,7 +217,7 @@ func BenchmarkLocalMemory(b *testing.B) {
 		runtime.GC()
 		runtime.ReadMemStats(&after)
 		runtime.KeepAlive(a)
-		a.Stop(ctx)
+		a.stopStandalone(ctx)
 		return float64(after.HeapAlloc-before.HeapAlloc) / n
 	}
 	var core, total float64
@@ -247,7 +247,7 @@ func churnAgent(tb testing.TB, cycles int) *identityAllocator {
 	}
 	a := newIdentityAllocator(DefaultConfig, slog.New(slog.DiscardHandler), db, table, nil, nil, identity.MaxLocalIdentity)
 	a.metrics = newAllocationMetrics().Metrics
-	if err := a.Start(context.Background()); err != nil {
+	if err := a.startStandalone(context.Background()); err != nil {
 		tb.Fatal(err)
 	}
 	for _, s := range cidrSets(churnLiveSets) {
@@ -277,9 +277,9 @@ func BenchmarkAfterChurn(b *testing.B) {
 	start := time.Now()
 	churned := churnAgent(b, *churnCycles)
 	churnTime := time.Since(start)
-	defer churned.Stop(ctx)
+	defer churned.stopStandalone(ctx)
 	fresh := churnAgent(b, 0)
-	defer fresh.Stop(ctx)
+	defer fresh.stopStandalone(ctx)
 
 	var rssFresh, rssChurned float64
 	if !testing.Short() {
@@ -452,7 +452,7 @@ func TestChurnRSSChild(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := churnAgent(t, cycles)
-	defer a.Stop(context.Background())
+	defer a.stopStandalone(context.Background())
 	runtime.GC()
 	debug.FreeOSMemory()
 	status, err := os.ReadFile("/proc/self/status")

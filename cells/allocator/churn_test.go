@@ -212,7 +212,7 @@ func TestLocalMemoryAfterChurn(t *testing.T) {
 			t.Fatal(err)
 		}
 		a := newIdentityAllocator(DefaultConfig, slog.New(slog.DiscardHandler), db, table, nil, nil, identity.MaxLocalIdentity)
-		if err := a.Start(ctx); err != nil {
+		if err := a.startStandalone(ctx); err != nil {
 			t.Fatal(err)
 		}
 		for _, s := range held {
@@ -230,7 +230,7 @@ func TestLocalMemoryAfterChurn(t *testing.T) {
 		runtime.GC()
 		runtime.ReadMemStats(&after)
 		runtime.KeepAlive(a)
-		a.Stop(ctx)
+		a.stopStandalone(ctx)
 		return after.HeapAlloc - before.HeapAlloc
 	}
 	measure(0) // what the first allocator of a process sets up once

@@ -60,10 +60,10 @@ func TestCommandCostIndependentOfIdentities(t *testing.T) {
 	target := cidr("192.168.7.7/32")
 	cost := func(others int) (bytes float64, fastest time.Duration) {
 		a := newIdentityAllocator(DefaultConfig, slog.New(slog.DiscardHandler), nil, nil, nil, nil, identity.MaxLocalIdentity)
-		if err := a.Start(t.Context()); err != nil {
+		if err := a.startStandalone(t.Context()); err != nil {
 			t.Fatal(err)
 		}
-		defer a.Stop(context.Background())
+		defer a.stopStandalone(context.Background())
 		id, _ := mustAlloc(t, a, target)
 		for _, s := range cidrSets(others) {
 			mustAlloc(t, a, s)

@@ -1,7 +1,10 @@
 package allocator
 
 import (
+	"context"
 	"strconv"
+	"sync"
+	"time"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
@@ -64,4 +67,282 @@ func scopeName(id identity.NumericIdentity) string {
 		return "reserved"
 	}
 	return id.Scope().String()
+}
+
+// tableWriterInterval is the least time between two writes of the
+// identities table. The table is for operators and other cells to read;
+// coalescing keeps a busy allocator from spending a core on it: an entry
+// that changes many times between two writes is written once.
+const tableWriterInterval = 10 * time.Millisecond
+
+// tableWriterRestFactor bounds the table writer's share of a core to
+// 1/(1+tableWriterRestFactor).
+const tableWriterRestFactor = 3
+
+// tableWriterChunk is the most rows one write transaction of the table
+// writer holds (about a millisecond of statedb writes). A burst of new
+// identities is written in many short transactions with rests in between
+// rather than in a few long ones: a long one keeps a processor busy for a
+// tenth of a second and more, and on a small machine the dispatcher and
+// the garbage collector's workers then take the processors of the
+// allocating goroutines (docs/benchmarks.md).
+const tableWriterChunk = 1024
+
+// tableWriterSkipFactor bounds the entries a chunk looks at to this many
+// times tableWriterChunk: entries that need no row cost no write, but
+// looking at them still takes time under the writer's lock.
+const tableWriterSkipFactor = 16
+
+// tableWriter keeps the identities table in step with the allocator. Held
+// identities reach it as dirty entries (their current count is written),
+// the others (reserved, other nodes' global ones) as events.
+type tableWriter struct {
+	db       *statedb.DB
+	table    statedb.RWTable[Entry]
+	interval time.Duration
+	// known reports whether an identity still exists, for global
+	// identities this node stopped holding.
+	known func(identity.NumericIdentity) bool
+
+	mu    sync.Mutex
+	dirty []*refEntry
+	evs   []event
+	wake  chan struct{}
+
+	// writeMu serializes writing; it guards the backlog: what the
+	// writer took from dirty and evs and has not written yet.
+	writeMu      sync.Mutex
+	backlogEvs   []event
+	backlogDirty []*refEntry
+	// written is how many of backlogDirty were written.
+	written int
+}
+
+func newTableWriter(db *statedb.DB, table statedb.RWTable[Entry]) *tableWriter {
+	return &tableWriter{db: db, table: table, interval: tableWriterInterval, wake: make(chan struct{}, 1)}
+}
+
+func (w *tableWriter) touch(e *refEntry) {
+	if w.table == nil || !e.markDirty() {
+		return
+	}
+	w.mu.Lock()
+	w.dirty = append(w.dirty, e)
+	w.mu.Unlock()
+	w.signal()
+}
+
+// touchAll is touch for the entries of a dispatcher drain, with one lock.
+func (w *tableWriter) touchAll(es []*refEntry) {
+	if w.table == nil || len(es) == 0 {
+		return
+	}
+	w.mu.Lock()
+	for _, e := range es {
+		if e.markDirty() {
+			w.dirty = append(w.dirty, e)
+		}
+	}
+	w.mu.Unlock()
+	w.signal()
+}
+
+func (w *tableWriter) apply(ev event) {
+	if w.table == nil {
+		return
+	}
+	w.mu.Lock()
+	w.evs = append(w.evs, ev)
+	w.mu.Unlock()
+	w.signal()
+}
+
+func (w *tableWriter) signal() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (w *tableWriter) run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			w.flush()
+			return
+		case <-w.wake:
+		}
+		for more := true; more; {
+			start := time.Now()
+			more = w.writeChunk(tableWriterChunk, true)
+			// Rest three times as long as the chunk took: under a
+			// sustained burst the mirror lags further behind (and
+			// catches up after it) instead of taking more than a
+			// quarter of a core from the allocations it mirrors. A
+			// row costs about a microsecond of statedb writes,
+			// several times an allocation. With nothing left, rest
+			// at least the interval, so that changes coalesce.
+			rest := tableWriterRestFactor * time.Since(start)
+			if !more {
+				rest = max(w.interval, rest)
+			}
+			select {
+			case <-ctx.Done():
+				w.flush()
+				return
+			case <-time.After(rest):
+			}
+		}
+	}
+}
+
+// flush writes the rest of the backlog, then takes what is queued once
+// and writes it, without resting. Changes queued while it writes that
+// wait for the next flush, so that allocations that go on during a stop
+// cannot keep it writing.
+func (w *tableWriter) flush() {
+	for w.writeChunk(tableWriterChunk, false) {
+	}
+	if w.writeChunk(tableWriterChunk, true) {
+		for w.writeChunk(tableWriterChunk, false) {
+		}
+	}
+}
+
+// writeChunk writes up to limit rows of the backlog in one transaction;
+// when the backlog is empty and take is set, it takes what is queued
+// first. It reports whether rows are left in the backlog.
+func (w *tableWriter) writeChunk(limit int, take bool) bool {
+	w.writeMu.Lock()
+	defer w.writeMu.Unlock()
+	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
+		if !take {
+			return false
+		}
+		w.takeBacklog()
+	}
+	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
+		return false
+	}
+	// The transaction is opened for the first row: a chunk of entries
+	// that came and went before the writer saw them writes nothing.
+	var txn statedb.WriteTxn
+	n := min(limit, len(w.backlogEvs))
+	if n > 0 {
+		txn = w.db.WriteTxn(w.table)
+	}
+	for _, ev := range w.backlogEvs[:n] {
+		w.writeEvent(txn, ev)
+	}
+	clear(w.backlogEvs[:n])
+	w.backlogEvs = w.backlogEvs[n:]
+	dirty := w.backlogDirty[w.written:]
+	dirty = dirty[:min(tableWriterSkipFactor*limit, len(dirty))]
+	rows := n
+	for i, e := range dirty {
+		if rows == limit {
+			dirty = dirty[:i]
+			break
+		}
+		if w.rowless(e) {
+			continue
+		}
+		if txn == nil {
+			txn = w.db.WriteTxn(w.table)
+		}
+		w.writeEntry(txn, e)
+		rows++
+	}
+	clear(dirty)
+	w.written += len(dirty)
+	if txn != nil {
+		txn.Commit()
+	}
+	if len(w.backlogEvs) > 0 || w.written < len(w.backlogDirty) {
+		return true
+	}
+	// Written: the lists are let go now rather than at the next take,
+	// which may be long after a burst. The dirty list goes back for
+	// the next one unless it is much bigger than the work needs.
+	w.backlogEvs = nil
+	if !reusable(cap(w.backlogDirty), len(w.backlogDirty)) {
+		w.backlogDirty = nil
+	}
+	w.backlogDirty, w.written = w.backlogDirty[:0], 0
+	return false
+}
+
+// takeBacklog moves what is queued to the backlog; the caller holds
+// writeMu and has written the previous backlog.
+func (w *tableWriter) takeBacklog() {
+	// The list goes back for the next burst (its references cleared as
+	// they were written, and dropped if too big when it was written).
+	done := w.backlogDirty[:0]
+	w.mu.Lock()
+	w.backlogDirty, w.backlogEvs = w.dirty, w.evs
+	w.dirty, w.evs = done, nil
+	w.mu.Unlock()
+	w.written = 0
+}
+
+func (w *tableWriter) writeEvent(txn statedb.WriteTxn, ev event) {
+	switch ev.kind {
+	case ChangeUpsert:
+		// A held identity's row is written from its entry.
+		if old, _, ok := w.table.Get(txn, EntryIDIndex.Query(ev.ident.ID)); ok && old.ref != nil {
+			return
+		}
+		w.table.Insert(txn, Entry{Identity: ev.ident, Source: ev.source})
+	case ChangeDelete:
+		w.table.Delete(txn, Entry{Identity: ev.ident})
+	}
+}
+
+// rowless reports whether e needs no write: a local entry released before
+// any row was written from it. Under churn most entries are, and each
+// would otherwise cost a lookup in a write transaction, which kept the
+// writer so far behind that released entries piled up in its backlog.
+// A released entry is never taken again, so the answer cannot change.
+func (w *tableWriter) rowless(e *refEntry) bool {
+	f := e.flags.Load()
+	if f&(entryGlobal|entryInTable) != 0 || e.refs.Load() > 0 {
+		return false
+	}
+	e.flags.And(^entryDirty)
+	return true
+}
+
+func (w *tableWriter) writeEntry(txn statedb.WriteTxn, e *refEntry) {
+	e.flags.And(^entryDirty)
+	if e.refs.Load() > 0 {
+		// A held entry's row is its current state; it also replaces
+		// the row of an older entry of the same ID that was released
+		// meanwhile.
+		w.table.Insert(txn, entryOf(e))
+		e.flags.Or(entryInTable)
+		return
+	}
+	old, _, hadOld := w.table.Get(txn, EntryIDIndex.Query(e.ident.ID))
+	switch {
+	case hadOld && old.ref != e:
+		// The ID was reused by a newer entry; leave its row.
+	case e.global() && w.known(e.ident.ID):
+		// This node let go, but the identity still exists.
+		w.table.Insert(txn, Entry{Identity: &e.ident, Source: SourceGlobal})
+	case hadOld:
+		w.table.Delete(txn, old)
+		e.flags.And(^entryInTable)
+	}
+}
+
+// entryOf builds the table row of a held identity.
+func entryOf(ref *refEntry) Entry {
+	e := Entry{Identity: &ref.ident, RefCount: int(ref.refs.Load()), ref: ref, Source: SourceLocal}
+	switch {
+	case ref.global():
+		e.Source = SourceGlobal
+	case ref.restored():
+		e.Source = SourceRestored
+	}
+	return e
 }

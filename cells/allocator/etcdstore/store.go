@@ -468,13 +468,17 @@ func (b *Store) create(ctx context.Context, key string, lbls labels.Labels, fore
 		return attempt{}, globalstore.ErrSpaceExhausted
 	}
 	id := identity.NumericIdentity(nid)
-	cli, lease, err := b.writer(ctx)
-	if err != nil {
+	res, wrote, err := b.writing(ctx, func(cli *clientv3.Client, lease clientv3.LeaseID) (attempt, error) {
+		return b.createWith(ctx, cli, lease, key, lbls, foreignRev, nid, id)
+	})
+	if !wrote {
 		b.pool.Release(nid)
-		return attempt{}, err
 	}
-	defer b.writeMu.RUnlock()
+	return res, err
+}
 
+// createWith is create's transaction, under writeMu's read lock.
+func (b *Store) createWith(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, lbls labels.Labels, foreignRev int64, nid idpool.ID, id identity.NumericIdentity) (attempt, error) {
 	master, refs, locks := masterKey(id), referencePrefix(key), lockPrefix(key)
 	ref := refs + b.node
 	resp, settled, err := b.creates.commit(ctx, &createItem{
@@ -680,11 +684,14 @@ func isReferenceOf(key []byte, prefix string) bool {
 // outForeign), which fail the compare that every key under the prefix
 // names id; the compare is then that nothing under it changed since.
 func (b *Store) adopt(ctx context.Context, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
-	cli, lease, err := b.writer(ctx)
-	if err != nil {
-		return attempt{}, err
-	}
-	defer b.writeMu.RUnlock()
+	res, _, err := b.writing(ctx, func(cli *clientv3.Client, lease clientv3.LeaseID) (attempt, error) {
+		return b.adoptWith(ctx, cli, lease, key, id, scannedAt)
+	})
+	return res, err
+}
+
+// adoptWith is adopt's transaction, under writeMu's read lock.
+func (b *Store) adoptWith(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
 	master, refs := masterKey(id), referencePrefix(key)
 	end := clientv3.GetPrefixRangeEnd(refs)
 	holds := clientv3.Compare(clientv3.Value(master), "=", key)
@@ -785,20 +792,24 @@ func (b *Store) scanReferences(ctx context.Context, cli *clientv3.Client, prefix
 	return ids, resp.Header.GetRevision(), nil
 }
 
-// writer returns the client and the lease to write with, holding
-// writeMu's read lock on success.
-func (b *Store) writer(ctx context.Context) (*clientv3.Client, clientv3.LeaseID, error) {
+// writing calls write with the client and the lease to write with, under
+// writeMu's read lock, so that a lost lease's restoration never runs in
+// the middle of a reference write. wrote is false when no client or
+// lease could be had, and write did not run.
+func (b *Store) writing(ctx context.Context, write func(*clientv3.Client, clientv3.LeaseID) (attempt, error)) (res attempt, wrote bool, err error) {
 	cli := b.kv.Client()
 	if cli == nil {
-		return nil, 0, kvstore.ErrStopped
+		return attempt{}, false, kvstore.ErrStopped
 	}
 	lease, err := b.kv.Lease(ctx)
 	if err != nil {
-		return nil, 0, err
+		return attempt{}, false, err
 	}
 	b.writeMu.RLock()
+	defer b.writeMu.RUnlock()
 	b.noteLease(lease)
-	return cli, lease, nil
+	res, err = write(cli, lease)
+	return res, true, err
 }
 
 func (b *Store) noteLease(lease clientv3.LeaseID) {
