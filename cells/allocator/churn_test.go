@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"runtime"
 	"testing"
 
@@ -48,104 +47,6 @@ func settle(a *identityAllocator) {
 	a.table.flush()
 }
 
-// pagedNodes counts a table's middle nodes and leaves.
-func pagedNodes[T any](t *pagedTable[T]) (mids, leaves int) {
-	for _, m := range t.mids {
-		if m == nil {
-			continue
-		}
-		mids++
-		for _, l := range m.leaves {
-			if l != nil {
-				leaves++
-			}
-		}
-	}
-	return mids, leaves
-}
-
-// TestPagedTableFollowsLiveValues checks that a table keeps nodes for the
-// values it holds, not for every counter it ever held: after values came
-// and went over the whole counter space, it has the nodes of a table that
-// was only given the values still held.
-func TestPagedTableFollowsLiveValues(t *testing.T) {
-	r := rand.New(rand.NewPCG(5, 5))
-	var churned, fresh pagedTable[int]
-	v := new(int)
-	live := map[identity.NumericIdentity]bool{}
-	last := identity.MaxLocalIdentity
-	if raceEnabled || testing.Short() {
-		last = 1 << 20
-	}
-	// A few values stay from the start, others stay for a while: the
-	// space is walked in order, as the local allocator hands IDs out.
-	for c := identity.NumericIdentity(1); c <= last; c++ {
-		churned.set(c, v)
-		if c < 100 || r.IntN(100_000) == 0 {
-			live[c] = true
-			continue
-		}
-		churned.set(c, nil)
-	}
-	for c := range live {
-		fresh.set(c, v)
-	}
-	if churned.n != len(live) {
-		t.Fatalf("n = %d, want %d", churned.n, len(live))
-	}
-	cm, cl := pagedNodes(&churned)
-	fm, fl := pagedNodes(&fresh)
-	if cm != fm || cl != fl {
-		t.Fatalf("after churn %d middle nodes and %d leaves, a table of the same %d values %d and %d", cm, cl, len(live), fm, fl)
-	}
-	n := 0
-	churned.each(func(*int) { n++ })
-	if n != len(live) {
-		t.Fatalf("each visits %d values, want %d", n, len(live))
-	}
-	for c := range live {
-		churned.set(c, nil)
-	}
-	if m, l := pagedNodes(&churned); m != 0 || l != 0 || churned.n != 0 {
-		t.Fatalf("emptied table keeps %d middle nodes and %d leaves, n = %d", m, l, churned.n)
-	}
-}
-
-// TestPagedTableFirstFree checks the free-ID search against a scan, over
-// full, partly full, empty and absent nodes.
-func TestPagedTableFirstFree(t *testing.T) {
-	var tab pagedTable[int]
-	v := new(int)
-	fill := func(from, to identity.NumericIdentity) {
-		for c := from; c <= to; c++ {
-			tab.set(c, v)
-		}
-	}
-	fill(1, 3*pagedMidValues+17) // full middle nodes and leaves
-	fill(5*pagedMidValues, 5*pagedMidValues+pagedFanout-1)
-	tab.set(2*pagedMidValues+300, nil) // a hole in a full middle node
-	tab.set(5*pagedMidValues+pagedFanout-1, nil)
-	r := rand.New(rand.NewPCG(9, 9))
-	for range 2_000 {
-		tab.set(identity.NumericIdentity(1+r.IntN(6*pagedMidValues)), nil)
-		from := identity.NumericIdentity(1 + r.IntN(6*pagedMidValues))
-		to := min(from+identity.NumericIdentity(r.IntN(3*pagedMidValues)), identity.MaxLocalIdentity)
-		want, wantOK := identity.NumericIdentity(0), false
-		for c := from; c <= to; c++ {
-			if tab.get(c) == nil {
-				want, wantOK = c, true
-				break
-			}
-		}
-		if got, ok := tab.firstFree(from, to); got != want || ok != wantOK {
-			t.Fatalf("firstFree(%d, %d) = %d %v, want %d %v", from, to, got, ok, want, wantOK)
-		}
-	}
-	if _, ok := tab.firstFree(1, 17); ok {
-		t.Fatal("firstFree found a free ID in a full range")
-	}
-}
-
 // TestLocalWrapsAfterChurn runs a scope of 2^17 IDs through four full
 // wraps (one with the race detector) while a few identities stay held: every new identity gets the next
 // free counter value, around the held ones, and the scope's table ends up
@@ -181,11 +82,11 @@ func TestLocalWrapsAfterChurn(t *testing.T) {
 			want = identity.NumericIdentity(identity.ScopeLocal) | 4 // past the held 1..3
 		}
 	}
-	if mids, leaves := pagedNodes(&a.local.byID); mids != 1 || leaves != 1 {
+	if mids, leaves := a.local.byID.Nodes(); mids != 1 || leaves != 1 {
 		t.Fatalf("after churn the ID table has %d middle nodes and %d leaves for %d held identities, want 1 and 1", mids, leaves, len(heldIDs))
 	}
 	settle(a)
-	if mids, leaves := pagedNodes(&a.disp.state.local); mids != 1 || leaves != 1 {
+	if mids, leaves := a.disp.state.local.Nodes(); mids != 1 || leaves != 1 {
 		t.Fatalf("after churn the dispatcher's table has %d middle nodes and %d leaves, want 1 and 1", mids, leaves)
 	}
 }

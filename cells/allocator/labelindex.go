@@ -63,7 +63,7 @@ func (x *labelIndex) find(h uint64, lbls labels.Labels) *refEntry {
 			return nil
 		}
 		if slot.tag == tag {
-			if e := x.byID.get(slot.id); e.ident.Labels.Equal(lbls) {
+			if e := x.byID.Get(slot.id); e.ident.Labels.Equal(lbls) {
 				return e
 			}
 		}

@@ -33,11 +33,11 @@ func TestLabelIndexAgainstMap(t *testing.T) {
 				if !x.remove(h, e) {
 					t.Fatalf("step %d: remove of %d found nothing", step, id)
 				}
-				byID.set(id, nil)
+				byID.Set(id, nil)
 				delete(want, id)
 			} else if !held {
 				e := &refEntry{ident: identity.Identity{ID: id, Labels: sets[i]}, hash: h}
-				byID.set(id, e)
+				byID.Set(id, e)
 				x.insert(h, e)
 				want[id] = e
 			}
@@ -61,7 +61,7 @@ func TestLabelIndexAgainstMap(t *testing.T) {
 		// Emptying the index gives its memory back.
 		for id, e := range want {
 			x.remove(e.hash, e)
-			byID.set(id, nil)
+			byID.Set(id, nil)
 		}
 		for i := range x.shards {
 			if s := x.shards[i]; s.n != 0 || len(s.slots) > labelShardMinSlots {
@@ -78,7 +78,7 @@ func TestLabelIndexRemoveUnknown(t *testing.T) {
 	if x.remove(42, e) {
 		t.Fatal("remove from an empty index reported success")
 	}
-	byID.set(e.ident.ID, e)
+	byID.Set(e.ident.ID, e)
 	x.insert(42, e)
 	other := &refEntry{ident: identity.Identity{ID: e.ident.ID + 1}, hash: 42}
 	if x.remove(42, other) {

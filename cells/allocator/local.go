@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idtable"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -163,7 +164,7 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 	if o.restored {
 		e.flags.Store(entryRestored)
 	}
-	s.byID.set(id, e)
+	s.byID.Set(id, e)
 	s.byLabel.insert(h, e)
 	s.version++
 	// The dispatcher passes the entry on to the identities table.
@@ -187,19 +188,19 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 	// free, withheld or not: withholding exists to keep it for this call.
 	if old != identity.InvalidIdentity && old.Scope() == s.scope {
 		counter := old &^ identity.ScopeMask
-		if counter >= s.min && counter <= s.max && s.byID.get(old) == nil {
+		if counter >= s.min && counter <= s.max && s.byID.Get(old) == nil {
 			return old, nil
 		}
 	}
 	size := uint64(s.max-s.min) + 1
-	if uint64(s.byID.n) < size {
+	if uint64(s.byID.Len()) < size {
 		// From next to the top, then from the bottom: the table skips
 		// what is full, so a search costs what the held identities
 		// around next cost, however far the counter went before.
 		start := min(max(s.next, s.min), s.max+1)
 		for _, r := range [2][2]identity.NumericIdentity{{start, s.max}, {s.min, start - 1}} {
 			for c := r[0]; c <= r[1]; c++ {
-				free, ok := s.byID.firstFree(c, r[1])
+				free, ok := s.byID.FirstFree(c, r[1])
 				if !ok {
 					break
 				}
@@ -217,7 +218,7 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 		// Every free ID is withheld: claiming one beats failing, but
 		// the restart that withheld it may now lose its number.
 		for id := range s.withheld {
-			if s.byID.get(id) == nil {
+			if s.byID.Get(id) == nil {
 				s.log.Warn("Local identity space exhausted, handing out a withheld identity",
 					"scope", s.scope, "identity", id)
 				return id, nil
@@ -230,7 +231,7 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 // release drops one reference on id.
 func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 	s.mu.RLock()
-	e := s.byID.get(id)
+	e := s.byID.Get(id)
 	// Not the last reference: drop it under the read lock.
 	if e != nil && e.dropNonFinal() {
 		s.events.touch(e)
@@ -244,7 +245,7 @@ func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.byID.get(id) != e {
+	if s.byID.Get(id) != e {
 		return false, fmt.Errorf("%w: %d", ErrUnknownIdentity, id)
 	}
 	if e.refs.Add(-1) > 0 {
@@ -252,7 +253,7 @@ func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 		return false, nil
 	}
 	s.byLabel.remove(e.hash, e)
-	s.byID.set(id, nil)
+	s.byID.Set(id, nil)
 	s.version++
 	s.events.pushEvent(event{kind: ChangeDelete, ident: &e.ident, ref: e})
 	return true, nil
@@ -268,7 +269,7 @@ func (s *localScope) lookup(lbls labels.Labels) *refEntry {
 func (s *localScope) lookupByID(id identity.NumericIdentity) *refEntry {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.byID.get(id)
+	return s.byID.Get(id)
 }
 
 // entry returns the table entry of id, read under the lock as List reads
@@ -276,7 +277,7 @@ func (s *localScope) lookupByID(id identity.NumericIdentity) *refEntry {
 func (s *localScope) entry(id identity.NumericIdentity) (Entry, bool) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	if e := s.byID.get(id); e != nil {
+	if e := s.byID.Get(id); e != nil {
 		return entryOf(e), true
 	}
 	return Entry{}, false
@@ -314,14 +315,14 @@ func (s *localScope) withheldIDs() []identity.NumericIdentity {
 func (s *localScope) entries(fn func(*refEntry)) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	s.byID.each(fn)
+	s.byID.Each(fn)
 }
 
 func (s *localScope) len() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.byID.n
+	return s.byID.Len()
 }
 
 // idTable maps a local identity's counter to its entry.
-type idTable = pagedTable[refEntry]
+type idTable = idtable.Table[refEntry]

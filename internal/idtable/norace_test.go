@@ -1,0 +1,5 @@
+//go:build !race
+
+package idtable
+
+const raceEnabled = false
