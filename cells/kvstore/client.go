@@ -75,7 +75,17 @@ type Client struct {
 	lostLease clientv3.LeaseID
 	lostWhy   string
 
-	wg sync.WaitGroup // keepalive goroutines
+	// leaseGranted wakes the keepalive loop when Lease granted a lease.
+	leaseGranted chan struct{}
+	// keepaliveJobs runs the keepalive loop as a hive job during each run
+	// of the client: its lifecycle is started at the end of Start and
+	// stopped in Stop after the client is closed, so that the loop watches
+	// the lease until the lease's revoke (by the allocator's stop hook or
+	// by Stop), whatever the order of the other cells' stop hooks. nil
+	// outside a hive with a job registry and a health provider; the loop
+	// then runs in a goroutine of wg.
+	keepaliveJobs *cell.DefaultLifecycle
+	wg            sync.WaitGroup
 
 	// stop is the stop path's state of the current run (see StopBudget).
 	stop atomic.Pointer[stopState]
@@ -109,6 +119,9 @@ type stopState struct {
 
 func newStopState() *stopState {
 	s := &stopState{stopping: make(chan struct{})}
+	// A signal that no goroutine runs on: RequestContext hooks its
+	// requests to it. It is cancelled at the deadline or at the end of
+	// the client's stop (end), whichever comes first.
 	s.expired, s.expire = context.WithCancel(context.Background())
 	return s
 }
@@ -132,6 +145,9 @@ type nodeLease struct {
 	lost     chan struct{}
 	lostOnce sync.Once
 	cancel   context.CancelFunc
+	// responses is the keepalive's channel; it closes when the keepalive
+	// ends.
+	responses <-chan *clientv3.LeaseKeepAliveResponse
 }
 
 type params struct {
@@ -159,6 +175,14 @@ func newClient(p params) (clientOut, error) {
 		// Added after the client's hook: the job starts once the client
 		// is connected and stops before it closes.
 		p.Jobs.NewGroup(p.Health).Add(job.OneShot("etcd-connectivity", c.watchConnectivity))
+		// The keepalive's job is in the client's own lifecycle (see
+		// keepaliveJobs), not in the hive's: it must outlive every stop
+		// hook that revokes the lease or writes with it.
+		// Its hooks are logged at debug level unless slower than this,
+		// as the agent's are.
+		c.keepaliveJobs = &cell.DefaultLifecycle{LogThreshold: 100 * time.Millisecond}
+		p.Jobs.WithLifecycle(c.keepaliveJobs).NewGroup(p.Health).
+			Add(job.OneShot(KeepaliveJob, c.keepLeaseAlive))
 	}
 	// Runs before every normal stop hook, whatever the order of the
 	// cells: releases in other cells' stop hooks know from the start that
@@ -177,7 +201,7 @@ func New(log *slog.Logger, cfg Config, dir *statedir.Dir) (*Client, error) {
 	if cfg.Embedded() && dir == nil {
 		return nil, errors.New("kvstore: the embedded etcd needs a state directory (add the statedir cell or set --kvstore-endpoints)")
 	}
-	c := &Client{cfg: cfg, log: log, dir: dir}
+	c := &Client{cfg: cfg, log: log, dir: dir, leaseGranted: make(chan struct{}, 1)}
 	c.stop.Store(newStopState())
 	if cfg.KVStoreRateLimit > 0 {
 		burst := max(1, int(math.Ceil(cfg.KVStoreRateLimit)))
@@ -215,6 +239,17 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	if isClosed(c.stop.Load().stopping) {
 		// A client started again after a stop starts a new run.
 		c.stop.Store(newStopState())
+	}
+	if c.keepaliveJobs != nil {
+		if err := c.keepaliveJobs.Start(c.log, ctx); err != nil {
+			// Starting a queued job cannot fail; should it, the client
+			// must not run without its keepalive.
+			c.Stop(ctx)
+			return fmt.Errorf("kvstore: starting the lease keepalive: %w", err)
+		}
+	} else {
+		// The loop ends when the client closes, in Stop.
+		c.wg.Go(func() { c.keepLeaseAlive(cli.Ctx(), nil) })
 	}
 	c.log.Info("Connected to etcd", "endpoints", endpoints, "embedded", e != nil)
 	c.reportHealth()
@@ -256,7 +291,9 @@ func (c *Client) connect(ctx context.Context, endpoints []string, e *embeddedEtc
 		DialKeepAliveTimeout: 5 * time.Second,
 		PermitWithoutStream:  true,
 		Logger:               newZapLogger(c.log.With("component", "etcd-client"), zapcore.WarnLevel, nil),
-		Context:              context.Background(),
+		// The client outlives the start hook that dials it: its
+		// goroutines end when Stop closes it, not when ctx ends.
+		Context: context.WithoutCancel(ctx),
 		DialOptions: []grpc.DialOption{
 			grpc.WithChainUnaryInterceptor(c.unaryInterceptor),
 			grpc.WithChainStreamInterceptor(c.streamInterceptor),
@@ -307,12 +344,18 @@ func (c *Client) connect(ctx context.Context, endpoints []string, e *embeddedEtc
 }
 
 func (c *Client) probe(ctx context.Context, cli *clientv3.Client, endpoints []string) error {
+	// The first answer is enough: the others are cancelled, and waited
+	// for, on return.
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
 	errs := make(chan error, len(endpoints))
 	for _, ep := range endpoints {
-		go func() {
+		wg.Go(func() {
 			_, err := cli.Status(ctx, ep)
 			errs <- err
-		}()
+		})
 	}
 	var first error
 	for range endpoints {
@@ -385,13 +428,21 @@ func (c *Client) Stop(ctx cell.HookContext) error {
 			err = nil
 		}
 	}
-	// Closing the client ends every keepalive stream.
+	// Closing the client ended every keepalive stream; now the keepalive
+	// loop ends.
+	var jobErr error
+	if c.keepaliveJobs != nil {
+		jobErr = c.keepaliveJobs.Stop(c.log, ctx)
+	}
 	c.wg.Wait()
 	if e != nil {
 		e.stop()
 	}
 	if err != nil {
 		return fmt.Errorf("kvstore: closing client: %w", err)
+	}
+	if jobErr != nil {
+		return fmt.Errorf("kvstore: stopping the lease keepalive: %w", jobErr)
 	}
 	return nil
 }
@@ -515,32 +566,75 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	}
 	// The keepalive outlives the caller's context: it ends when the lease
 	// is lost or revoked, or the client closes.
-	kctx, kcancel := context.WithCancel(context.Background())
+	kctx, kcancel := context.WithCancel(cli.Ctx())
 	ch, err := cli.KeepAlive(kctx, resp.ID)
 	if err != nil {
 		kcancel()
 		return 0, fmt.Errorf("kvstore: keeping lease %x alive: %w", int64(resp.ID), err)
 	}
-	l := &nodeLease{id: resp.ID, lost: make(chan struct{}), cancel: kcancel}
+	l := &nodeLease{id: resp.ID, lost: make(chan struct{}), cancel: kcancel, responses: ch}
 	c.mu.Lock()
 	c.lease = l
 	c.lostLease, c.lostWhy = 0, ""
 	c.mu.Unlock()
-	c.wg.Add(1)
-	go c.keepAlive(l, ch)
+	select {
+	case c.leaseGranted <- struct{}{}:
+	default: // a wake is pending: the loop reads the current lease
+	}
 	c.log.Debug("Granted etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)), "ttl", c.cfg.KVStoreLeaseTTL)
 	c.reportHealth()
 	return l.id, nil
 }
 
-func (c *Client) keepAlive(l *nodeLease, ch <-chan *clientv3.LeaseKeepAliveResponse) {
-	defer c.wg.Done()
-	for range ch {
+// KeepaliveJob is the name of the job that consumes the keepalive answers
+// of this node's lease and notices when the keepalive ends; its health
+// scope is "job-" + KeepaliveJob in the kvstore module.
+const KeepaliveJob = "etcd-lease-keepalive"
+
+// keepLeaseAlive is the keepalive loop of one run of the client: it takes
+// each lease Lease grants, consumes its keepalive answers, and marks the
+// lease lost when its keepalive ends. h is nil outside a job.
+func (c *Client) keepLeaseAlive(ctx context.Context, h cell.Health) error {
+	report := func(l *nodeLease) {
+		switch {
+		case h == nil:
+		case l == nil:
+			h.OK("No lease held; the next write that needs one grants it")
+		default:
+			h.OK(fmt.Sprintf("Keeping lease %x alive", int64(l.id)))
+		}
 	}
-	// The channel closes when the lease expired or was revoked (by us or
-	// anyone else), when etcd was unreachable for the whole TTL, or when
-	// the client closed.
-	c.leaseLost(l, "keepalive ended")
+	cur := c.currentLease()
+	report(cur)
+	for {
+		var answers <-chan *clientv3.LeaseKeepAliveResponse
+		if cur != nil {
+			answers = cur.responses
+		}
+		select {
+		case <-ctx.Done():
+			// The client is closed: its keepalive streams ended.
+			if cur != nil {
+				c.leaseLost(cur, "keepalive ended")
+			}
+			return nil
+		case <-c.leaseGranted:
+			// A lease is granted only once the previous one is lost,
+			// whose keepalive then needs no watching.
+			cur = c.currentLease()
+			report(cur)
+		case _, ok := <-answers:
+			if ok {
+				continue
+			}
+			// The channel closes when the lease expired or was revoked
+			// (by us or anyone else), when etcd was unreachable for the
+			// whole TTL, or when the client closed.
+			c.leaseLost(cur, "keepalive ended")
+			cur = nil
+			report(cur)
+		}
+	}
 }
 
 // reasonRevoked marks a lease this node revoked itself.

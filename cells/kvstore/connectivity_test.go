@@ -2,7 +2,9 @@ package kvstore_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,26 +23,41 @@ import (
 // connectivityScope is the health scope of the kvstore's connectivity job.
 const connectivityScope = "kvstore.job-etcd-connectivity"
 
+// healthNode is the kvstore cell in a hive with health and jobs, as the
+// agent runs it.
+type healthNode struct {
+	p    *health.Provider
+	c    *kvstore.Client
+	stop func() error
+}
+
 // startHealthNode runs the kvstore cell with health and jobs, as the agent
 // does, against the cluster.
 func startHealthNode(t *testing.T, etcd *etcdtest.Cluster) (*health.Provider, *kvstore.Client) {
+	n := newHealthNode(t, etcd, nil)
+	return n.p, n.c
+}
+
+// newHealthNode is startHealthNode with the config changed by configure
+// (if not nil) and the extra cells in the hive.
+func newHealthNode(t *testing.T, etcd *etcdtest.Cluster, configure func(*kvstore.Config), extra ...cell.Cell) *healthNode {
 	t.Helper()
-	var (
-		p *health.Provider
-		c *kvstore.Client
-	)
+	n := &healthNode{}
 	opts := hive.DefaultOptions()
 	opts.ModuleDecorators = health.ModuleDecorators
-	h := hive.NewWithOptions(opts,
+	h := hive.NewWithOptions(opts, append([]cell.Cell{
 		health.Cell, job.Cell, statedir.Cell, kvstore.Cell,
-		cell.Invoke(func(x *health.Provider, y *kvstore.Client) { p, c = x, y }),
-	)
+		cell.Invoke(func(x *health.Provider, y *kvstore.Client) { n.p, n.c = x, y }),
+	}, extra...)...)
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = t.TempDir() })
 	hive.AddConfigOverride(h, func(c *kvstore.Config) {
 		c.NodeName = "test-node"
 		c.KVStoreEndpoints = etcd.Endpoints()
 		c.KVStoreDialTimeout = 5 * time.Second
 		c.KVStoreRequestTimeout = 2 * time.Second
+		if configure != nil {
+			configure(c)
+		}
 	})
 	log := hivetest.Logger(t)
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -48,12 +65,17 @@ func startHealthNode(t *testing.T, etcd *etcdtest.Cluster) (*health.Provider, *k
 	if err := h.Start(log, ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		h.Stop(log, ctx)
-	})
-	return p, c
+	var once sync.Once
+	n.stop = func() (err error) {
+		once.Do(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			err = h.Stop(log, ctx)
+		})
+		return err
+	}
+	t.Cleanup(func() { n.stop() })
+	return n
 }
 
 // waitScope waits until the scope's status satisfies ok, and returns it.
@@ -175,4 +197,99 @@ func TestLostLeaseHealthRecovers(t *testing.T) {
 	if lease := c.Status(ctx).LeaseID; lease == 0 || lease == old {
 		t.Fatalf("lease %x after losing %x", lease, old)
 	}
+}
+
+// keepaliveScope is the health scope of the kvstore's keepalive job.
+const keepaliveScope = "kvstore.job-" + kvstore.KeepaliveJob
+
+// TestKeepaliveJob: in a hive with jobs and health, the lease's keepalive
+// runs as a job with its own health scope; it notices a lease revoked by
+// someone else, and it keeps the lease until the client's own stop, after
+// the stop hooks of the cells that use the client: one of them still
+// writes with the lease, and the revoke removes that key at once.
+func TestKeepaliveJob(t *testing.T) {
+	t.Parallel()
+	etcd := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	other := etcd.Client(t)
+	lateWrite := make(chan error, 1)
+	// A cell using the client: its stop hook runs before the client's and
+	// writes with the lease, as the allocator's releases may.
+	user := cell.Module("user", "writes at stop", cell.Invoke(func(lc cell.Lifecycle, kv *kvstore.Client) {
+		lc.Append(cell.Hook{OnStop: func(ctx cell.HookContext) error {
+			id, err := kv.Lease(ctx)
+			if err == nil && closedNow(kv.LeaseLost(id)) {
+				err = fmt.Errorf("lease %x lost before the client's stop", int64(id))
+			}
+			if err == nil {
+				_, err = kv.Client().Put(ctx, "late", "1", clientv3.WithLease(id))
+			}
+			lateWrite <- err
+			return nil
+		}})
+	}))
+	n := newHealthNode(t, etcd, func(c *kvstore.Config) { c.KVStoreLeaseTTL = kvstore.MinLeaseTTL }, user)
+	p, c := n.p, n.c
+
+	message := func(prefix string) func(health.Status) bool {
+		return func(st health.Status) bool {
+			return st.Level == cell.StatusOK && strings.HasPrefix(st.Message, prefix)
+		}
+	}
+	waitScope(t, p, keepaliveScope, 30*time.Second, "OK without a lease", message("No lease held"))
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	id, err := c.Lease(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keeping := fmt.Sprintf("Keeping lease %x alive", int64(id))
+	waitScope(t, p, keepaliveScope, 30*time.Second, "keeping the lease", message(keeping))
+
+	// Revoked by someone else, with no write: only the keepalive can
+	// notice, at its next round, a third of the TTL later. The
+	// connectivity job may grant a new lease right after.
+	if _, err := other.Revoke(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	waitScope(t, p, keepaliveScope, kvstore.MinLeaseTTL, "done with the revoked lease", func(st health.Status) bool {
+		return st.Level == cell.StatusOK && st.Message != keeping
+	})
+	if !closedNow(c.LeaseLost(id)) {
+		t.Fatal("keepalive job moved on, but the revoked lease is not marked lost")
+	}
+	id2, err := c.Lease(ctx)
+	if err != nil || id2 == id {
+		t.Fatalf("new lease %x (old %x): %v", id2, id, err)
+	}
+	waitScope(t, p, keepaliveScope, 30*time.Second, "keeping the new lease", message(fmt.Sprintf("Keeping lease %x alive", int64(id2))))
+	if _, err := c.Client().Put(ctx, "ref", "1", clientv3.WithLease(id2)); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := n.stop(); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	if err := <-lateWrite; err != nil {
+		t.Fatalf("write with the lease in a stop hook: %v", err)
+	}
+	// Immediately: the lease was revoked, not left to expire.
+	for _, key := range []string{"ref", "late"} {
+		if _, ok := mustGet(t, other, key); ok {
+			t.Errorf("key %s with the node's lease survived stop", key)
+		}
+	}
+	st := waitScope(t, p, keepaliveScope, 0, "listed after stop", func(health.Status) bool { return true })
+	if st.Level != cell.StatusStopped {
+		t.Errorf("keepalive scope after stop: %+v", st)
+	}
+}
+
+// closedNow reports whether ch is closed already.
+func closedNow(ch <-chan struct{}) (closed bool) {
+	select {
+	case <-ch:
+		closed = true
+	default:
+	}
+	return closed
 }

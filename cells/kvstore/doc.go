@@ -67,6 +67,17 @@
 // the job also resets gRPC's reconnection backoff, so that the client tries
 // again at every check instead of after up to 2 minutes.
 //
+// In such a hive the keepalive of the node's lease is the job
+// etcd-lease-keepalive (KeepaliveJob): it consumes the keepalive answers,
+// says which lease it keeps alive, and marks the lease lost when its
+// keepalive ends. It belongs to the client's own run, not to the hive's
+// list of hooks: it starts at the end of the client's start hook and stops
+// in its stop hook after the client is closed, so the lease is watched
+// until its revoke, after every stop hook of the cells that use the
+// client, in whatever order the cells are listed. Without a job registry or
+// a health provider (or for a Client made with New) the same loop runs in
+// a goroutine of the client that ends when it stops.
+//
 // # Flags
 //
 //	--kvstore-endpoints        etcd client URLs; empty: embedded etcd

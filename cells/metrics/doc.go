@@ -30,7 +30,12 @@
 // The server listens in its start hook, so an address in use fails the
 // start with an error naming the flag, and it is the first hook to start
 // and the last to stop: metrics and health are served while the other
-// cells start and stop.
+// cells start and stop. In a hive with a job registry (job.Cell) and a
+// health provider it serves in the job serve-http (health scope
+// metrics.job-serve-http), queued right after its hook: the job stops
+// accepting connections just before the hook, whose Shutdown lets the
+// requests in flight finish until the stop context ends. Without them it
+// serves in a goroutine that ends at that Shutdown.
 //
 // The metrics derived from the allocator (and its etcd backend), checkpoint,
 // kvstore, ipcache and restoration are collected at scrape time by the

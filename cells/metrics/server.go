@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -32,8 +34,13 @@ const (
 // headers, so idle or malicious connections cannot pile up.
 const readHeaderTimeout = 10 * time.Second
 
-// Server serves /metrics, /healthz and /readyz. It listens in its start hook and
-// shuts down in its stop hook.
+// ServeJob is the name of the job that serves the endpoint; its health
+// scope is "job-" + ServeJob in the metrics module.
+const ServeJob = "serve-http"
+
+// Server serves /metrics, /healthz and /readyz. It listens in its start
+// hook, serves in the job ServeJob, and lets requests in flight finish in
+// its stop hook.
 type Server struct {
 	log    *slog.Logger
 	cfg    Config
@@ -42,8 +49,13 @@ type Server struct {
 	mu      sync.Mutex
 	handler http.Handler // nil until serveRegistry
 	srv     *http.Server
+	ln      net.Listener
 	addr    net.Addr
-	done    chan struct{}
+	// inJob: the job ServeJob serves. Without a job registry or a health
+	// provider the server serves in a goroutine of its own, which ends at
+	// the stop hook's Shutdown and closes done.
+	inJob bool
+	done  chan struct{}
 }
 
 type serverParams struct {
@@ -52,6 +64,9 @@ type serverParams struct {
 	Config    Config
 	Log       *slog.Logger
 	Lifecycle cell.Lifecycle
+	Jobs      job.Registry `optional:"true"`
+	// Scope is the module's health scope, where the serve job reports.
+	Scope cell.Health `optional:"true"`
 	// Health is optional: a hive with another cell.Health provider still
 	// gets /metrics, and /healthz then only says the process is up.
 	Health *health.Provider `optional:"true"`
@@ -64,6 +79,12 @@ func newServer(p serverParams) (*Server, error) {
 	s := &Server{log: p.Log, cfg: p.Config, health: p.Health}
 	if p.Config.PrometheusServeAddr != "" {
 		p.Lifecycle.Append(s)
+		if p.Jobs != nil && p.Scope != nil {
+			// Queued after the hook: the job starts once the server
+			// listens and stops right before the hook.
+			s.inJob = true
+			p.Jobs.NewGroup(p.Scope).Add(job.OneShot(ServeJob, s.serve))
+		}
 	}
 	return s, nil
 }
@@ -142,19 +163,55 @@ func (s *Server) Start(cell.HookContext) error {
 		ReadHeaderTimeout: readHeaderTimeout,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
-	done := make(chan struct{})
 	s.mu.Lock()
-	s.srv, s.addr, s.done = srv, ln.Addr(), done
+	s.srv, s.ln, s.addr = srv, ln, ln.Addr()
 	s.mu.Unlock()
-	go func() {
-		defer close(done)
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			s.log.Error("Metrics server failed", "address", ln.Addr().String(), "error", err)
-		}
-	}()
+	if !s.inJob {
+		done := make(chan struct{})
+		s.done = done
+		go func() {
+			defer close(done)
+			s.serveUntilShutdown(srv, ln)
+		}()
+	}
 	s.log.Info("Serving metrics and health", "address", ln.Addr().String(),
 		"metrics", MetricsPath, "health", HealthPath, "ready", ReadyPath)
 	return nil
+}
+
+// serve is the job ServeJob. When its context ends it stops accepting
+// connections and returns; the requests in flight go on until the stop
+// hook's Shutdown, which waits for them until the stop context ends.
+func (s *Server) serve(ctx context.Context, h cell.Health) error {
+	s.mu.Lock()
+	srv, ln := s.srv, s.ln
+	s.mu.Unlock()
+	if srv == nil {
+		return nil
+	}
+	// Shutdown with an ended context closes the listener and the idle
+	// connections and returns at once, which ends Serve.
+	closed := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(closed)
+		srv.Shutdown(ctx)
+	})
+	h.OK("Serving on " + ln.Addr().String())
+	err := s.serveUntilShutdown(srv, ln)
+	if !stop() {
+		<-closed
+	}
+	return err
+}
+
+// serveUntilShutdown serves until Shutdown or a failure, which it logs.
+func (s *Server) serveUntilShutdown(srv *http.Server, ln net.Listener) error {
+	err := srv.Serve(ln)
+	if err == nil || errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	s.log.Error("Metrics server failed", "address", ln.Addr().String(), "error", err)
+	return fmt.Errorf("serving on %s: %w", ln.Addr(), err)
 }
 
 // Stop implements cell.HookInterface: it lets scrapes in flight finish
@@ -162,7 +219,7 @@ func (s *Server) Start(cell.HookContext) error {
 func (s *Server) Stop(ctx cell.HookContext) error {
 	s.mu.Lock()
 	srv, done := s.srv, s.done
-	s.srv, s.addr = nil, nil
+	s.srv, s.ln, s.addr, s.done = nil, nil, nil, nil
 	s.mu.Unlock()
 	if srv == nil {
 		return nil
@@ -171,7 +228,9 @@ func (s *Server) Stop(ctx cell.HookContext) error {
 	if err != nil {
 		err = errors.Join(fmt.Errorf("metrics: shutting down: %w", err), srv.Close())
 	}
-	<-done
+	if done != nil {
+		<-done
+	}
 	return err
 }
 

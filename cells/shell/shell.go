@@ -14,6 +14,13 @@
 // Unlike the hive's own server it never removes a socket another agent is
 // serving: the state directory's instance lock is held before the socket is
 // touched, so a second agent fails at start instead.
+//
+// The cell needs a job registry (job.Cell) and a cell.Health provider: the
+// start hook listens, and the job accept-connections (AcceptJob, health
+// scope shell.job-accept-connections) accepts the connections and serves
+// each in a goroutine on the job's context, which it waits for. The job
+// stops right before the stop hook, which removes the socket: the commands
+// running then end with their connections.
 package shell
 
 import (
@@ -33,6 +40,7 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/spf13/pflag"
 
@@ -42,7 +50,12 @@ import (
 // SocketName is the socket's file name in the state directory.
 const SocketName = "identityd.sock"
 
-// Cell serves the shell.
+// AcceptJob is the name of the job that accepts and serves the shell's
+// connections; its health scope is "job-" + AcceptJob in the shell module.
+const AcceptJob = "accept-connections"
+
+// Cell serves the shell. It needs a job registry (job.Cell) and a
+// cell.Health provider.
 var Cell = cell.Module(
 	"shell",
 	"Operator shell on a unix socket",
@@ -57,6 +70,8 @@ type params struct {
 	Lifecycle cell.Lifecycle
 	Dir       *statedir.Dir
 	Cmds      hive.ScriptCmds
+	Jobs      job.Registry
+	Health    cell.Health
 }
 
 type server struct {
@@ -66,9 +81,6 @@ type server struct {
 	path     string
 	workDir  string
 	listener net.Listener
-	ctx      context.Context
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup
 }
 
 func newServer(p params) {
@@ -81,6 +93,9 @@ func newServer(p params) {
 	}
 	cmds["help"] = s.helpCmd()
 	p.Lifecycle.Append(s)
+	// Queued after the hook: the job starts once the socket listens and
+	// stops, ending the connections, before the hook removes the socket.
+	p.Jobs.NewGroup(p.Health).Add(job.OneShot(AcceptJob, s.acceptLoop))
 }
 
 func (s *server) Start(cell.HookContext) error {
@@ -98,9 +113,6 @@ func (s *server) Start(cell.HookContext) error {
 		return fmt.Errorf("cannot set mode 0600 on shell socket %s: %w", s.path, err)
 	}
 	s.listener = l
-	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.wg.Add(1)
-	go s.accept()
 	s.log.Info("Shell listening", "socket", s.path)
 	return nil
 }
@@ -109,33 +121,42 @@ func (s *server) Stop(cell.HookContext) error {
 	if s.listener == nil {
 		return nil
 	}
-	s.cancel()
+	// The accept job has closed it already, unless it never ran.
 	s.listener.Close()
-	s.wg.Wait()
 	os.Remove(s.path)
 	return nil
 }
 
-func (s *server) accept() {
-	defer s.wg.Done()
+// acceptLoop is the accept job: it serves each connection in a goroutine
+// of its own, on the job's context, and returns once the context ended and
+// every connection's goroutine did. Ending the context closes the listener
+// and every connection, which ends the commands running on them.
+func (s *server) acceptLoop(ctx context.Context, h cell.Health) error {
+	stop := context.AfterFunc(ctx, func() { s.listener.Close() })
+	defer stop()
+	var conns sync.WaitGroup
+	defer conns.Wait()
+	h.OK("Accepting connections on " + s.path)
 	for {
 		conn, err := s.listener.Accept()
 		if err != nil {
-			if s.ctx.Err() == nil {
-				s.log.Error("Shell accept failed", "error", err)
+			if ctx.Err() != nil {
+				return nil
 			}
-			return
+			// The job fails, and so does health: the shell no longer
+			// answers. Said now, not once the connections still open
+			// have ended.
+			err = fmt.Errorf("accepting shell connections on %s: %w", s.path, err)
+			s.log.Error("Shell accept failed", "error", err)
+			h.Degraded("Shell accept failed", err)
+			return err
 		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.serve(conn)
-		}()
+		conns.Go(func() { s.serve(ctx, conn) })
 	}
 }
 
-func (s *server) serve(conn net.Conn) {
-	ctx, cancel := context.WithCancel(s.ctx)
+func (s *server) serve(jobCtx context.Context, conn net.Conn) {
+	ctx, cancel := context.WithCancel(jobCtx)
 	defer cancel()
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()

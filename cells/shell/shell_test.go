@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/spf13/pflag"
 	"go.uber.org/goleak"
@@ -59,6 +61,10 @@ func (r *recorder) cmd() script.Cmd {
 type agent struct {
 	sock string
 	rec  *recorder
+	// blocked receives when test/block runs; the command returns when its
+	// context ends.
+	blocked chan struct{}
+	stop    func(context.Context) error
 }
 
 // startAgent runs a hive with the shell and a few test commands on a
@@ -66,7 +72,8 @@ type agent struct {
 func startAgent(t testing.TB) *agent {
 	dir := t.TempDir()
 	rec := &recorder{}
-	h := hive.New(statedir.Cell, shell.Cell,
+	blocked := make(chan struct{}, 1)
+	h := hive.New(cell.SimpleHealthCell, job.Cell, statedir.Cell, shell.Cell,
 		cell.Provide(func() hive.ScriptCmdsOut {
 			return hive.NewScriptCmds(map[string]script.Cmd{
 				"test/record": rec.cmd(),
@@ -102,6 +109,12 @@ func startAgent(t testing.TB) *agent {
 						}
 						return func(*script.State) (string, string, error) { return out + "\n", "", nil }, nil
 					}),
+				"test/block": script.Command(script.CmdUsage{Summary: "block until the command's context ends"},
+					func(s *script.State, args ...string) (script.WaitFunc, error) {
+						blocked <- struct{}{}
+						<-s.Context().Done()
+						return nil, s.Context().Err()
+					}),
 				"test/log": script.Command(script.CmdUsage{Summary: "log while running"},
 					func(s *script.State, args ...string) (script.WaitFunc, error) {
 						s.Logf("first\n")
@@ -118,8 +131,13 @@ func startAgent(t testing.TB) *agent {
 	if err := h.Start(log, context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
-	return &agent{sock: filepath.Join(dir, shell.SocketName), rec: rec}
+	var once sync.Once
+	stop := func(ctx context.Context) (err error) {
+		once.Do(func() { err = h.Stop(log, ctx) })
+		return err
+	}
+	t.Cleanup(func() { stop(context.Background()) })
+	return &agent{sock: filepath.Join(dir, shell.SocketName), rec: rec, blocked: blocked, stop: stop}
 }
 
 func dial(t testing.TB, a *agent) *shell.Client {
@@ -440,5 +458,37 @@ func TestClientInterrupted(t *testing.T) {
 	}
 	if err := c.Run(t.Context(), &strings.Builder{}, "test/echo"); err == nil || !strings.Contains(err.Error(), "unusable") {
 		t.Fatalf("run after an interrupted one: %v", err)
+	}
+}
+
+// TestStopEndsCommandsInFlight: the accept job serves each connection on
+// its context, so the hive's stop ends a command still running, closes
+// its connection and removes the socket, instead of waiting for it.
+func TestStopEndsCommandsInFlight(t *testing.T) {
+	a := startAgent(t)
+	c := dial(t, a)
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		done <- c.Run(ctx, io.Discard, "test/block")
+	}()
+	select {
+	case <-a.blocked:
+	case <-time.After(30 * time.Second):
+		t.Fatal("test/block did not run")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := a.stop(ctx); err != nil {
+		t.Fatalf("stop with a command in flight: %v", err)
+	}
+	// The stop closed the connection: the command's answer is an error,
+	// well before the client's own minute is up.
+	if err := <-done; err == nil || errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("command in flight at stop: %v", err)
+	}
+	if _, err := os.Stat(a.sock); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("socket after stop: %v", err)
 	}
 }

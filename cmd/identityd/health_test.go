@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/internal/robustness"
@@ -304,5 +306,57 @@ func TestHealthWhileExternalEtcdDown(t *testing.T) {
 	}
 	if err := allocate(); err != nil {
 		t.Errorf("global allocation after etcd returned: %v", err)
+	}
+}
+
+// TestHealthListsJobs starts the agent and checks that the long-running
+// loops of the kvstore (the lease keepalive), the shell (accepting
+// connections) and the metrics endpoint (serving HTTP) run as jobs, each
+// with its health scope OK in the health command and on /healthz, which
+// stays 200 with them.
+func TestHealthListsJobs(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs an agent process")
+	}
+	scopes := []string{
+		"kvstore.job-" + kvstore.KeepaliveJob,
+		"shell.job-" + shell.AcceptJob,
+		"metrics.job-" + metrics.ServeJob,
+	}
+	a := startHealthAgent(t)
+	a.waitFor("/healthz", http.StatusOK, 60*time.Second)
+	sh := a.dial()
+	defer sh.Close()
+	// The health command fails while a scope is not OK: wait for start.
+	var out string
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var err error
+		out, err = sh.Run(time.Now().Add(10*time.Second), "health")
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("health not OK within 60s: %v\n%s", err, out)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for _, scope := range scopes {
+		if !strings.Contains(out, "\n"+scope+": level=OK") && !strings.HasPrefix(out, scope+": level=OK") {
+			t.Errorf("health lists no OK scope %s:\n%s", scope, out)
+		}
+	}
+	// Several probes: the jobs' scopes stay OK while the agent runs.
+	for range 5 {
+		code, body := a.probe("/healthz")
+		if code != http.StatusOK {
+			t.Fatalf("/healthz answered %d:\n%s", code, body)
+		}
+		for _, scope := range scopes {
+			if !strings.Contains(body, "\n"+scope+": level=OK") {
+				t.Errorf("/healthz lists no OK scope %s:\n%s", scope, body)
+			}
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }

@@ -164,7 +164,10 @@ func (f *fileMap) Lookup(k Key) (Value, bool, error) {
 }
 
 // changed marks the table dirty and arms the write-behind timer. Called
-// with mu held.
+// with mu held. The timer is tracked: timerWG counts it from here until
+// writeBehind returns or Close stops it, and Close waits for it before its
+// final write, so no write runs after Close. (The agent leaves SyncDelay
+// zero: the ipcache cell's ipcache-map-sync job calls Sync instead.)
 func (f *fileMap) changed() {
 	f.dirty = true
 	if f.syncDelay > 0 && f.timer == nil {

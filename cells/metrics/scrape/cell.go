@@ -74,14 +74,17 @@ func checkpointCollectorOut(p checkpointParams) metrics.CollectorOut {
 type kvstoreParams struct {
 	cell.In
 
-	Client *kvstore.Client `optional:"true"`
+	Lifecycle cell.Lifecycle
+	Client    *kvstore.Client `optional:"true"`
 }
 
 func kvstoreCollectorOut(p kvstoreParams) metrics.CollectorOut {
 	if p.Client == nil {
 		return metrics.CollectorOut{}
 	}
-	return metrics.NewCollector(NewKVStoreCollector(p.Client))
+	c := NewKVStoreCollector(p.Client)
+	p.Lifecycle.Append(c)
+	return metrics.NewCollector(c)
 }
 
 type ipcacheParams struct {
