@@ -97,6 +97,8 @@ type decoder struct {
 	index []int
 }
 
+// decodeArray decodes the whole input, of size bytes: the top-level array
+// (or null) and nothing after it.
 func (d *decoder) decodeArray(size int) ([]identity.Identity, []InvalidEntry, error) {
 	d.scan.SkipSpace()
 	if d.scan.AtEnd() {

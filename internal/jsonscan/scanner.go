@@ -1,8 +1,9 @@
 // Package jsonscan reads JSON text in place, one value at a time, for
 // hand-written decoders of a fixed schema: the decoder walks the input with
 // Peek and the Read and Skip methods and decides itself what each object
-// member means. Nothing is built that the decoder does not ask for; the
-// scanner's only allocation is one buffer, reused, for strings with escapes.
+// member means. Nothing is built that the decoder does not ask for: besides
+// its errors, the scanner allocates only one buffer, reused, for strings
+// with escapes.
 //
 // The scanner checks the syntax of everything it reads or skips against
 // the grammar of RFC 8259 (it does not check that strings are valid UTF-8,
