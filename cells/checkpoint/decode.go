@@ -1,16 +1,13 @@
 package checkpoint
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"hash/maphash"
-	"math/bits"
 	"slices"
-	"unicode/utf16"
-	"unicode/utf8"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/jsonscan"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -59,10 +56,6 @@ var (
 	ErrDuplicateSet  = errors.New("duplicate label set")
 )
 
-// maxDepth bounds the nesting of skipped values, so that a hostile file of
-// brackets cannot exhaust memory through recursion.
-const maxDepth = 512
-
 // Decode parses a checkpoint and validates each element. It accepts the
 // elements and their fields in any order, any JSON whitespace, unknown
 // fields (skipped), field names in any letter case, and labels in their
@@ -78,22 +71,25 @@ const maxDepth = 512
 //
 // Decode never panics, whatever the input.
 func Decode(data []byte) (ids []identity.Identity, invalid []InvalidEntry, err error) {
-	d := decoder{data: data}
-	ids, invalid, err = d.decodeArray()
+	d := decoder{scan: jsonscan.New(data)}
+	ids, invalid, err = d.decodeArray(len(data))
 	if err != nil {
+		var serr *jsonscan.SyntaxError
+		if errors.As(err, &serr) {
+			err = &SyntaxError{Offset: serr.Offset, Msg: serr.Msg}
+		}
 		return nil, nil, err
 	}
 	return ids, invalid, nil
 }
 
+// decoder reads the checkpoint schema from a JSON scanner.
 type decoder struct {
-	data []byte
-	pos  int
+	scan jsonscan.Scanner
 
-	// scratch holds unescaped strings; labels collects one element's
-	// labels before they are copied into their own slice.
-	scratch []byte
-	labels  []labels.Label
+	// labels collects one element's labels before they are copied into
+	// their own slice.
+	labels []labels.Label
 
 	// seed hashes label sets to find duplicates; index holds the array
 	// index of each restored identity, for reporting them.
@@ -101,55 +97,25 @@ type decoder struct {
 	index []int
 }
 
-func (d *decoder) syntax(msg string) error {
-	return &SyntaxError{Offset: d.pos, Msg: msg}
-}
-
-func (d *decoder) ws() {
-	for d.pos < len(d.data) {
-		switch d.data[d.pos] {
-		case ' ', '\t', '\n', '\r':
-			d.pos++
-		default:
-			return
-		}
+// decodeArray decodes the whole input, of size bytes: the top-level array
+// (or null) and nothing after it.
+func (d *decoder) decodeArray(size int) ([]identity.Identity, []InvalidEntry, error) {
+	d.scan.SkipSpace()
+	if d.scan.AtEnd() {
+		return nil, nil, d.scan.Fail("empty input")
 	}
-}
-
-func (d *decoder) peek() byte {
-	if d.pos < len(d.data) {
-		return d.data[d.pos]
-	}
-	return 0
-}
-
-func (d *decoder) literal(lit string) bool {
-	if bytes.HasPrefix(d.data[d.pos:], []byte(lit)) {
-		d.pos += len(lit)
-		return true
-	}
-	return false
-}
-
-func (d *decoder) decodeArray() ([]identity.Identity, []InvalidEntry, error) {
-	d.ws()
-	if d.pos == len(d.data) {
-		return nil, nil, d.syntax("empty input")
-	}
-	if d.literal("null") {
+	if d.scan.Literal("null") {
 		return d.end(nil, nil)
 	}
-	if d.peek() != '[' {
-		return nil, nil, d.syntax("top level is not an array")
+	if d.scan.Peek() != '[' {
+		return nil, nil, d.scan.Fail("top level is not an array")
 	}
-	d.pos++
+	d.scan.Advance()
 	// Sized for CIDR identities (~130 bytes each) to avoid most regrowth
 	// without scanning the input twice.
-	ids := make([]identity.Identity, 0, len(d.data)/128+1)
+	ids := make([]identity.Identity, 0, size/128+1)
 	var invalid []InvalidEntry
-	d.ws()
-	if d.peek() == ']' {
-		d.pos++
+	if d.scan.Closing(']') {
 		return d.end(ids, invalid)
 	}
 	var (
@@ -159,7 +125,7 @@ func (d *decoder) decodeArray() ([]identity.Identity, []InvalidEntry, error) {
 	)
 	d.seed = maphash.MakeSeed()
 	for index := 0; ; index++ {
-		d.ws()
+		d.scan.SkipSpace()
 		id, ls, bad, err := d.decodeElement()
 		if err != nil {
 			return nil, nil, err
@@ -194,24 +160,21 @@ func (d *decoder) decodeArray() ([]identity.Identity, []InvalidEntry, error) {
 			ids = append(ids, identity.Identity{ID: id, Labels: ls})
 			d.index = append(d.index, index)
 		}
-		d.ws()
-		switch d.peek() {
-		case ',':
-			d.pos++
-		case ']':
-			d.pos++
+		more, err := d.scan.More(']', "expected ',' or ']' after array element")
+		if err != nil {
+			return nil, nil, err
+		}
+		if !more {
 			ids, invalid = d.dropDuplicateSets(ids, invalid)
 			return d.end(ids, invalid)
-		default:
-			return nil, nil, d.syntax("expected ',' or ']' after array element")
 		}
 	}
 }
 
 func (d *decoder) end(ids []identity.Identity, invalid []InvalidEntry) ([]identity.Identity, []InvalidEntry, error) {
-	d.ws()
-	if d.pos != len(d.data) {
-		return nil, nil, d.syntax("data after the array")
+	d.scan.SkipSpace()
+	if !d.scan.AtEnd() {
+		return nil, nil, d.scan.Fail("data after the array")
 	}
 	if ids == nil {
 		ids = []identity.Identity{}
@@ -219,198 +182,23 @@ func (d *decoder) end(ids []identity.Identity, invalid []InvalidEntry) ([]identi
 	return ids, invalid, nil
 }
 
-// setHash hashes a label set without building its canonical string.
-func setHash(seed maphash.Seed, ls labels.Labels) uint64 {
-	h := uint64(len(ls))
-	for _, l := range ls {
-		h = h*0x9E3779B97F4A7C15 ^ maphash.String(seed, l.Key)
-		h = h*0x9E3779B97F4A7C15 ^ maphash.String(seed, l.Value)
-		h = h*0x9E3779B97F4A7C15 ^ maphash.String(seed, l.Source)
-	}
-	return h
-}
-
-// dropDuplicateSets moves every identity whose label set repeats an earlier
-// one to invalid. Files never hold duplicates in practice, so the common
-// path is a pass over a bitset of hashes (far cheaper than a map or a sort
-// of 100k hashes); only the sets whose bit was already taken are checked
-// exactly.
-func (d *decoder) dropDuplicateSets(ids []identity.Identity, invalid []InvalidEntry) ([]identity.Identity, []InvalidEntry) {
-	if len(ids) < 2 {
-		return ids, invalid
-	}
-	// About 16 bits per set keeps the sets whose bit is taken by another
-	// to a few percent.
-	nbits := uint64(1) << max(10, bits.Len64(uint64(len(ids))*16))
-	set := make([]uint64, nbits/64)
-	hashes := make([]uint64, len(ids))
-	candidates := map[uint64]bool{}
-	for i := range ids {
-		h := setHash(d.seed, ids[i].Labels)
-		hashes[i] = h
-		b := h & (nbits - 1)
-		if set[b/64]&(1<<(b%64)) != 0 {
-			candidates[b] = true
-		}
-		set[b/64] |= 1 << (b % 64)
-	}
-	if len(candidates) == 0 {
-		return ids, invalid
-	}
-	// Most candidates only share a bit; count the full hashes of those.
-	full := make(map[uint64]int, 2*len(candidates))
-	for i := range ids {
-		if candidates[hashes[i]&(nbits-1)] {
-			full[hashes[i]]++
-		}
-	}
-	same := false
-	for _, n := range full {
-		same = same || n > 1
-	}
-	if !same {
-		return ids, invalid
-	}
-	first := make(map[uint64][]int, 2*len(candidates))
-	kept := ids[:0:0]
-	dropped := false
-	for i, id := range ids {
-		if !candidates[hashes[i]&(nbits-1)] {
-			kept = append(kept, id)
-			continue
-		}
-		dup := -1
-		for _, j := range first[hashes[i]] {
-			if ids[j].Labels.Equal(id.Labels) {
-				dup = j
-				break
-			}
-		}
-		if dup >= 0 {
-			invalid = append(invalid, InvalidEntry{
-				Index:  d.index[i],
-				ID:     id.ID,
-				Reason: fmt.Errorf("%w: same labels as id %d", ErrDuplicateSet, ids[dup].ID),
-			})
-			dropped = true
-			continue
-		}
-		first[hashes[i]] = append(first[hashes[i]], i)
-		kept = append(kept, id)
-	}
-	if !dropped {
-		return ids, invalid
-	}
-	slices.SortFunc(invalid, func(a, b InvalidEntry) int { return a.Index - b.Index })
-	return kept, invalid
-}
-
-// validate checks what the allocator would otherwise refuse or mishandle
-// on restoration.
-func validate(id identity.NumericIdentity, ls labels.Labels) error {
-	if !id.HasLocalScope() || id&^identity.ScopeMask == 0 {
-		return fmt.Errorf("%w: %d (scope %s)", ErrNotLocalScope, id, id.Scope())
-	}
-	if len(ls) == 0 {
-		return fmt.Errorf("%w: no labels", ErrBadLabels)
-	}
-	allReserved, hasHost := true, false
-	if !plainLabels(ls) {
-		// Only the rare label set with unusual bytes pays for the full
-		// validation, which also gives the precise reason.
-		if err := ls.Validate(); err != nil {
-			return fmt.Errorf("%w: %w", ErrBadLabels, err)
-		}
-	} else {
-		// Plain bytes say nothing of a cidr label's prefix, which the
-		// allocator would refuse: check those labels alone.
-		for _, l := range ls {
-			if l.Source != labels.SourceCIDR {
-				continue
-			}
-			if err := l.Validate(); err != nil {
-				return fmt.Errorf("%w: %w", ErrBadLabels, err)
-			}
-		}
-	}
-	for _, l := range ls {
-		allReserved = allReserved && l.Source == labels.SourceReserved
-		hasHost = hasHost || l == labels.LabelHost
-	}
-	// A reserved identity has only reserved labels, or the host label:
-	// skipping the lookup otherwise saves its searches for CIDR sets.
-	if (allReserved || hasHost) && identity.LookupReserved(ls) != nil {
-		return fmt.Errorf("%w: %s", ErrReservedSet, ls)
-	}
-	if s := identity.ScopeForLabels(ls); s != id.Scope() {
-		return fmt.Errorf("%w: labels %s have scope %s, id %d has scope %s", ErrScopeMismatch, ls, s, id, id.Scope())
-	}
-	return nil
-}
-
-// plainLabels reports whether ls is certainly valid (labels.Labels.Validate
-// would accept it): few enough labels, sorted unique non-empty keys, and
-// only printable ASCII other than ';' in every part, no '=' in keys and no
-// '/', ':' or leading '$' in sources. A false result says nothing: the
-// caller runs the full validation. It is a single pass over the bytes,
-// several times cheaper than the general check, which handles UTF-8.
-func plainLabels(ls labels.Labels) bool {
-	if len(ls) > labels.MaxLabels {
-		return false
-	}
-	size := 0
-	for i, l := range ls {
-		if l.Key == "" || l.Source == "" || l.Source[0] == '$' {
-			return false
-		}
-		if i > 0 && ls[i-1].Key >= l.Key {
-			return false
-		}
-		if !plainString(l.Key, '=', ';') || !plainString(l.Value, ';', ';') || !plainSource(l.Source) {
-			return false
-		}
-		size += len(l.Source) + len(l.Key) + len(l.Value) + 3
-	}
-	return size <= labels.MaxCanonicalBytes
-}
-
-func plainString(s string, bad1, bad2 byte) bool {
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c < 0x20 || c >= 0x7f || c == bad1 || c == bad2 {
-			return false
-		}
-	}
-	return true
-}
-
-func plainSource(s string) bool {
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c < 0x20 || c >= 0x7f || c == ';' || c == '/' || c == ':' {
-			return false
-		}
-	}
-	return true
-}
-
 // decodeElement parses one array element. bad is set when the element is
 // valid JSON but not an identity; err only for syntax errors.
 func (d *decoder) decodeElement() (id identity.NumericIdentity, ls labels.Labels, bad, err error) {
-	if d.peek() != '{' {
-		if err := d.skipValue(0); err != nil {
+	if d.scan.Peek() != '{' {
+		if err := d.scan.SkipValue(0); err != nil {
 			return 0, nil, nil, err
 		}
 		return 0, nil, ErrNotObject, nil
 	}
-	d.pos++
+	d.scan.Advance()
 	// A repeated field replaces the earlier one, as in encoding/json, so
 	// each field keeps its own verdict.
 	haveID, haveLabels := false, false
 	var idErr, labelsErr error
-	err = d.eachField(func(name []byte) error {
+	err = d.scan.EachField(func(name []byte) error {
 		switch {
-		case asciiEqualFold(name, "id"):
+		case jsonscan.EqualFold(name, "id"):
 			haveID = true
 			v, ok, err := d.number()
 			if err != nil {
@@ -421,13 +209,13 @@ func (d *decoder) decodeElement() (id identity.NumericIdentity, ls labels.Labels
 				idErr = fmt.Errorf("%w: not a 32-bit unsigned integer", ErrBadID)
 			}
 			id = identity.NumericIdentity(v)
-		case asciiEqualFold(name, "labels"):
+		case jsonscan.EqualFold(name, "labels"):
 			haveLabels = true
 			var err error
 			ls, labelsErr, err = d.labelMap()
 			return err
 		default:
-			return d.skipValue(1)
+			return d.scan.SkipValue(1)
 		}
 		return nil
 	})
@@ -447,65 +235,25 @@ func (d *decoder) decodeElement() (id identity.NumericIdentity, ls labels.Labels
 	return id, ls, bad, nil
 }
 
-// eachField parses the members of an object whose '{' was consumed,
-// calling fn with each name (valid until the next string is read) and the
-// position at the start of its value. fn must consume the value.
-func (d *decoder) eachField(fn func(name []byte) error) error {
-	d.ws()
-	if d.peek() == '}' {
-		d.pos++
-		return nil
-	}
-	for {
-		d.ws()
-		if d.peek() != '"' {
-			return d.syntax("expected object key")
-		}
-		name, err := d.str()
-		if err != nil {
-			return err
-		}
-		d.ws()
-		if d.peek() != ':' {
-			return d.syntax("expected ':' after object key")
-		}
-		d.pos++
-		d.ws()
-		if err := fn(name); err != nil {
-			return err
-		}
-		d.ws()
-		switch d.peek() {
-		case ',':
-			d.pos++
-		case '}':
-			d.pos++
-			return nil
-		default:
-			return d.syntax("expected ',' or '}' in object")
-		}
-	}
-}
-
 // labelMap parses the "labels" value. lerr reports labels that are
 // well-formed JSON but not valid labels.
 func (d *decoder) labelMap() (ls labels.Labels, lerr, err error) {
-	switch d.peek() {
+	switch d.scan.Peek() {
 	case '{':
 	case 'n':
-		if d.literal("null") {
+		if d.scan.Literal("null") {
 			return nil, nil, nil
 		}
-		return nil, nil, d.syntax("invalid literal")
+		return nil, nil, d.scan.Fail("invalid literal")
 	default:
-		if err := d.skipValue(1); err != nil {
+		if err := d.scan.SkipValue(1); err != nil {
 			return nil, nil, err
 		}
 		return nil, fmt.Errorf("%w: not an object", ErrBadLabels), nil
 	}
-	d.pos++
+	d.scan.Advance()
 	d.labels = d.labels[:0]
-	err = d.eachField(func(name []byte) error {
+	err = d.scan.EachField(func(name []byte) error {
 		mapKey := internKey(name)
 		l, lbad, err := d.label(mapKey)
 		if err != nil {
@@ -539,9 +287,9 @@ func (d *decoder) labelMap() (ls labels.Labels, lerr, err error) {
 // label parses one value of the label map: an object with key, value and
 // source, or the short string form "source:key=value".
 func (d *decoder) label(mapKey string) (l labels.Label, bad, err error) {
-	switch d.peek() {
+	switch d.scan.Peek() {
 	case '"':
-		s, err := d.str()
+		s, err := d.scan.ReadString()
 		if err != nil {
 			return l, nil, err
 		}
@@ -554,9 +302,9 @@ func (d *decoder) label(mapKey string) (l labels.Label, bad, err error) {
 		}
 		return l, nil, nil
 	case '{':
-		d.pos++
+		d.scan.Advance()
 	default:
-		if err := d.skipValue(2); err != nil {
+		if err := d.scan.SkipValue(2); err != nil {
 			return l, nil, err
 		}
 		return l, errors.New("not an object or string"), nil
@@ -567,34 +315,34 @@ func (d *decoder) label(mapKey string) (l labels.Label, bad, err error) {
 		fieldSource
 	)
 	haveKey := false
-	err = d.eachField(func(name []byte) error {
+	err = d.scan.EachField(func(name []byte) error {
 		var field int
 		switch {
-		case asciiEqualFold(name, "key"):
+		case jsonscan.EqualFold(name, "key"):
 			field, haveKey = fieldKey, true
-		case asciiEqualFold(name, "value"):
+		case jsonscan.EqualFold(name, "value"):
 			field = fieldValue
-		case asciiEqualFold(name, "source"):
+		case jsonscan.EqualFold(name, "source"):
 			field = fieldSource
 		default:
-			return d.skipValue(3)
+			return d.scan.SkipValue(3)
 		}
 		var s []byte
-		switch d.peek() {
+		switch d.scan.Peek() {
 		case '"':
 			var err error
-			if s, err = d.str(); err != nil {
+			if s, err = d.scan.ReadString(); err != nil {
 				return err
 			}
 		case 'n':
-			if !d.literal("null") {
-				return d.syntax("invalid literal")
+			if !d.scan.Literal("null") {
+				return d.scan.Fail("invalid literal")
 			}
 		default:
 			if bad == nil {
 				bad = fmt.Errorf("field %q is not a string", name)
 			}
-			return d.skipValue(3)
+			return d.scan.SkipValue(3)
 		}
 		switch field {
 		case fieldKey:
@@ -661,34 +409,17 @@ func internKey(b []byte) string {
 	return string(b)
 }
 
-func asciiEqualFold(b []byte, s string) bool {
-	if len(b) != len(s) {
-		return false
-	}
-	for i := range len(b) {
-		c := b[i]
-		if 'A' <= c && c <= 'Z' {
-			c += 'a' - 'A'
-		}
-		if c != s[i] {
-			return false
-		}
-	}
-	return true
-}
-
 // number parses a JSON number. ok is false when it is valid JSON but not
 // an integer in the range of uint32.
 func (d *decoder) number() (v uint32, ok bool, err error) {
-	start := d.pos
-	if start < len(d.data) && !isNumberStart(d.data[start]) {
+	if !d.scan.AtEnd() && !jsonscan.IsNumberStart(d.scan.Peek()) {
 		// Another JSON type: a wrong type, not a syntax error.
-		return 0, false, d.skipValue(1)
+		return 0, false, d.scan.SkipValue(1)
 	}
-	if err := d.skipNumber(); err != nil {
+	digits, err := d.scan.ReadNumber()
+	if err != nil {
 		return 0, false, err
 	}
-	digits := d.data[start:d.pos]
 	if len(digits) > 10 {
 		return 0, false, nil
 	}
@@ -703,220 +434,4 @@ func (d *decoder) number() (v uint32, ok bool, err error) {
 		return 0, false, nil
 	}
 	return uint32(n), true, nil
-}
-
-func isNumberStart(c byte) bool { return c == '-' || ('0' <= c && c <= '9') }
-
-func (d *decoder) skipNumber() error {
-	p := d.pos
-	data := d.data
-	if p < len(data) && data[p] == '-' {
-		p++
-	}
-	switch {
-	case p < len(data) && data[p] == '0':
-		p++
-	case p < len(data) && '1' <= data[p] && data[p] <= '9':
-		for p < len(data) && '0' <= data[p] && data[p] <= '9' {
-			p++
-		}
-	default:
-		d.pos = p
-		return d.syntax("invalid number")
-	}
-	if p < len(data) && data[p] == '.' {
-		p++
-		if p >= len(data) || data[p] < '0' || data[p] > '9' {
-			d.pos = p
-			return d.syntax("invalid number")
-		}
-		for p < len(data) && '0' <= data[p] && data[p] <= '9' {
-			p++
-		}
-	}
-	if p < len(data) && (data[p] == 'e' || data[p] == 'E') {
-		p++
-		if p < len(data) && (data[p] == '+' || data[p] == '-') {
-			p++
-		}
-		if p >= len(data) || data[p] < '0' || data[p] > '9' {
-			d.pos = p
-			return d.syntax("invalid number")
-		}
-		for p < len(data) && '0' <= data[p] && data[p] <= '9' {
-			p++
-		}
-	}
-	d.pos = p
-	return nil
-}
-
-// str parses a JSON string at d.pos (which holds '"'). The result aliases
-// the input when the string has no escapes, and the scratch buffer
-// otherwise; either way it is valid only until the next call.
-func (d *decoder) str() ([]byte, error) {
-	d.pos++
-	start := d.pos
-	data := d.data
-	for p := start; p < len(data); p++ {
-		switch c := data[p]; {
-		case c == '"':
-			d.pos = p + 1
-			return data[start:p], nil
-		case c == '\\':
-			d.pos = p
-			return d.strEscaped(start)
-		case c < 0x20:
-			d.pos = p
-			return nil, d.syntax("control character in string")
-		}
-	}
-	d.pos = len(data)
-	return nil, d.syntax("unterminated string")
-}
-
-func (d *decoder) strEscaped(start int) ([]byte, error) {
-	data := d.data
-	out := append(d.scratch[:0], data[start:d.pos]...)
-	p := d.pos
-	for p < len(data) {
-		c := data[p]
-		switch {
-		case c == '"':
-			d.pos = p + 1
-			d.scratch = out
-			return out, nil
-		case c < 0x20:
-			d.pos = p
-			return nil, d.syntax("control character in string")
-		case c != '\\':
-			out = append(out, c)
-			p++
-			continue
-		}
-		p++
-		if p >= len(data) {
-			break
-		}
-		switch e := data[p]; e {
-		case '"', '\\', '/':
-			out = append(out, e)
-		case 'b':
-			out = append(out, '\b')
-		case 'f':
-			out = append(out, '\f')
-		case 'n':
-			out = append(out, '\n')
-		case 'r':
-			out = append(out, '\r')
-		case 't':
-			out = append(out, '\t')
-		case 'u':
-			r, ok := hex4(data, p+1)
-			if !ok {
-				d.pos = p
-				return nil, d.syntax("invalid \\u escape")
-			}
-			p += 4
-			if utf16.IsSurrogate(r) {
-				// A high surrogate followed by a low one is one
-				// character; a lone surrogate becomes U+FFFD.
-				if p+2 < len(data) && data[p+1] == '\\' && data[p+2] == 'u' {
-					if r2, ok := hex4(data, p+3); ok {
-						if dec := utf16.DecodeRune(r, r2); dec != utf8.RuneError {
-							r = dec
-							p += 6
-						}
-					}
-				}
-				if utf16.IsSurrogate(r) {
-					r = utf8.RuneError
-				}
-			}
-			out = utf8.AppendRune(out, r)
-		default:
-			d.pos = p
-			return nil, d.syntax("invalid escape")
-		}
-		p++
-	}
-	d.pos = len(data)
-	return nil, d.syntax("unterminated string")
-}
-
-func hex4(data []byte, p int) (rune, bool) {
-	if p+4 > len(data) {
-		return 0, false
-	}
-	var r rune
-	for _, c := range data[p : p+4] {
-		switch {
-		case '0' <= c && c <= '9':
-			c -= '0'
-		case 'a' <= c && c <= 'f':
-			c -= 'a' - 10
-		case 'A' <= c && c <= 'F':
-			c -= 'A' - 10
-		default:
-			return 0, false
-		}
-		r = r<<4 | rune(c)
-	}
-	return r, true
-}
-
-// skipValue consumes any JSON value, checking its syntax.
-func (d *decoder) skipValue(depth int) error {
-	if depth > maxDepth {
-		return d.syntax("nesting too deep")
-	}
-	switch c := d.peek(); {
-	case c == '"':
-		_, err := d.str()
-		return err
-	case c == '{':
-		d.pos++
-		return d.eachField(func([]byte) error { return d.skipValue(depth + 1) })
-	case c == '[':
-		d.pos++
-		d.ws()
-		if d.peek() == ']' {
-			d.pos++
-			return nil
-		}
-		for {
-			d.ws()
-			if err := d.skipValue(depth + 1); err != nil {
-				return err
-			}
-			d.ws()
-			switch d.peek() {
-			case ',':
-				d.pos++
-			case ']':
-				d.pos++
-				return nil
-			default:
-				return d.syntax("expected ',' or ']' in array")
-			}
-		}
-	case isNumberStart(c):
-		return d.skipNumber()
-	case c == 't':
-		if d.literal("true") {
-			return nil
-		}
-	case c == 'f':
-		if d.literal("false") {
-			return nil
-		}
-	case c == 'n':
-		if d.literal("null") {
-			return nil
-		}
-	}
-	if d.pos >= len(d.data) {
-		return d.syntax("unexpected end of input")
-	}
-	return d.syntax("invalid character")
 }
