@@ -34,7 +34,7 @@ func TestBPFMap(t *testing.T) {
 	}
 	n := newNode(t, cfg)
 	n.start(t)
-	if n.ipc.MapKind() != ipcachemap.KindBPF {
+	if n.ipc.MapKind() != ipcache.MapKindBPF {
 		t.Fatalf("map kind %s", n.ipc.MapKind())
 	}
 	ctx := t.Context()
@@ -174,7 +174,7 @@ func TestAutoMap(t *testing.T) {
 			c.IPCacheMapPinPath = pin
 		})
 		n.start(t)
-		if n.ipc.MapKind() != ipcachemap.KindBPF {
+		if n.ipc.MapKind() != ipcache.MapKindBPF {
 			t.Fatalf("auto chose %s where bpf works", n.ipc.MapKind())
 		}
 	})
@@ -185,7 +185,7 @@ func TestAutoMap(t *testing.T) {
 			c.IPCacheMapPinPath = filepath.Join(t.TempDir(), "not-bpffs", "ipcache")
 		})
 		n.start(t)
-		if n.ipc.MapKind() != ipcachemap.KindFile {
+		if n.ipc.MapKind() != ipcache.MapKindFile {
 			t.Fatalf("auto chose %s where bpf cannot pin", n.ipc.MapKind())
 		}
 		if err := n.ipc.Upsert(t.Context(), "k8s", pfx("10.0.0.0/8"), ipcache.Info{}); err != nil {

@@ -247,7 +247,7 @@ func TestStartOrder(t *testing.T) {
 	writeMap(t, dir, old)
 
 	var dependent, listedAfter identity.NumericIdentity
-	var mapAtRestore []ipcachemap.Entry
+	var mapAtRestore []ipcache.MapEntry
 	a := newAgent(t, dir, time.Hour, nil,
 		startAllocator{lbls: "fqdn:after.example.com", got: &listedAfter}.cell(false),
 		startAllocator{lbls: "fqdn:dep.example.com", got: &dependent}.cell(true),
