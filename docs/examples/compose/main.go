@@ -3,7 +3,10 @@
 // the allocator on an embedded etcd with the checkpoint, the ipcache,
 // restoration, metrics and health as the identityd binary does, allocates a
 // CIDR and a global identity at start, and prints every identity change it
-// is told of. Its configuration is the cells' flags
+// is told of. Once started, it calls every method of the cells' API that
+// returns a value and keeps the value in a variable of its type (api.go),
+// which shows that another module can name each of these types. Its
+// configuration is the cells' flags
 // (compose --state-dir DIR --prometheus-serve-addr 127.0.0.1:9963 ...) or
 // COMPOSE_-prefixed environment variables.
 package main
@@ -91,6 +94,7 @@ func main() {
 	// Hooks slower than this are logged at info level, the others at
 	// debug.
 	opts.LogThreshold = 100 * time.Millisecond
+	var cells api
 	h := hive.NewWithOptions(opts,
 		health.Cell,
 		metrics.Cell,
@@ -104,6 +108,13 @@ func main() {
 		ipcache.Cell,
 		restoration.Cell,
 		myAgent,
+		// Restoration's automatic grace period follows the kvstore mode,
+		// as in the identityd binary; without this provider it is
+		// restoration.EmbeddedGracePeriod.
+		cell.Provide(func(c *kvstore.Client) restoration.AutomaticGracePeriod {
+			return restoration.AutomaticGracePeriodFor(!c.Embedded())
+		}),
+		cell.Invoke(func(a api) { cells = a }),
 	)
 
 	flags := pflag.NewFlagSet("compose", pflag.ExitOnError)
@@ -130,6 +141,12 @@ func main() {
 	if err := h.Start(log, context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	err = tour(ctx, cells)
+	cancel()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
 	}
 	if err := h.Stop(log, context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, err)
