@@ -33,7 +33,7 @@ func TestScript(t *testing.T) {
 	scripttest.Test(t, ctx,
 		func(t testing.TB, args []string) *script.Engine {
 			dir := t.TempDir()
-			build := func() *hive.Hive {
+			build := func() (*hive.Hive, error) {
 				h := hive.New(
 					cell.SimpleHealthCell, job.Cell, statedb.Cell, statedir.Cell,
 					allocator.Cell, checkpoint.Cell, ipcache.Cell, restoration.Cell,
@@ -47,7 +47,7 @@ func TestScript(t *testing.T) {
 				// restart finds does not depend on timing.
 				hive.AddConfigOverride(h, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = time.Hour })
 				scriptengine.ParseFlags(t, h, args)
-				return h
+				return h, nil
 			}
 			return scriptengine.NewRestartable(t, build)
 		}, nil, "testdata/*.txtar")

@@ -23,7 +23,7 @@ const RestartCmd = "hive/restart"
 // a fresh hive each time it is called (on the same state directory), the
 // script's commands run on the current hive, and RestartCmd replaces it.
 // The current hive is stopped when the test ends.
-func NewRestartable(tb testing.TB, build func() *hive.Hive, extra ...map[string]script.Cmd) *script.Engine {
+func NewRestartable(tb testing.TB, build func() (*hive.Hive, error), extra ...map[string]script.Cmd) *script.Engine {
 	r := &restarter{log: hivetest.Logger(tb), build: build}
 	if err := r.replace(); err != nil {
 		tb.Fatalf("script commands: %v", err)
@@ -56,7 +56,7 @@ func NewRestartable(tb testing.TB, build func() *hive.Hive, extra ...map[string]
 // restarter holds the hive a restartable engine runs on now.
 type restarter struct {
 	log   *slog.Logger
-	build func() *hive.Hive
+	build func() (*hive.Hive, error)
 
 	mu   sync.Mutex
 	h    *hive.Hive
@@ -65,7 +65,10 @@ type restarter struct {
 
 // replace builds the next hive and makes it current.
 func (r *restarter) replace() error {
-	h := r.build()
+	h, err := r.build()
+	if err != nil {
+		return err
+	}
 	cmds, err := h.ScriptCommands(r.log)
 	if err != nil {
 		return err
