@@ -5,12 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"go/ast"
 	"go/importer"
+	"go/parser"
 	"go/token"
 	"go/types"
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -30,17 +33,20 @@ type listed struct {
 	Error      *struct{ Err string }
 }
 
-// loadPublic type-checks the public packages from their export data, which
-// `go list -export` builds, so the test needs nothing but the go command.
-func loadPublic(t *testing.T) []*types.Package {
+// exportData runs `go list -export -deps` on patterns in dir and returns an
+// importer of the packages it lists, from their export data, and the
+// listed packages themselves (not their dependencies): the test needs
+// nothing but the go command.
+func exportData(t *testing.T, fset *token.FileSet, dir string, env []string, patterns ...string) (types.Importer, []string) {
 	t.Helper()
-	cmd := exec.CommandContext(t.Context(), "go", append([]string{"list", "-export", "-deps", "-json=ImportPath,Export,DepOnly,Error"}, publicPatterns...)...)
-	cmd.Dir = "../.."
+	cmd := exec.CommandContext(t.Context(), "go", append([]string{"list", "-export", "-deps", "-json=ImportPath,Export,DepOnly,Error"}, patterns...)...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), env...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("go list: %v\n%s", err, stderr.String())
+		t.Fatalf("go list in %s: %v\n%s", dir, err, stderr.String())
 	}
 	exports := map[string]string{}
 	var roots []string
@@ -59,7 +65,6 @@ func loadPublic(t *testing.T) []*types.Package {
 			roots = append(roots, p.ImportPath)
 		}
 	}
-	fset := token.NewFileSet()
 	imp := importer.ForCompiler(fset, "gc", func(path string) (io.ReadCloser, error) {
 		f, ok := exports[path]
 		if !ok || f == "" {
@@ -67,6 +72,13 @@ func loadPublic(t *testing.T) []*types.Package {
 		}
 		return os.Open(f)
 	})
+	return imp, roots
+}
+
+// loadPublic type-checks the public packages.
+func loadPublic(t *testing.T) []*types.Package {
+	t.Helper()
+	imp, roots := exportData(t, token.NewFileSet(), "../..", nil, publicPatterns...)
 	var pkgs []*types.Package
 	for _, path := range roots {
 		pkg, err := imp.Import(path)
@@ -243,5 +255,87 @@ func TestInternalTypesFindsEveryShape(t *testing.T) {
 	hidden := types.NewStruct([]*types.Var{types.NewField(token.NoPos, public, "e", inner, false)}, nil)
 	if got := internalTypes(hidden); len(got) != 0 {
 		t.Errorf("an unexported field is no part of the API, found %v", got)
+	}
+}
+
+// composeDir is the example agent of another module that composes the cells.
+const composeDir = "../../docs/examples/compose"
+
+// TestComposeExampleCallsEveryMethod checks that the compose example calls
+// every method, of the types its api struct collects from the cells, that
+// returns a value other than an error: building the example then proves
+// that another module can name the types of all those values. Methods that
+// return nothing or only an error name no type of the API.
+func TestComposeExampleCallsEveryMethod(t *testing.T) {
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("the go command is needed to build the export data")
+	}
+	fset := token.NewFileSet()
+	// As make compose-example builds it.
+	imp, _ := exportData(t, fset, composeDir, []string{"GOFLAGS=-mod=mod"}, ".")
+	names, err := filepath.Glob(filepath.Join(composeDir, "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var files []*ast.File
+	for _, name := range names {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, f)
+	}
+	info := &types.Info{Selections: map[*ast.SelectorExpr]*types.Selection{}}
+	pkg, err := (&types.Config{Importer: imp}).Check("main", fset, files, info)
+	if err != nil {
+		t.Fatalf("type-check the compose example: %v", err)
+	}
+	called := map[*types.Func]bool{}
+	for _, sel := range info.Selections {
+		if f, ok := sel.Obj().(*types.Func); ok && sel.Kind() == types.MethodVal {
+			called[f.Origin()] = true
+		}
+	}
+
+	obj := pkg.Scope().Lookup("api")
+	if obj == nil {
+		t.Fatal("the compose example has no api struct")
+	}
+	st, ok := obj.Type().Underlying().(*types.Struct)
+	if !ok {
+		t.Fatalf("api is a %s, want a struct", obj.Type().Underlying())
+	}
+	errType := types.Universe.Lookup("error").Type()
+	checked := 0
+	for field := range st.Fields() {
+		if !field.Exported() {
+			continue
+		}
+		ms := types.NewMethodSet(field.Type())
+		for sel := range ms.Methods() {
+			m := sel.Obj().(*types.Func)
+			if !m.Exported() || m.Pkg() == nil || !strings.HasPrefix(m.Pkg().Path(), module+"/") {
+				continue
+			}
+			returnsValue := false
+			for r := range m.Signature().Results().Variables() {
+				if !types.Identical(r.Type(), errType) {
+					returnsValue = true
+				}
+			}
+			if !returnsValue {
+				continue
+			}
+			checked++
+			if !called[m.Origin()] {
+				t.Errorf("the compose example never calls %s.%s, which returns a value", field.Type(), m.Name())
+			}
+		}
+	}
+	if checked == 0 {
+		t.Fatal("no method of the api struct's types was checked")
 	}
 }

@@ -60,7 +60,12 @@ var myAgent = cell.Module(
 		}))
 	}),
 	cell.Invoke(func(lc cell.Lifecycle, a allocator.Allocator, ipc *ipcache.IPCache, _ *restoration.Restorer) {
+		// The ipcache prunes the datapath map's entries nobody owns only
+		// once every initializer is done: this owner holds it back until
+		// its own prefixes are in, as restoration does for the old ones.
+		var prefixesIn func() = ipc.RegisterInitializer("my-agent")
 		lc.Append(cell.Hook{OnStart: func(ctx cell.HookContext) error {
+			defer prefixesIn()
 			prefix := netip.MustParsePrefix("10.0.0.0/8")
 			var lbls labels.Labels = labels.FromPrefix(prefix, false)
 			var id *identity.Identity
