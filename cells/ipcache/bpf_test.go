@@ -115,6 +115,9 @@ func TestTwoAgentsOneMap(t *testing.T) {
 			if !errors.Is(err, ipcachemap.ErrInUse) {
 				t.Fatalf("second agent on %s: %v, want ErrInUse", pin, err)
 			}
+			if !errors.Is(err, ipcache.ErrMapInUse) {
+				t.Fatalf("second agent on %s: %v, want ipcache.ErrMapInUse", pin, err)
+			}
 			for _, want := range []string{pin, fmt.Sprintf("pid %d", os.Getpid())} {
 				if !strings.Contains(err.Error(), want) {
 					t.Errorf("error %q does not name %q", err, want)

@@ -36,7 +36,7 @@
 //	--ipcache-dual-stack                world-ipv4/world-ipv6 labels instead of world
 //
 // The file backend keeps <state-dir>/ipcache.map. The start fails when
-// another agent holds the map (ipcachemap.ErrInUse): two agents on one map
+// another agent holds the map ([ErrMapInUse]): two agents on one map
 // would prune each other's entries.
 //
 // # Contributions and precedence

@@ -35,6 +35,10 @@ var (
 	// datapath map failed; the reconciler retries it, and the pair is not
 	// durable until the retry succeeds.
 	ErrNotWritten = errors.New("not written to the datapath map")
+	// ErrMapInUse: the start failed because another agent holds the
+	// datapath map (or its file); two agents on one map would prune each
+	// other's entries.
+	ErrMapInUse = ipcachemap.ErrInUse
 )
 
 // selfInitializer is the table initializer the ipcache holds until every
