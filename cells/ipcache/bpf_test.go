@@ -34,7 +34,7 @@ func TestBPFMap(t *testing.T) {
 	}
 	n := newNode(t, cfg)
 	n.start(t)
-	if n.ipc.MapKind() != ipcachemap.KindBPF {
+	if n.ipc.MapKind() != ipcache.MapKindBPF {
 		t.Fatalf("map kind %s", n.ipc.MapKind())
 	}
 	ctx := t.Context()
@@ -115,6 +115,9 @@ func TestTwoAgentsOneMap(t *testing.T) {
 			if !errors.Is(err, ipcachemap.ErrInUse) {
 				t.Fatalf("second agent on %s: %v, want ErrInUse", pin, err)
 			}
+			if !errors.Is(err, ipcache.ErrMapInUse) {
+				t.Fatalf("second agent on %s: %v, want ipcache.ErrMapInUse", pin, err)
+			}
 			for _, want := range []string{pin, fmt.Sprintf("pid %d", os.Getpid())} {
 				if !strings.Contains(err.Error(), want) {
 					t.Errorf("error %q does not name %q", err, want)
@@ -174,7 +177,7 @@ func TestAutoMap(t *testing.T) {
 			c.IPCacheMapPinPath = pin
 		})
 		n.start(t)
-		if n.ipc.MapKind() != ipcachemap.KindBPF {
+		if n.ipc.MapKind() != ipcache.MapKindBPF {
 			t.Fatalf("auto chose %s where bpf works", n.ipc.MapKind())
 		}
 	})
@@ -185,7 +188,7 @@ func TestAutoMap(t *testing.T) {
 			c.IPCacheMapPinPath = filepath.Join(t.TempDir(), "not-bpffs", "ipcache")
 		})
 		n.start(t)
-		if n.ipc.MapKind() != ipcachemap.KindFile {
+		if n.ipc.MapKind() != ipcache.MapKindFile {
 			t.Fatalf("auto chose %s where bpf cannot pin", n.ipc.MapKind())
 		}
 		if err := n.ipc.Upsert(t.Context(), "k8s", pfx("10.0.0.0/8"), ipcache.Info{}); err != nil {

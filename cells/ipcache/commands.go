@@ -12,7 +12,6 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/identity"
-	"github.com/identityd/identityd/internal/ipcachemap"
 	"github.com/identityd/identityd/internal/shellfmt"
 	"github.com/identityd/identityd/labels"
 )
@@ -254,7 +253,7 @@ func (r MapRow) TableRow() []string {
 	}
 }
 
-func mapRow(e ipcachemap.Entry) MapRow {
+func mapRow(e MapEntry) MapRow {
 	return MapRow{
 		Prefix: e.Key.Prefix, ClusterID: e.Key.ClusterID, Identity: e.Value.Identity,
 		TunnelEndpoint: e.Value.TunnelEndpoint, EncryptKey: e.Value.EncryptKey, Flags: e.Value.Flags,

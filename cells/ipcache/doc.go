@@ -5,7 +5,9 @@
 //
 //   - *IPCache: the API owners use to contribute to prefixes, plus Lookup
 //     (longest-prefix match), TakeSnapshot and RegisterInitializer for the
-//     restoration cell.
+//     restoration cell. TakeSnapshot and MapDump hand out the datapath
+//     map's entries as [MapEntry] and MapKind the backend as [MapKind],
+//     types of this package that an importer can name.
 //   - statedb.Table[*Entry], the "ipcache" table: one row per prefix (IPv4
 //     and IPv6, masked) with the resolved identity, every owner's
 //     contribution and the reconciliation status. Its primary index
@@ -34,7 +36,7 @@
 //	--ipcache-dual-stack                world-ipv4/world-ipv6 labels instead of world
 //
 // The file backend keeps <state-dir>/ipcache.map. The start fails when
-// another agent holds the map (ipcachemap.ErrInUse): two agents on one map
+// another agent holds the map ([ErrMapInUse]): two agents on one map
 // would prune each other's entries.
 //
 // # Contributions and precedence

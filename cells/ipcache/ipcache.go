@@ -35,6 +35,10 @@ var (
 	// datapath map failed; the reconciler retries it, and the pair is not
 	// durable until the retry succeeds.
 	ErrNotWritten = errors.New("not written to the datapath map")
+	// ErrMapInUse: the start failed because another agent holds the
+	// datapath map (or its file); two agents on one map would prune each
+	// other's entries.
+	ErrMapInUse = ipcachemap.ErrInUse
 )
 
 // selfInitializer is the table initializer the ipcache holds until every
@@ -480,13 +484,13 @@ func (c *IPCache) Initialized() (bool, <-chan struct{}) {
 // opened, before anything wrote to it, and drops them from memory: a
 // second call returns nil. Before start it returns nil too. The
 // restoration cell calls it from its start hook.
-func (c *IPCache) TakeSnapshot() []ipcachemap.Entry {
+func (c *IPCache) TakeSnapshot() []MapEntry {
 	c.snapMu.Lock()
-	defer c.snapMu.Unlock()
 	s := c.snapshot
 	c.snapshot = nil
 	c.snapTook = true
-	return s
+	c.snapMu.Unlock()
+	return mapEntries(s)
 }
 
 // Start opens the map (which snapshots its old contents) and arms the
@@ -578,16 +582,17 @@ func (c *IPCache) WaitForMap(ctx context.Context) error {
 }
 
 // MapDump returns the map's current entries, sorted by cluster and prefix.
-func (c *IPCache) MapDump() ([]ipcachemap.Entry, error) {
+func (c *IPCache) MapDump() ([]MapEntry, error) {
 	m, err := c.mapOrErr()
 	if err != nil {
 		return nil, err
 	}
-	out, err := ipcachemap.Snapshot(m)
+	entries, err := ipcachemap.Snapshot(m)
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b ipcachemap.Entry) int {
+	out := mapEntries(entries)
+	slices.SortFunc(out, func(a, b MapEntry) int {
 		if c := cmp.Compare(a.Key.ClusterID, b.Key.ClusterID); c != 0 {
 			return c
 		}
@@ -599,10 +604,11 @@ func (c *IPCache) MapDump() ([]ipcachemap.Entry, error) {
 	return out, nil
 }
 
-// MapKind returns the backend in use (bpf or file), empty before start.
-func (c *IPCache) MapKind() ipcachemap.Kind {
+// MapKind returns the backend in use (MapKindBPF or MapKindFile), empty
+// before start.
+func (c *IPCache) MapKind() MapKind {
 	if h := c.m.Load(); h != nil {
-		return h.Kind()
+		return MapKind(h.Kind())
 	}
 	return ""
 }

@@ -365,7 +365,7 @@ func TestDirectPrecedence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(dump) != 1 || dump[0].Value != (ipcachemap.Value{Identity: 5000, TunnelEndpoint: tep, EncryptKey: 3}) {
+	if len(dump) != 1 || dump[0].Value != (ipcache.MapValue{Identity: 5000, TunnelEndpoint: tep, EncryptKey: 3}) {
 		t.Fatalf("map %+v", dump)
 	}
 
@@ -524,7 +524,9 @@ func TestPruneWaitsForInitializer(t *testing.T) {
 	writeMapFile(t, file, stale)
 	n.start(t)
 
-	if snap := n.ipc.TakeSnapshot(); len(snap) != 1 || snap[0] != stale {
+	// The snapshot is the stale entry, in the ipcache's own types.
+	want := ipcache.MapEntry{Key: ipcache.MapKey{Prefix: pfx("192.0.2.0/24")}, Value: ipcache.MapValue{Identity: 16777300}}
+	if snap := n.ipc.TakeSnapshot(); len(snap) != 1 || snap[0] != want {
 		t.Fatalf("snapshot %+v", snap)
 	}
 	if snap := n.ipc.TakeSnapshot(); snap != nil {
@@ -577,7 +579,7 @@ func TestPruneWaitsForInitializer(t *testing.T) {
 // map alone while later start hooks (restoration's) run, even when rows
 // are upserted from them.
 func TestNoWritesBeforeStartHooksEnd(t *testing.T) {
-	var sawMap []ipcachemap.Entry
+	var sawMap []ipcache.MapEntry
 	later := cell.Invoke(func(lc cell.Lifecycle, c *ipcache.IPCache) {
 		lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
 			if err := c.Upsert(context.Background(), "restored", pfx("10.0.0.0/8"), ipcache.Info{}); err != nil {

@@ -6,8 +6,8 @@ import (
 
 // Cell provides *Restorer and the identity/restore-status command. It needs
 // allocator.Allocator, *checkpoint.Checkpoint, *ipcache.IPCache, jobs and
-// health; *kvstore.Client is optional (it only chooses the default grace
-// period).
+// health; an AutomaticGracePeriod is optional (it only chooses the default
+// grace period).
 //
 // The cell constructs its Restorer itself, at the cell's place in the hive:
 // list it right after the ipcache cell so that its start hook runs before

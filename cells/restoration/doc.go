@@ -75,15 +75,20 @@
 // Cell provides *Restorer and the identity/restore-status shell command.
 // It depends on allocator.Allocator, *checkpoint.Checkpoint,
 // *ipcache.IPCache (and its Config, for dual-stack world labels), job and
-// health; *kvstore.Client is optional and only chooses the default grace
-// period.
+// health, and reads the old map through the ipcache's own types
+// (ipcache.MapEntry). An AutomaticGracePeriod is optional and only chooses
+// the default grace period: restoration does not depend on the kvstore, so
+// that it can be composed without one.
 //
 // # Flags
 //
 //	--identity-restore-grace-period=DURATION   how long restored state is held
-//	                                           (default 0: automatic, 30s with the
-//	                                           embedded etcd or no kvstore, 10m with
-//	                                           external kvstore endpoints)
+//	                                           (default 0: automatic, the hive's
+//	                                           AutomaticGracePeriod, else
+//	                                           EmbeddedGracePeriod; the identityd
+//	                                           binary provides 30s with the embedded
+//	                                           etcd, 10m with external kvstore
+//	                                           endpoints)
 //
 // # Commands
 //

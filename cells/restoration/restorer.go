@@ -17,9 +17,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/ipcache"
-	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
-	"github.com/identityd/identityd/internal/ipcachemap"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -139,7 +137,7 @@ type Restorer struct {
 	done, ready chan struct{}
 	// bulk holds the prefixes of restored identities between the start
 	// hook and restoreBulk.
-	bulk []ipcachemap.Entry
+	bulk []ipcache.MapEntry
 
 	// mu guards the fields below. The start hook, the bulk job and the
 	// release never overlap: each waits for the one before.
@@ -177,21 +175,26 @@ type params struct {
 	Allocator     allocator.Allocator
 	Checkpoint    *checkpoint.Checkpoint
 	IPCache       *ipcache.IPCache
-	KVStore       *kvstore.Client `optional:"true"`
+	// AutomaticGrace, when the hive provides it, replaces the fallback
+	// of the automatic grace period (see AutomaticGracePeriod).
+	AutomaticGrace AutomaticGracePeriod `optional:"true"`
 }
 
 func newRestorer(p params) (*Restorer, error) {
 	if err := p.Config.Validate(); err != nil {
 		return nil, err
 	}
-	external := p.KVStore != nil && !p.KVStore.Embedded()
+	grace, err := p.Config.gracePeriod(p.AutomaticGrace)
+	if err != nil {
+		return nil, err
+	}
 	r := &Restorer{
 		log:       p.Log,
 		alloc:     p.Allocator,
 		cp:        p.Checkpoint,
 		ipc:       p.IPCache,
 		dualStack: p.IPCacheConfig.IPCacheDualStack,
-		grace:     p.Config.gracePeriod(external),
+		grace:     grace,
 		done:      make(chan struct{}),
 		ready:     make(chan struct{}),
 		state:     StatePending,
@@ -441,7 +444,7 @@ func (r *Restorer) restoreCheckpoint(ctx context.Context) {
 // unknown label sets are done here, before any other cell could upsert
 // them with a fresh identity; those of restored identities are returned
 // for restoreBulk.
-func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcachemap.Entry) {
+func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcache.MapEntry) {
 	snap := r.ipc.TakeSnapshot()
 	r.mu.Lock()
 	r.oldMapEntries = len(snap)
@@ -452,7 +455,7 @@ func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcachemap.Entry
 	// The allocator holds only restored local identities at this point,
 	// so a local number it knows is one the checkpoint restored.
 	bulk = snap[:0]
-	var unknown, contradicting []ipcachemap.Entry
+	var unknown, contradicting []ipcache.MapEntry
 	shared := map[identity.NumericIdentity]int{}
 	// owned holds the restored IDs the map gives the prefix their CIDR
 	// labels name.
@@ -551,7 +554,7 @@ func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcachemap.Entry
 // of the ipcache until their owners upsert them again, which gives each the
 // checkpoint's number for its own label set (or a fresh one); the map loses
 // the wrong entries when the ipcache prunes it.
-func (r *Restorer) skipContradicting(entries []ipcachemap.Entry, owned map[identity.NumericIdentity]bool) {
+func (r *Restorer) skipContradicting(entries []ipcache.MapEntry, owned map[identity.NumericIdentity]bool) {
 	var sharedID, otherLabels uint64
 	for i, e := range entries {
 		id := e.Value.Identity
@@ -613,7 +616,7 @@ func namesPrefix(lbls labels.Labels, p netip.Prefix) cidrMatch {
 
 // bulkUpdates turns the prefixes of restored identities into ipcache
 // contributions.
-func (r *Restorer) bulkUpdates(entries []ipcachemap.Entry) []ipcache.Update {
+func (r *Restorer) bulkUpdates(entries []ipcache.MapEntry) []ipcache.Update {
 	out := make([]ipcache.Update, len(entries))
 	for i, e := range entries {
 		id := e.Value.Identity
@@ -636,7 +639,7 @@ func (r *Restorer) bulkUpdates(entries []ipcachemap.Entry) []ipcache.Update {
 // restorable tells whether an old map entry is restoration's business: a
 // prefix of this cluster with a node-local (or the ingress) identity and no
 // tunnel endpoint.
-func restorable(e ipcachemap.Entry) bool {
+func restorable(e ipcache.MapEntry) bool {
 	id := e.Value.Identity
 	return e.Key.ClusterID == 0 && !e.Value.TunnelEndpoint.IsValid() &&
 		(id.HasLocalScope() || id == identity.ReservedIdentityIngress)

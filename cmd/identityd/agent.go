@@ -40,6 +40,12 @@ var agentCells = []cell.Cell{
 	checkpoint.Cell,
 	ipcache.Cell,
 	restoration.Cell,
+	// Restored state waits longer for its users when they get it from
+	// external kvstore endpoints. The client, not only its config, keeps
+	// the kvstore constructed before restoration, as it has always been.
+	cell.Provide(func(c *kvstore.Client) restoration.AutomaticGracePeriod {
+		return restoration.AutomaticGracePeriodFor(!c.Embedded())
+	}),
 
 	// The agent exists to serve its cells; force the ones nothing else
 	// depends on to be constructed.

@@ -2,12 +2,14 @@ package main
 
 import (
 	"testing"
+	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
 	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 )
 
@@ -50,5 +52,34 @@ func TestEnvironmentNeedsPrefix(t *testing.T) {
 	dir, kv = agentConfig(t, "--node-name", "from-flag", "--state-dir", "/from/flag")
 	if dir.StateDir != "/from/flag" || kv.NodeName != "from-flag" {
 		t.Fatalf("flags lost to the environment: state dir %q, node name %q", dir.StateDir, kv.NodeName)
+	}
+}
+
+// TestAutomaticGracePeriod checks the agent's automatic restoration grace
+// period: 30s with the embedded etcd, 10m with external kvstore endpoints,
+// and what --identity-restore-grace-period says when it is set.
+func TestAutomaticGracePeriod(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want time.Duration
+	}{
+		{nil, 30 * time.Second},
+		{[]string{"--kvstore-endpoints", "https://127.0.0.1:1"}, 10 * time.Minute},
+		{[]string{"--kvstore-endpoints", "https://127.0.0.1:1", "--identity-restore-grace-period", "45s"}, 45 * time.Second},
+		{[]string{"--identity-restore-grace-period", "2m"}, 2 * time.Minute},
+	} {
+		var got time.Duration
+		h := newHive(cell.Invoke(func(r *restoration.Restorer) { got = r.GracePeriod() }))
+		flags := pflag.NewFlagSet("agent", pflag.ContinueOnError)
+		h.RegisterFlags(flags)
+		if err := flags.Parse(append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file"}, tc.args...)); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Populate(hivetest.Logger(t)); err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if got != tc.want {
+			t.Errorf("%v: grace period %s, want %s", tc.args, got, tc.want)
+		}
 	}
 }
