@@ -32,7 +32,7 @@ type params struct {
 }
 
 // allocatorOut is the Allocator, and the sink through which
-// registerHandlers hands it the handlers of other cells.
+// registerHandlers and registerContracts hand it what other cells provide.
 type allocatorOut struct {
 	cell.Out
 
@@ -40,8 +40,12 @@ type allocatorOut struct {
 	Sink      *handlerSink
 }
 
-// handlerSink takes the identity handlers before the allocator starts.
-type handlerSink struct{ disp *dispatcher }
+// handlerSink takes the identity handlers, restorations and finalizers
+// before the allocator starts.
+type handlerSink struct {
+	disp      *dispatcher
+	contracts *contracts
+}
 
 type handlersParams struct {
 	cell.In
@@ -81,6 +85,10 @@ type identityAllocator struct {
 	synced  chan struct{}
 	once    sync.Once
 
+	// contracts orders local allocations after restoration and runs the
+	// finalizers at stop (restoration.go).
+	contracts contracts
+
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -96,7 +104,7 @@ func newAllocator(p params) (allocatorOut, error) {
 	a.mesh = p.Mesh
 	a.health = p.Health
 	p.Lifecycle.Append(a)
-	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp}}, nil
+	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp, contracts: &a.contracts}}, nil
 }
 
 func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend GlobalBackend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {
@@ -115,6 +123,8 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 		synced:  make(chan struct{}),
 	}
 	a.reserved = identity.NewReservedResolver(cfg.ReservedConfig())
+	a.contracts.timeout = cfg.IdentityAllocationTimeout
+	a.contracts.open.Store(true)
 	tw.known = a.disp.known
 	for _, r := range a.reserved.Identities() {
 		q.pushEvent(event{kind: ChangeUpsert, ident: r, source: SourceReserved})
@@ -174,12 +184,13 @@ func (a *identityAllocator) reportHealth() {
 	}
 }
 
-// Stop stops the backend and the dispatcher, after delivering what is queued.
+// Stop runs the finalizers (the final checkpoint), then stops the backend
+// and the dispatcher, after delivering what is queued.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
+	err := a.contracts.finalize(ctx)
 	a.mesh.stop()
-	var err error
 	if a.backend != nil {
-		err = a.backend.Stop(ctx)
+		err = errors.Join(err, a.backend.Stop(ctx))
 	}
 	if a.cancel != nil {
 		a.cancel()
@@ -244,7 +255,9 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 		err       error
 	)
 	if s := a.scopeOf(scope); s != nil {
-		id, allocated, err = s.acquire(lbls, o)
+		if err = a.contracts.admit(ctx, o.restored); err == nil {
+			id, allocated, err = s.acquire(lbls, o)
+		}
 	} else {
 		id, allocated, err = a.global.acquire(ctx, lbls, o)
 	}
@@ -253,10 +266,16 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 }
 
 func (a *identityAllocator) AllocateBatch(ctx context.Context, reqs []Request) []Result {
+	// Waits before holding the events, which restoration's would wait for.
+	waitErr := a.admitBatch(ctx, reqs)
 	a.queue.hold()
 	defer a.queue.release()
 	out := make([]Result, len(reqs))
 	for i, r := range reqs {
+		if waitErr != nil && a.waitsForRestoration(r) {
+			out[i].Err = waitErr
+			continue
+		}
 		o := allocateOptions{oldID: r.OldID, restored: r.Restored}
 		id, allocated, err := a.allocate(ctx, r.Labels, &o)
 		out[i] = Result{Identity: id, Allocated: allocated, Err: err}

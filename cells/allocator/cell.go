@@ -12,6 +12,10 @@ import (
 // It also provides the *ClusterMesh that follows remote clusters'
 // identities (--clustermesh-config), its clustermesh/status command and
 // metrics.
+//
+// Other cells register with it: identity handlers (NewHandler), the
+// restoration that local allocations wait for (NewRestoration) and the
+// finalizers its stop hook runs (NewFinalizer).
 var Cell = cell.Module(
 	"allocator",
 	"Security identity allocator",
@@ -31,5 +35,5 @@ var Cell = cell.Module(
 		newClusterMeshCommands,
 		newClusterMeshMetrics,
 	),
-	cell.Invoke(registerHandlers),
+	cell.Invoke(registerHandlers, registerContracts),
 )
