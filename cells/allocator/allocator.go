@@ -35,7 +35,7 @@ type params struct {
 }
 
 // allocatorOut is the Allocator, and the sink through which
-// registerHandlers hands it the handlers of other cells.
+// registerHandlers and registerContracts hand it what other cells provide.
 type allocatorOut struct {
 	cell.Out
 
@@ -43,8 +43,12 @@ type allocatorOut struct {
 	Sink      *handlerSink
 }
 
-// handlerSink takes the identity handlers before the allocator starts.
-type handlerSink struct{ disp *dispatcher }
+// handlerSink takes the identity handlers, restorations and finalizers
+// before the allocator starts.
+type handlerSink struct {
+	disp      *dispatcher
+	contracts *contracts
+}
 
 type handlersParams struct {
 	cell.In
@@ -84,6 +88,10 @@ type identityAllocator struct {
 	health  cell.Health // nil outside a hive with a health provider
 	synced  chan struct{}
 	once    sync.Once
+
+	// contracts orders local allocations after restoration and runs the
+	// finalizers at stop (restoration.go).
+	contracts contracts
 }
 
 var _ Allocator = (*identityAllocator)(nil)
@@ -103,7 +111,7 @@ func newAllocator(p params) (allocatorOut, error) {
 	// reaches observers, handlers and the table.
 	p.Jobs.NewGroup(health.OrDetached(p.Health)).Add(a.jobs()...)
 	p.Lifecycle.Append(a)
-	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp}}, nil
+	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp, contracts: &a.contracts}}, nil
 }
 
 func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend globalstore.Backend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {
@@ -123,6 +131,8 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 		synced:  make(chan struct{}),
 	}
 	a.reserved = identity.NewReservedResolver(cfg.ReservedConfig())
+	a.contracts.timeout = cfg.IdentityAllocationTimeout
+	a.contracts.open.Store(true)
 	tw.known = a.disp.known
 	for _, r := range a.reserved.Identities() {
 		q.pushEvent(event{kind: ChangeUpsert, ident: r, source: SourceReserved})
@@ -192,10 +202,12 @@ func (a *identityAllocator) reportHealth() {
 	}
 }
 
-// Stop stops the remote clusters and the backend; the dispatcher's job,
-// stopped next, delivers what is queued.
+// Stop runs the finalizers (the final checkpoint), then stops the remote
+// clusters and the backend; the dispatcher's job, stopped next, delivers
+// what is queued.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
-	err := a.mesh.Stop(ctx)
+	err := a.contracts.finalize(ctx)
+	err = errors.Join(err, a.mesh.Stop(ctx))
 	if a.backend != nil {
 		err = errors.Join(err, a.backend.Stop(ctx))
 	}
@@ -258,7 +270,9 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 		err       error
 	)
 	if s := a.scopeOf(scope); s != nil {
-		id, allocated, err = s.acquire(lbls, o)
+		if err = a.contracts.admit(ctx, o.restored); err == nil {
+			id, allocated, err = s.acquire(lbls, o)
+		}
 	} else {
 		id, allocated, err = a.global.acquire(ctx, lbls, o)
 	}
@@ -267,10 +281,16 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 }
 
 func (a *identityAllocator) AllocateBatch(ctx context.Context, reqs []Request) []Result {
+	// Waits before holding the events, which restoration's would wait for.
+	waitErr := a.admitBatch(ctx, reqs)
 	a.queue.hold()
 	defer a.queue.release()
 	out := make([]Result, len(reqs))
 	for i, r := range reqs {
+		if waitErr != nil && a.waitsForRestoration(r) {
+			out[i].Err = waitErr
+			continue
+		}
 		o := allocateOptions{oldID: r.OldID, restored: r.Restored}
 		id, allocated, err := a.allocate(ctx, r.Labels, &o)
 		out[i] = Result{Identity: id, Allocated: allocated, Err: err}

@@ -20,7 +20,14 @@ type Allocator interface {
 	// Allocate returns the identity of lbls and takes a reference on it.
 	// allocated is true when the identity did not exist before. Options
 	// may ask for an old numeric ID (honoured for local scopes when it is
-	// free, even if withheld).
+	// free, even if withheld). A local-scope allocation waits until
+	// restoration has finished (see WaitForRestoration), bounded by ctx
+	// and --identity-allocation-timeout, unless it is restoration's own
+	// (AsRestored, or a ctx from Restoring). A start hook must therefore
+	// not allocate a local identity unless its cell depends on the
+	// restoration (*restoration.Restorer), which puts its hook after
+	// restoration's: otherwise it waits for a hook that runs after it.
+	// Allocate from a job instead.
 	Allocate(ctx context.Context, lbls labels.Labels, opts ...AllocateOption) (id *identity.Identity, allocated bool, err error)
 
 	// AllocateBatch allocates every request and notifies the identity
@@ -56,6 +63,13 @@ type Allocator interface {
 	// Withheld returns the withheld local IDs in ascending order.
 	Withheld() []identity.NumericIdentity
 
+	// WaitForRestoration returns once the restoration registered with
+	// NewRestoration has finished (at once in a hive without one), or
+	// with ctx's error. Once restoration has finished it returns nil even
+	// if ctx has ended. The checkpoint waits for it before writing, the
+	// ipcache before writing or pruning the datapath map.
+	WaitForRestoration(ctx context.Context) error
+
 	// WaitForInitialGlobalIdentities returns once the global identities
 	// were listed from the kvstore (at once without a kvstore), or with
 	// the context's error.
@@ -83,7 +97,7 @@ func WithOldID(id identity.NumericIdentity) AllocateOption {
 
 // AsRestored marks the reference as taken by restoration, which shows in
 // the identities table's Source column until a non-restored reference is
-// taken.
+// taken. Such an allocation does not wait for restoration to finish.
 func AsRestored() AllocateOption {
 	return func(o *allocateOptions) { o.restored = true }
 }
@@ -92,7 +106,7 @@ func AsRestored() AllocateOption {
 type Request struct {
 	Labels labels.Labels
 	OldID  identity.NumericIdentity
-	// Restored marks the reference as taken by restoration.
+	// Restored marks the reference as taken by restoration (AsRestored).
 	Restored bool
 }
 

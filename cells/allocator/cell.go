@@ -15,6 +15,10 @@ import (
 // identities; without one, allocating a global label set fails with
 // ErrNoGlobalBackend. A globalstore.Remote (clustermesh.Cell's) adds
 // remote clusters' identities to lookups and Observe.
+//
+// Other cells register with it: identity handlers (NewHandler), the
+// restoration that local allocations wait for (NewRestoration) and the
+// finalizers its stop hook runs (NewFinalizer).
 var Cell = cell.Module(
 	"allocator",
 	"Security identity allocator",
@@ -29,7 +33,7 @@ var Cell = cell.Module(
 		newCellCommands,
 		clusterInfo,
 	),
-	cell.Invoke(registerHandlers),
+	cell.Invoke(registerHandlers, registerContracts),
 )
 
 // clusterInfo gives the stores this cluster's ID range, refusing an invalid

@@ -11,6 +11,13 @@ import (
 // (the checkpoint's Sync, which the ipcache and identity/allocate wait for),
 // and the checkpoint/write and checkpoint/show commands. It needs
 // allocator.Allocator and *statedir.Dir.
+//
+// Its order with other cells is by contract with the allocator, not by the
+// cells' positions: the final write is the allocator's finalizer
+// (allocator.NewFinalizer), which runs in the allocator's stop hook after
+// the stop hooks of every cell that uses the allocator; and no write
+// happens before restoration has loaded the file
+// (allocator.Allocator.WaitForRestoration).
 var Cell = cell.Module(
 	"checkpoint",
 	"Checkpoint of local identities",
@@ -20,22 +27,8 @@ var Cell = cell.Module(
 		newCheckpoint,
 		newCommands,
 		func(c *Checkpoint) allocator.LocalIdentitySyncer { return c },
+		func(c *Checkpoint) allocator.FinalizerOut {
+			return allocator.NewFinalizer(allocator.FinalizerFunc(c.finalWrite))
+		},
 	),
-
-	// The checkpoint attaches to the allocator as soon as the allocator is
-	// constructed, before any other cell receives it. Its stop hook is
-	// thus appended right after the allocator's and runs after the stop
-	// hooks of every cell that uses the allocator, so that their last
-	// allocations and releases are in the final write, whatever the
-	// order in which the cells are listed.
-	cell.DecorateAll(attach),
-
-	// Construct the allocator (and so attach) even if nothing else in
-	// the hive asks for it.
-	cell.Invoke(func(allocator.Allocator) {}),
 )
-
-func attach(a allocator.Allocator, c *Checkpoint, lc cell.Lifecycle) allocator.Allocator {
-	c.attach(a, lc)
-	return a
-}

@@ -20,18 +20,15 @@ import (
 // Checkpoint keeps the checkpoint file in step with the allocator's local
 // identities. It observes the allocator and asks for a write on every
 // local allocation and every release to zero, coalescing the writes to at
-// most one per interval; it writes once more on stop. Every method is safe
-// for concurrent use.
+// most one per interval; it writes once more on stop, as the allocator's
+// finalizer. Every method is safe for concurrent use.
 type Checkpoint struct {
 	log      *slog.Logger
 	path     string
 	interval time.Duration
 	jobs     job.Group
 
-	// attached is set once the allocator is known; alloc is written once
-	// before start and read afterwards.
-	attached atomic.Bool
-	alloc    allocator.Allocator
+	alloc allocator.Allocator
 
 	// dirty says a change was observed since the last write began; wake
 	// (capacity 1) tells the trigger loop about it.
@@ -40,7 +37,8 @@ type Checkpoint struct {
 	// changed says the allocator changed a local identity during this
 	// run, or this run wrote the file.
 	changed atomic.Bool
-	// startedAt delays the first triggered write, see run.
+	// startedAt delays the first triggered write, see run; only run
+	// uses it.
 	startedAt time.Time
 
 	// wsem (capacity 1) serializes writes; a channel rather than a mutex,
@@ -52,11 +50,6 @@ type Checkpoint struct {
 	begun atomic.Uint64
 	// durable is the number of the last successful write; guarded by wsem.
 	durable uint64
-	// loaded is closed once restoration has loaded the file or every
-	// start hook has run, whichever is first: Sync writes no earlier, so
-	// that it never replaces a file that was not read.
-	loaded     chan struct{}
-	loadedOnce sync.Once
 
 	// mu guards the fields below; writes hold it too.
 	mu sync.Mutex
@@ -79,66 +72,49 @@ type Checkpoint struct {
 type params struct {
 	cell.In
 
-	Log    *slog.Logger
-	Config Config
-	Dir    *statedir.Dir
-	Jobs   job.Registry
-	Health cell.Health
+	Log       *slog.Logger
+	Config    Config
+	Dir       *statedir.Dir
+	Jobs      job.Registry
+	Health    cell.Health
+	Allocator allocator.Allocator
+	Lifecycle cell.Lifecycle
 }
 
 func newCheckpoint(p params) (*Checkpoint, error) {
 	if err := p.Config.Validate(); err != nil {
 		return nil, err
 	}
-	return &Checkpoint{
+	c := &Checkpoint{
 		log:      p.Log,
 		path:     p.Dir.Join(FileName),
 		interval: p.Config.IdentityCheckpointInterval,
 		jobs:     p.Jobs.NewGroup(p.Health),
+		alloc:    p.Allocator,
 		wake:     make(chan struct{}, 1),
 		wsem:     make(chan struct{}, 1),
-		loaded:   make(chan struct{}),
-	}, nil
-}
-
-// attach connects the checkpoint to the allocator and registers its
-// hooks. It is called from the allocator's decorator, right after the
-// allocator's constructor, so that the stop hook appended here runs after
-// those of all the allocator's users.
-func (c *Checkpoint) attach(a allocator.Allocator, lc cell.Lifecycle) {
-	if c.attached.Swap(true) {
-		return
 	}
-	c.alloc = a
-	lc.Append(stopSnapshot{c})
-	lc.Append(c)
-	// Appended after the checkpoint's own hook, the trigger loop stops
-	// before the final write, which thus never races with it.
+	p.Lifecycle.Append(stopSnapshot{c})
+	// The checkpoint depends on the allocator, so the trigger loop stops
+	// before the allocator's stop hook runs the final write, which thus
+	// never races with it.
 	c.jobs.Add(job.OneShot("checkpoint-trigger", c.run))
+	return c, nil
 }
 
 // Path returns the checkpoint file's path.
 func (c *Checkpoint) Path() string { return c.path }
 
-// Start implements cell.HookInterface.
-func (c *Checkpoint) Start(hctx cell.HookContext) error {
-	c.startedAt = time.Now()
-	// The hook context ends when every start hook has run: restoration,
-	// if the hive has it, has loaded the file by then.
-	context.AfterFunc(hctx, c.markLoaded)
-	return nil
-}
-
-func (c *Checkpoint) markLoaded() { c.loadedOnce.Do(func() { close(c.loaded) }) }
-
-// Stop writes the final checkpoint, after every cell that can still
-// allocate or release has stopped. A run that saw no local change, did not
-// write and holds no local identity leaves the file alone: an agent that
-// fails to start before restoration loaded the file must not replace it
-// with an empty state. (Local identities exist only if this run allocated
-// them, which counts as a change even when the allocator's event for it is
-// still on its way.)
-func (c *Checkpoint) Stop(cell.HookContext) error {
+// finalWrite writes the final checkpoint. It is the allocator's finalizer
+// (allocator.NewFinalizer), which the allocator's stop hook runs after the
+// stop hooks of every cell that uses the allocator, so that their last
+// allocations and releases are in the file whatever the order of the
+// cells. A run that saw no local change, did not write and holds no local
+// identity leaves the file alone: an agent that fails to start before
+// restoration loaded the file must not replace it with an empty state.
+// (Local identities exist only if this run allocated them, which counts as
+// a change even when the allocator's event for it is still on its way.)
+func (c *Checkpoint) finalWrite(context.Context) error {
 	if !c.changed.Load() && !c.dirty.Load() && c.alloc != nil && len(c.alloc.LocalIdentities()) == 0 {
 		c.log.Debug("No local identity changed, checkpoint left as is", "file", c.path)
 		return nil
@@ -212,9 +188,12 @@ func (c *Checkpoint) request() {
 // run observes the allocator and writes when asked, at most once per
 // interval. The initial replay of the allocator's state counts as one
 // change if it holds local identities (they can only have been allocated
-// by this run). The first write waits one interval after start,
-// so that restoration has loaded the old file before anything replaces it.
+// by this run). No local identity changes before restoration has loaded
+// the old file (other local allocations wait for it), so no triggered
+// write replaces a file that was not read; the first one waits one
+// interval after start.
 func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
+	c.startedAt = time.Now()
 	var synced, replayedLocal atomic.Bool
 	observed := make(chan error, 1)
 	c.alloc.Observe(ctx,
@@ -322,20 +301,15 @@ func (c *Checkpoint) Write() (Status, error) {
 // not N. It fails with the write's error, or with ctx's error when ctx ends
 // first (the identities then wait for a later write).
 //
-// Sync writes nothing before restoration has loaded the file (or, in a hive
-// without restoration, before every start hook has run); a start hook that
-// calls it must therefore run after restoration's.
+// Sync writes nothing before restoration has finished, and so loaded the
+// file (Allocator.WaitForRestoration; at once in a hive without
+// restoration): a start hook that calls it may wait for its own end.
 func (c *Checkpoint) Sync(ctx context.Context) error {
 	// Read before anything else: a write numbered above need began after
 	// the call, so its snapshot holds what was allocated before.
 	need := c.begun.Load() + 1
-	if !c.attached.Load() {
-		return errors.New("checkpoint is not attached to an allocator")
-	}
-	select {
-	case <-c.loaded:
-	case <-ctx.Done():
-		return fmt.Errorf("checkpoint sync: waiting for the start: %w", ctx.Err())
+	if err := c.alloc.WaitForRestoration(ctx); err != nil {
+		return fmt.Errorf("checkpoint sync: %w", err)
 	}
 	select {
 	case c.wsem <- struct{}{}:
@@ -399,12 +373,12 @@ func (c *Checkpoint) write() (Status, error) {
 }
 
 // Load reads the checkpoint for restoration; see Loader.Load. It must run
-// before the allocator hands out new local IDs and before the first write
-// (which the trigger delays by one interval after start). When a bad file
+// before the allocator hands out new local IDs and before the first write:
+// both wait for the restoration registered with the allocator, which calls
+// it. When a bad file
 // could not be kept aside, writing is disabled so that it is never lost.
 func (c *Checkpoint) Load() (LoadResult, error) {
 	res, err := Loader{Log: c.log}.Load(c.path)
-	defer c.markLoaded()
 	c.loads.Add(1)
 	if res.Report.Corrupt != nil {
 		c.corrupt.Add(1)

@@ -15,10 +15,12 @@
 // writes are coalesced to at most one per --identity-checkpoint-interval
 // (default 10s, 0 writes on every change) and each writes a snapshot of
 // Allocator.LocalIdentities. A final write happens on stop, after every cell
-// that uses the allocator has stopped: the checkpoint attaches to the
-// allocator by decorating it, so its stop hook runs right before the
-// allocator's. A pre-stop hook, which hive runs before every normal stop
-// hook, notes the local identities live when the stop begins; the final
+// that uses the allocator has stopped: it is the allocator's finalizer
+// (allocator.NewFinalizer), which the allocator's stop hook runs before the
+// allocator stops its own work; every user of the allocator depends on it,
+// so their stop hooks have run by then, whatever the order of the cells. A
+// pre-stop hook, which hive runs before every normal stop hook, notes the
+// local identities live when the stop begins; the final
 // write keeps those that other cells' stop hooks released since (unless
 // their number or label set was taken again), so that releasing on the way
 // down does not renumber them at the next start.
@@ -31,7 +33,9 @@
 // whatever the interval; callers that wait during a running write share the
 // next one. The cell provides it as allocator.LocalIdentitySyncer, which the
 // ipcache's WaitDurable and identity/allocate wait for. It writes nothing
-// before restoration has loaded the file (or every start hook has run).
+// before restoration has finished, and so loaded the file
+// (Allocator.WaitForRestoration; at once in a hive without restoration):
+// a start hook that calls it may wait for its own end.
 //
 // # Restoration
 //

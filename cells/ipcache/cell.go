@@ -71,10 +71,10 @@ func newIPCache(p params) (*IPCache, error) {
 		dualStack: p.Config.IPCacheDualStack,
 		ready:     make(chan struct{}),
 		syncNow:   make(chan struct{}, 1),
-		stop:      make(chan struct{}),
 	}
-	// The table stays uninitialized, and the map unpruned, until every
-	// start hook has run; other initializers (restoration) extend that.
+	// The table stays uninitialized, and the map unpruned, until
+	// restoration has finished; other initializers (restoration's own,
+	// until its prefixes are back) extend that.
 	wtxn := p.DB.WriteTxn(p.Table)
 	c.selfDone = p.Table.RegisterInitializer(wtxn, selfInitializer)
 	wtxn.Commit()
@@ -101,6 +101,8 @@ func newIPCache(p params) (*IPCache, error) {
 	}
 	c.rec = rec
 	p.Jobs.Add(job.OneShot("ipcache-map-sync", c.syncLoop))
+	// Appended before the drain hook, it still runs while drain waits.
+	p.Jobs.Add(job.OneShot("ipcache-wait-for-restoration", c.waitForRestoration))
 	// Appended after the reconciler's jobs, this hook stops before them:
 	// rows upserted but not yet written reach the map before it closes.
 	p.Lifecycle.Append(cell.Hook{OnStop: c.drain})

@@ -112,16 +112,18 @@
 //  2. Later start hooks run; restoration's start hook (it depends on the
 //     ipcache, so it runs after) takes the snapshot and re-creates metadata
 //     for the prefixes it keeps, under its owner (e.g. "restored").
-//  3. When every start hook has run, the reconciler begins writing to the
-//     map; it waits before that, so nothing restoration has yet to see is
-//     overwritten by an early row.
+//  3. When restoration has finished (Allocator.WaitForRestoration: the
+//     restoration registered with the allocator, whatever the order of the
+//     cells; at once in a hive without one), the reconciler begins writing
+//     to the map; it waits before that, so nothing restoration has yet to
+//     see is overwritten by an early row.
 //  4. Pruning of entries the table does not have waits until the table is
-//     initialized: the ipcache holds its own initializer until every start
-//     hook has run, and any other initializer registered with
+//     initialized: the ipcache holds its own initializer until restoration
+//     has finished, and any other initializer registered with
 //     [IPCache.RegisterInitializer] (by restoration, from its constructor
 //     or start hook) holds it further until its done function is called.
-//     Without such an initializer, the table counts as initialized once the
-//     start hooks have run.
+//     Without such an initializer, the table counts as initialized once
+//     restoration has finished (right after start without restoration).
 //
 // Afterwards the whole map is compared with the table every 10 minutes:
 // stale entries are deleted and entries someone else changed are rewritten.

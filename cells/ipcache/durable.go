@@ -30,9 +30,9 @@ import (
 // ErrNotWritten, for a prefix whose map write failed (the reconciler keeps
 // retrying it), and with ctx's error when ctx ends first; either way the
 // upsert itself stays applied. Prefixes that are not valid are ignored, as
-// the upsert refused them. The reconciler writes nothing before every start
-// hook has run, so a start hook must not wait for WaitDurable: it would
-// wait for its own end.
+// the upsert refused them. The reconciler writes nothing before restoration
+// has finished (Allocator.WaitForRestoration), so a start hook must not
+// wait for WaitDurable: restoration's start hook may come after it.
 func (c *IPCache) WaitDurable(ctx context.Context, prefixes ...netip.Prefix) error {
 	if len(prefixes) == 0 {
 		return nil
@@ -65,8 +65,17 @@ func (c *IPCache) WaitDurable(ctx context.Context, prefixes ...netip.Prefix) err
 // the table, so that a clean stop keeps every pair, answered with waiting
 // or not: the map is written (and its file, on close) after.
 func (c *IPCache) drain(ctx cell.HookContext) error {
-	// ready is closed as soon as the start hooks are over, even if the
-	// hive stops right after its start.
+	// The hive stops once every start hook that will run has run: if
+	// restoration has not finished, it never will (the start failed
+	// before it), and the reconciler, which waits for it, has written
+	// nothing and must not: the map keeps its old entries. Otherwise
+	// ready is closed, or about to be by the waitForRestoration job,
+	// which stops after this hook.
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	if c.alloc.WaitForRestoration(ended) != nil {
+		return nil
+	}
 	select {
 	case <-c.ready:
 	case <-ctx.Done():

@@ -41,8 +41,8 @@ var (
 	ErrMapInUse = ipcachemap.ErrInUse
 )
 
-// selfInitializer is the table initializer the ipcache holds until every
-// start hook of the hive has run.
+// selfInitializer is the table initializer the ipcache holds until
+// restoration has finished (Allocator.WaitForRestoration).
 const selfInitializer = "ipcache-start"
 
 // Update is one prefix's contribution in a batch.
@@ -73,8 +73,9 @@ type IPCache struct {
 
 	// m is the open map, nil before start and after stop.
 	m atomic.Pointer[mapHolder]
-	// ready is closed once every start hook of the hive has run: the
-	// reconciler writes nothing to the map before.
+	// ready is closed once restoration has finished (at once after start
+	// in a hive without restoration): the reconciler writes nothing to the
+	// map before.
 	ready chan struct{}
 	// selfDone marks selfInitializer done.
 	selfDone func(statedb.WriteTxn)
@@ -84,9 +85,6 @@ type IPCache struct {
 	snapMu   sync.Mutex
 	snapshot []ipcachemap.Entry
 	snapTook bool
-
-	stop chan struct{}
-	wg   sync.WaitGroup
 }
 
 type mapHolder struct{ ipcachemap.Map }
@@ -460,9 +458,10 @@ func isWorld(l labels.Label) bool {
 }
 
 // RegisterInitializer holds back the ipcache table's initialization, and so
-// the pruning of stale map entries, until done is called. Call it before the
-// ipcache's start hook has finished running every start hook of the hive:
-// from a constructor, or from a start hook.
+// the pruning of stale map entries, until done is called. Call it from a
+// constructor (or from restoration's start hook): the table may count as
+// initialized as soon as restoration has finished, and right after the
+// ipcache's start hook in a hive without restoration.
 func (c *IPCache) RegisterInitializer(name string) (done func()) {
 	wtxn := c.db.WriteTxn(c.table)
 	markDone := c.table.RegisterInitializer(wtxn, name)
@@ -493,9 +492,9 @@ func (c *IPCache) TakeSnapshot() []MapEntry {
 	return mapEntries(s)
 }
 
-// Start opens the map (which snapshots its old contents) and arms the
-// initialization that follows the last start hook.
-func (c *IPCache) Start(hctx cell.HookContext) error {
+// Start opens the map (which snapshots its old contents); the
+// waitForRestoration job lets the reconciler write it.
+func (c *IPCache) Start(cell.HookContext) error {
 	m, info, err := ipcachemap.Open(c.mapConfig)
 	if info.MountedBPFFS != "" {
 		// Mounting changes the host for every process on it.
@@ -516,31 +515,30 @@ func (c *IPCache) Start(hctx cell.HookContext) error {
 	}
 	c.snapMu.Unlock()
 	c.m.Store(&mapHolder{m})
+	return nil
+}
 
-	// The start context ends when every start hook has run (or start
-	// failed). Only then may the reconciler write and the table count as
-	// initialized: restoration's start hook runs after this one.
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
-		select {
-		case <-hctx.Done():
-		case <-c.stop:
-			return
-		}
-		close(c.ready)
-		wtxn := c.db.WriteTxn(c.table)
-		c.selfDone(wtxn)
-		wtxn.Commit()
-	}()
+// waitForRestoration is the job that lets the reconciler write the map, and
+// the table count as initialized, once restoration has finished
+// (Allocator.WaitForRestoration; at once in a hive without restoration):
+// nothing overwrites an old entry before restoration has re-created its
+// prefix. Pruning waits longer, for restoration's own initializer.
+func (c *IPCache) waitForRestoration(ctx context.Context, health cell.Health) error {
+	health.OK("Waiting for restoration")
+	if err := c.alloc.WaitForRestoration(ctx); err != nil {
+		// Stopped before restoration finished.
+		return nil
+	}
+	close(c.ready)
+	wtxn := c.db.WriteTxn(c.table)
+	c.selfDone(wtxn)
+	wtxn.Commit()
 	return nil
 }
 
 // Stop closes the map; the file backend writes its last state. The
 // reconciler's jobs have stopped before (job hooks stop first).
 func (c *IPCache) Stop(cell.HookContext) error {
-	close(c.stop)
-	c.wg.Wait()
 	h := c.m.Swap(nil)
 	if h == nil {
 		return nil

@@ -576,21 +576,28 @@ func TestPruneWaitsForInitializer(t *testing.T) {
 }
 
 // TestNoWritesBeforeStartHooksEnd checks that the reconciler leaves the
-// map alone while later start hooks (restoration's) run, even when rows
-// are upserted from them.
+// map alone while restoration's start hook runs, even when rows are
+// upserted from it: the ipcache waits for the restoration registered with
+// the allocator (Allocator.WaitForRestoration), here a stand-in that is
+// done when its hook ends.
 func TestNoWritesBeforeStartHooksEnd(t *testing.T) {
 	var sawMap []ipcache.MapEntry
-	later := cell.Invoke(func(lc cell.Lifecycle, c *ipcache.IPCache) {
-		lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
-			if err := c.Upsert(context.Background(), "restored", pfx("10.0.0.0/8"), ipcache.Info{}); err != nil {
+	done := make(chan struct{})
+	later := cell.Group(
+		cell.Provide(func() allocator.RestorationOut { return allocator.NewRestoration(standInRestoration(done)) }),
+		cell.Invoke(func(lc cell.Lifecycle, c *ipcache.IPCache) {
+			lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
+				defer close(done)
+				if err := c.Upsert(allocator.Restoring(t.Context()), "restored", pfx("10.0.0.0/8"), ipcache.Info{}); err != nil {
+					return err
+				}
+				time.Sleep(50 * time.Millisecond)
+				var err error
+				sawMap, err = c.MapDump()
 				return err
-			}
-			time.Sleep(50 * time.Millisecond)
-			var err error
-			sawMap, err = c.MapDump()
-			return err
-		}})
-	})
+			}})
+		}),
+	)
 	n := newNode(t, nil, later)
 	n.start(t)
 	if len(sawMap) != 0 {
@@ -686,3 +693,9 @@ func TestConfigValidation(t *testing.T) {
 	n := newNode(t, func(c *ipcache.Config) { c.IPCacheMapMaxEntries = 1_000_000 })
 	n.start(t)
 }
+
+// standInRestoration is an allocator.Restoration that is done when its
+// channel is closed.
+type standInRestoration chan struct{}
+
+func (r standInRestoration) Done() <-chan struct{} { return r }

@@ -2,6 +2,8 @@ package restoration
 
 import (
 	"github.com/cilium/hive/cell"
+
+	"github.com/identityd/identityd/cells/allocator"
 )
 
 // Cell provides *Restorer and the identity/restore-status command. It needs
@@ -9,10 +11,12 @@ import (
 // health; an AutomaticGracePeriod is optional (it only chooses the default
 // grace period).
 //
-// The cell constructs its Restorer itself, at the cell's place in the hive:
-// list it right after the ipcache cell so that its start hook runs before
-// the start hooks of cells listed after it, whether they depend on it or
-// not.
+// Its order with other cells is by contract, not by the cells' positions:
+// the Restorer registers with the allocator as its allocator.Restoration,
+// and local allocations other than restoration's own wait until its start
+// hook has finished (allocator.Allocator.WaitForRestoration), as do the
+// checkpoint's writes and the ipcache's writes to the datapath map.
+// Registering is what constructs the Restorer, so it needs no invoke.
 var Cell = cell.Module(
 	"restoration",
 	"Restores local identities and ipcache entries at start",
@@ -21,11 +25,6 @@ var Cell = cell.Module(
 	cell.Provide(
 		newRestorer,
 		newCommands,
+		func(r *Restorer) allocator.RestorationOut { return allocator.NewRestoration(r) },
 	),
-
-	// Start hooks run in the order their constructors ran. Constructing
-	// the Restorer here, rather than when a later cell first asks for
-	// it, puts its hook right after those of its dependencies and ahead
-	// of every cell constructed later.
-	cell.Invoke(func(*Restorer) {}),
 )

@@ -42,7 +42,8 @@
 // the same identity, and the map keeps the old entries until step 6. The
 // prefixes of unknown label sets (requested IDs) are added in the hook, as
 // an early upsert by another owner would give them a fresh number.
-// Restorer.Done is closed after the hook, Restorer.Ready after step 6.
+// Restorer.Done is closed after the hook (local allocations wait for it,
+// see Ordering), Restorer.Ready after step 6.
 //
 // Nothing of this fails the start: each problem is logged and counted
 // (Counters) and restoration continues with what it can use.
@@ -56,19 +57,33 @@
 //
 // # Ordering
 //
-// The ipcache reconciler writes nothing to the datapath map before every
-// start hook has run, and prunes nothing before the table is initialized,
-// which waits for restoration's initializer (registered in the Restorer's
-// constructor). So the map cannot change before restoration has read it.
+// The order does not depend on where the cells are listed; it is kept by
+// contracts with the allocator and the ipcache:
+//
+//   - The Restorer registers with the allocator as its
+//     allocator.Restoration (allocator.NewRestoration). Until Restorer.Done
+//     is closed, which the start hook does however it ends, every local
+//     allocation that is not restoration's own waits for it, bounded by
+//     its context and --identity-allocation-timeout: no identity allocated
+//     before restoration can take a restored identity's number.
+//     Restoration's own allocations are marked restored, and the ipcache
+//     upserts of its start hook run under allocator.Restoring, so they do
+//     not wait for themselves; its jobs run after Done.
+//   - The checkpoint writes nothing, and the ipcache reconciler writes
+//     nothing to the datapath map, before restoration has finished
+//     (Allocator.WaitForRestoration); the ipcache prunes nothing before
+//     restoration's initializer (registered in the Restorer's constructor)
+//     is done. So neither file changes before restoration has read it.
+//   - Stopping, the Restorer keeps what it holds; the final checkpoint is
+//     written by the allocator's stop hook (the checkpoint's
+//     allocator.Finalizer), after the stop hooks of every cell that uses
+//     the allocator, this one included.
 //
 // Restoration depends on the allocator, the checkpoint and the ipcache, so
-// its start hook runs after theirs. Cell constructs the Restorer at the
-// cell's place in the hive, so its hook also runs before those of cells
-// listed after it. Cells that allocate local identities at start should
-// depend on *restoration.Restorer (or be listed after restoration.Cell):
-// an identity allocated before the restoration could take a restored
-// identity's number. Work that allocates later can wait for
-// Restorer.Done.
+// its start hook runs after theirs. A start hook of another cell that
+// allocates a local identity must depend on *restoration.Restorer, so
+// that it runs after restoration's; without that dependency it would wait
+// for a hook that may run after it. Other work allocates from a job.
 //
 // # Cell
 //

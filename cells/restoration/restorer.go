@@ -214,9 +214,9 @@ func newRestorer(p params) (*Restorer, error) {
 }
 
 // Done returns a channel closed once the start hook has restored the
-// identities and protected the old numbers. Cells that allocate local
-// identities after start but outside a start hook that depends on the
-// Restorer can wait on it.
+// identities and protected the old numbers, whatever it could restore. It
+// is the allocator.Restoration the cell registers: local allocations wait
+// for it (Allocator.WaitForRestoration).
 func (r *Restorer) Done() <-chan struct{} { return r.done }
 
 // Ready returns a channel closed once the old map's prefixes are back in
@@ -280,8 +280,12 @@ func (r *Restorer) Held() []identity.Identity {
 // Start restores the identities and protects the old numbers (see the
 // package documentation); the bulk of the prefixes follows in a job. It
 // never fails: whatever cannot be restored is logged and counted, and the
-// agent starts with the rest.
-func (r *Restorer) Start(ctx cell.HookContext) error {
+// agent starts with the rest. Done is closed however it ends, as every
+// other local allocation waits for it. Its own allocations, through the
+// ipcache too, are marked allocator.Restoring: they must not wait for it.
+func (r *Restorer) Start(hctx cell.HookContext) error {
+	defer close(r.done)
+	ctx := allocator.Restoring(hctx)
 	start := time.Now()
 	r.restoreCheckpoint(ctx)
 	mid := time.Now()
@@ -291,7 +295,6 @@ func (r *Restorer) Start(ctx cell.HookContext) error {
 	r.state = StateRestoring
 	r.restoreDuration, r.cpDuration, r.pfxDuration = d, mid.Sub(start), time.Since(mid)
 	r.mu.Unlock()
-	close(r.done)
 	return nil
 }
 

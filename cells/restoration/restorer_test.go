@@ -2,16 +2,22 @@ package restoration_test
 
 import (
 	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
@@ -291,6 +297,447 @@ func TestStartOrder(t *testing.T) {
 		if got[e.Key.Prefix] != e.Value.Identity {
 			t.Fatalf("%s: %d in the map, want %d", e.Key.Prefix, got[e.Key.Prefix], e.Value.Identity)
 		}
+	}
+}
+
+// orderProbe is a cell that uses the allocator as early and as late as it
+// can, without depending on the Restorer: from jobs that start with its
+// hooks it allocates a local identity, asks for the checkpoint's durability
+// point, upserts a prefix with a direct identity (which allocates nothing)
+// and samples the datapath map until told to stop; in its stop hook it
+// allocates another local identity.
+type orderProbe struct {
+	// old are the map entries of the previous run that restoration
+	// restores; restored are the checkpoint's identities.
+	old      []ipcachemap.Entry
+	restored []*identity.Identity
+	// cpFile is the checkpoint of the previous run, cpInfo its file.
+	cpFile string
+	cpInfo os.FileInfo
+	// stopSampling ends the sampling job.
+	stopSampling chan struct{}
+
+	mu sync.Mutex
+	// early is the identity allocated from a job; notHeld are the
+	// checkpoint's identities the allocator did not hold when that
+	// allocation returned.
+	early    *identity.Identity
+	earlyErr error
+	notHeld  []identity.NumericIdentity
+	syncErr  error
+	// late is the identity allocated in the stop hook.
+	late    *identity.Identity
+	lateErr error
+	// samples counts the map dumps; violation is the first wrong one.
+	samples   int
+	violation string
+}
+
+var (
+	earlyLabels  = mustLabels("fqdn:early.example.com")
+	lateLabels   = mustLabels("fqdn:late.example.com")
+	directPrefix = netip.MustParsePrefix("198.51.100.0/24")
+)
+
+func (p *orderProbe) cell() cell.Cell {
+	return cell.Module("order-probe", "Allocates early and late",
+		// Depending on the allocator only, the allocations do not order
+		// the probe after the checkpoint, the ipcache or restoration.
+		cell.Invoke(func(lc cell.Lifecycle, jobs job.Registry, h cell.Health, a allocator.Allocator) {
+			jobs.NewGroup(h).Add(job.OneShot("allocate-early", func(ctx context.Context, _ cell.Health) error {
+				p.allocateEarly(ctx, a)
+				return nil
+			}))
+			lc.Append(cell.Hook{OnStop: func(ctx cell.HookContext) error {
+				id, _, err := a.Allocate(ctx, lateLabels)
+				p.mu.Lock()
+				p.late, p.lateErr = id, err
+				p.mu.Unlock()
+				return nil
+			}})
+		}),
+		cell.Invoke(func(jobs job.Registry, h cell.Health, a allocator.Allocator, ipc *ipcache.IPCache, syncer allocator.LocalIdentitySyncer) {
+			jobs.NewGroup(h).Add(
+				job.OneShot("sync-early", func(ctx context.Context, _ cell.Health) error {
+					err := syncer.Sync(ctx)
+					p.mu.Lock()
+					p.syncErr = err
+					p.mu.Unlock()
+					return nil
+				}),
+				job.OneShot("sample-map", func(ctx context.Context, _ cell.Health) error {
+					p.sampleMap(ctx, a, ipc)
+					return nil
+				}),
+			)
+		}),
+	)
+}
+
+func (p *orderProbe) allocateEarly(ctx context.Context, a allocator.Allocator) {
+	id, _, err := a.Allocate(ctx, earlyLabels)
+	var notHeld []identity.NumericIdentity
+	for _, r := range p.restored {
+		if got := a.LookupByID(r.ID); got == nil || !got.Labels.Equal(r.Labels) {
+			notHeld = append(notHeld, r.ID)
+		}
+	}
+	p.mu.Lock()
+	p.early, p.earlyErr, p.notHeld = id, err, notHeld
+	p.mu.Unlock()
+}
+
+// sampleMap dumps the map until stopSampling is closed. Every dump must
+// hold the old entries restoration restores (nothing pruned them), and a
+// dump taken before restoration finished must hold nothing else (the
+// reconciler wrote nothing yet, not even the probe's direct identity).
+// Until restoration has finished, the checkpoint file must be the previous
+// run's: nothing replaced it before restoration read it.
+func (p *orderProbe) sampleMap(ctx context.Context, a allocator.Allocator, ipc *ipcache.IPCache) {
+	if err := ipc.Upsert(ctx, "order-probe", directPrefix, ipcache.Info{Identity: identity.ReservedIdentityWorldIPv4}); err != nil {
+		p.fail(fmt.Sprintf("direct upsert: %v", err))
+	}
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	for {
+		dump, err := ipc.MapDump()
+		fi, statErr := os.Stat(p.cpFile)
+		// Asked after the dump: if restoration has not finished now, it
+		// had not when the dump was taken.
+		restoring := a.WaitForRestoration(ended) != nil
+		p.check(dump, err, restoring)
+		if restoring && (statErr != nil || !os.SameFile(fi, p.cpInfo)) {
+			p.fail(fmt.Sprintf("the checkpoint file was replaced before restoration finished (%v)", statErr))
+		}
+		select {
+		case <-p.stopSampling:
+			return
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+func (p *orderProbe) check(dump []ipcache.MapEntry, err error, restoring bool) {
+	p.mu.Lock()
+	p.samples++
+	p.mu.Unlock()
+	if err != nil {
+		p.fail(fmt.Sprintf("map dump: %v", err))
+		return
+	}
+	got := make(map[netip.Prefix]identity.NumericIdentity, len(dump))
+	for _, e := range dump {
+		got[e.Key.Prefix] = e.Value.Identity
+	}
+	for _, e := range p.old {
+		if id, ok := got[e.Key.Prefix]; !ok || id != e.Value.Identity {
+			p.fail(fmt.Sprintf("old entry %s → %d is %d (present: %t) in a map sample", e.Key.Prefix, e.Value.Identity, id, ok))
+			return
+		}
+	}
+	if restoring && len(dump) != len(p.old) {
+		p.fail(fmt.Sprintf("the map holds %d entries before restoration finished, want the %d old ones: %v", len(dump), len(p.old), got))
+	}
+}
+
+func (p *orderProbe) fail(msg string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.violation == "" {
+		p.violation = msg
+	}
+}
+
+var orderSeed = flag.Uint64("order-seed", 0, "seed of TestStartOrderByContract's shuffles (0: the time)")
+
+// orderedCells are the cells of a restoring agent, as the agent lists them,
+// and the probe. Each has a name for the log.
+func orderedCells(p *orderProbe) (names []string, cells []cell.Cell) {
+	named := []struct {
+		name string
+		c    cell.Cell
+	}{
+		{"health", cell.SimpleHealthCell},
+		{"job", job.Cell},
+		{"statedb", statedb.Cell},
+		{"statedir", statedir.Cell},
+		{"allocator", allocator.Cell},
+		{"checkpoint", checkpoint.Cell},
+		{"ipcache", ipcache.Cell},
+		{"restoration", restoration.Cell},
+		{"probe", p.cell()},
+	}
+	for _, n := range named {
+		names = append(names, n.name)
+		cells = append(cells, n.c)
+	}
+	return names, cells
+}
+
+// TestStartOrderByContract composes the cells in several orders (as the
+// agent lists them, reversed and shuffled) over the state of a previous
+// run, and checks in each that what keeps the state stable across restarts
+// holds by contract, not by the order of the list:
+//
+//   - restoration runs before any other local allocation: the probe's
+//     early identity takes no checkpoint number, and when it was allocated
+//     the allocator held every checkpoint identity;
+//   - the checkpoint's durability point, asked for at once, does not
+//     replace the file before restoration read it: every checkpoint
+//     identity is restored with its number;
+//   - the datapath map keeps every old entry restoration restores in every
+//     sample (nothing pruned them), and the reconciler writes nothing
+//     before restoration has finished;
+//   - the final checkpoint holds the identity the probe allocated in its
+//     stop hook.
+func TestStartOrderByContract(t *testing.T) {
+	seed := *orderSeed
+	if seed == 0 {
+		seed = uint64(time.Now().UnixNano())
+	}
+	t.Logf("shuffle seed %d (repeat with -order-seed)", seed)
+	rng := rand.New(rand.NewPCG(seed, seed>>1|1))
+
+	type order struct {
+		name string
+		perm []int
+	}
+	n := len(func() []string { names, _ := orderedCells(&orderProbe{}); return names }())
+	listed := make([]int, n)
+	for i := range listed {
+		listed[i] = i
+	}
+	reversed := slices.Clone(listed)
+	slices.Reverse(reversed)
+	orders := []order{{"listed", listed}, {"reversed", reversed}}
+	// The probe first: its jobs start before restoration's hook.
+	probeFirst := append([]int{n - 1}, listed[:n-1]...)
+	orders = append(orders, order{"probe-first", probeFirst})
+	for i := range 5 {
+		perm := slices.Clone(listed)
+		rng.Shuffle(len(perm), func(a, b int) { perm[a], perm[b] = perm[b], perm[a] })
+		orders = append(orders, order{fmt.Sprintf("shuffle-%d", i), perm})
+	}
+
+	for _, o := range orders {
+		t.Run(o.name, func(t *testing.T) {
+			runOrder(t, o.perm)
+		})
+	}
+}
+
+func runOrder(t *testing.T, perm []int) {
+	dir := t.TempDir()
+	// The previous run: its checkpoint holds the first numbers a fresh
+	// allocator hands out, its map the prefixes of some of these
+	// identities. The checkpoint is large enough that restoration takes a
+	// while: what does not wait for it gets ahead of it.
+	var restored []*identity.Identity
+	var old []ipcachemap.Entry
+	for i, pfx := range prefixes(3000) {
+		id := &identity.Identity{ID: identity.NumericIdentity(identity.ScopeLocal) + identity.NumericIdentity(i+1), Labels: labelsOf(pfx)}
+		restored = append(restored, id)
+		if i%300 == 0 {
+			old = append(old, ipcachemap.Entry{Key: ipcachemap.Key{Prefix: pfx}, Value: ipcachemap.Value{Identity: id.ID}})
+		}
+	}
+	cpFile := filepath.Join(dir, checkpoint.FileName)
+	if err := checkpoint.WriteFile(cpFile, checkpoint.AppendJSON(nil, restored)); err != nil {
+		t.Fatal(err)
+	}
+	cpInfo, err := os.Stat(cpFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeMap(t, dir, old)
+
+	p := &orderProbe{old: old, restored: restored, cpFile: cpFile, cpInfo: cpInfo, stopSampling: make(chan struct{})}
+	names, all := orderedCells(p)
+	var cells []cell.Cell
+	var listed []string
+	for _, i := range perm {
+		cells = append(cells, all[i])
+		listed = append(listed, names[i])
+	}
+	t.Logf("cells in order: %v", listed)
+	var (
+		r    *restoration.Restorer
+		ipc  *ipcache.IPCache
+		logs = hivetest.Logger(t)
+	)
+	cells = append(cells, cell.Invoke(func(rr *restoration.Restorer, c *ipcache.IPCache) { r, ipc = rr, c }))
+	h := hive.New(cells...)
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
+	hive.AddConfigOverride(h, func(c *checkpoint.Config) { c.IdentityCheckpointInterval = time.Hour })
+	hive.AddConfigOverride(h, func(c *restoration.Config) { c.IdentityRestoreGracePeriod = time.Hour })
+
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := h.Start(logs, ctx); err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	stopped := false
+	defer func() {
+		if !stopped {
+			h.Stop(logs, context.Background())
+		}
+	}()
+	select {
+	case <-r.Ready():
+	case <-ctx.Done():
+		t.Fatalf("restoration not ready: %+v", r.Status())
+	}
+	// The reconciler has written the probe's direct prefix: the samples
+	// cover restoration and the writes after it.
+	waitFor(t, ctx, func() bool {
+		dump, err := ipc.MapDump()
+		return err == nil && slices.ContainsFunc(dump, func(e ipcache.MapEntry) bool { return e.Key.Prefix == directPrefix })
+	})
+	waitFor(t, ctx, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.early != nil || p.earlyErr != nil
+	})
+	close(p.stopSampling)
+
+	if c := r.Counters(); c.Restored != uint64(len(restored)) || c.Renumbered != 0 || c.Skipped != 0 {
+		t.Errorf("restoration counters %+v, want %d restored and none renumbered or skipped", c, len(restored))
+	}
+	p.mu.Lock()
+	early, earlyErr, notHeld, syncErr := p.early, p.earlyErr, p.notHeld, p.syncErr
+	samples, violation := p.samples, p.violation
+	p.mu.Unlock()
+	if earlyErr != nil {
+		t.Fatalf("early allocation: %v", earlyErr)
+	}
+	if slices.ContainsFunc(restored, func(id *identity.Identity) bool { return id.ID == early.ID }) {
+		t.Errorf("the probe's early identity %d took a checkpoint number", early.ID)
+	}
+	if len(notHeld) > 0 {
+		t.Errorf("%d checkpoint identities (first %d) not restored yet when the probe's early identity %d was allocated", len(notHeld), notHeld[0], early.ID)
+	}
+	if syncErr != nil {
+		t.Errorf("early checkpoint sync: %v", syncErr)
+	}
+	if violation != "" {
+		t.Errorf("after %d map samples: %s", samples, violation)
+	}
+
+	stopped = true
+	if err := h.Stop(logs, ctx); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	p.mu.Lock()
+	late, lateErr := p.late, p.lateErr
+	p.mu.Unlock()
+	if lateErr != nil {
+		t.Fatalf("allocation in the probe's stop hook: %v", lateErr)
+	}
+	res, err := checkpoint.Loader{}.Load(cpFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inFile := map[identity.NumericIdentity]string{}
+	for _, id := range res.Identities {
+		inFile[id.ID] = id.Labels.String()
+	}
+	for _, want := range append([]*identity.Identity{early, late}, restored...) {
+		if inFile[want.ID] != want.Labels.String() {
+			t.Errorf("final checkpoint lacks %d %s (has %q)", want.ID, want.Labels, inFile[want.ID])
+			break
+		}
+	}
+}
+
+// waitFor retries cond until it holds or ctx ends.
+func waitFor(t *testing.T, ctx context.Context, cond func() bool) {
+	t.Helper()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatal("condition not met in time")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// pendingRestoration is an allocator.Restoration that finishes when its
+// channel is closed.
+type pendingRestoration chan struct{}
+
+func (r pendingRestoration) Done() <-chan struct{} { return r }
+
+// TestAllocationsWaitForRestoration checks the allocator's side of the
+// contract with a restoration that has not finished: a local allocation
+// waits for it and fails at --identity-allocation-timeout, a batch waits
+// once for all its local requests, restoration's own allocations (restored,
+// or under allocator.Restoring) and reserved ones do not wait, and once it
+// has finished every allocation goes through.
+func TestAllocationsWaitForRestoration(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	pending := make(pendingRestoration)
+	var alloc allocator.Allocator
+	h := hive.New(
+		cell.SimpleHealthCell, statedb.Cell, allocator.Cell,
+		cell.Provide(func() allocator.RestorationOut { return allocator.NewRestoration(pending) }),
+		cell.Invoke(func(a allocator.Allocator) { alloc = a }),
+	)
+	hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
+	log := hivetest.Logger(t)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(log, context.Background())
+	ctx := t.Context()
+
+	begin := time.Now()
+	if _, _, err := alloc.Allocate(ctx, mustLabels("fqdn:early.example.com")); err == nil || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("local allocation before restoration finished: %v, want a timeout", err)
+	}
+	if d := time.Since(begin); d < timeout {
+		t.Fatalf("local allocation gave up after %s, before the allocation timeout %s", d, timeout)
+	}
+	begin = time.Now()
+	results := alloc.AllocateBatch(ctx, []allocator.Request{
+		{Labels: mustLabels("fqdn:a.example.com")},
+		{Labels: mustLabels("fqdn:b.example.com")},
+		{Labels: mustLabels("fqdn:c.example.com")},
+		{Labels: mustLabels("fqdn:d.example.com")},
+		{Labels: mustLabels("fqdn:e.example.com")},
+		{Labels: mustLabels("fqdn:restored.example.com"), Restored: true},
+		{Labels: mustLabels("reserved:host")},
+	})
+	if d := time.Since(begin); d > 3*timeout {
+		t.Fatalf("a batch of five waiting requests took %s: it waited for each", d)
+	}
+	for i, r := range results {
+		if waits := i < 5; waits != (r.Err != nil) {
+			t.Fatalf("batch request %d: %+v (waits for restoration: %t)", i, r, waits)
+		}
+	}
+	if _, _, err := alloc.Allocate(allocator.Restoring(ctx), mustLabels("cidr:10.0.0.0/8")); err != nil {
+		t.Fatalf("allocation under allocator.Restoring: %v", err)
+	}
+	if _, _, err := alloc.Allocate(ctx, mustLabels("fqdn:own.example.com"), allocator.AsRestored()); err != nil {
+		t.Fatalf("restored allocation: %v", err)
+	}
+	short, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
+	defer cancel()
+	if err := alloc.WaitForRestoration(short); err == nil {
+		t.Fatal("WaitForRestoration returned before restoration finished")
+	}
+
+	close(pending)
+	ended, cancelEnded := context.WithCancel(ctx)
+	cancelEnded()
+	if err := alloc.WaitForRestoration(ended); err != nil {
+		t.Fatalf("WaitForRestoration after restoration finished, with an ended context: %v", err)
+	}
+	if _, _, err := alloc.Allocate(ctx, mustLabels("fqdn:early.example.com")); err != nil {
+		t.Fatalf("local allocation after restoration finished: %v", err)
 	}
 }
 
