@@ -29,6 +29,7 @@ import (
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/ipcachemap"
 	"github.com/identityd/identityd/internal/scriptengine"
 )
@@ -592,11 +593,11 @@ func runOrder(t *testing.T, perm []int) {
 	}
 	// The reconciler has written the probe's direct prefix: the samples
 	// cover restoration and the writes after it.
-	waitFor(t, ctx, func() bool {
+	eventually.Within(t, time.Minute, "the reconciler writes the probe's direct prefix", func() bool {
 		dump, err := ipc.MapDump()
 		return err == nil && slices.ContainsFunc(dump, func(e ipcache.MapEntry) bool { return e.Key.Prefix == directPrefix })
 	})
-	waitFor(t, ctx, func() bool {
+	eventually.Within(t, time.Minute, "map samples after restoration", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		return p.early != nil || p.earlyErr != nil
@@ -648,18 +649,6 @@ func runOrder(t *testing.T, perm []int) {
 		if inFile[want.ID] != want.Labels.String() {
 			t.Errorf("final checkpoint lacks %d %s (has %q)", want.ID, want.Labels, inFile[want.ID])
 			break
-		}
-	}
-}
-
-// waitFor retries cond until it holds or ctx ends.
-func waitFor(t *testing.T, ctx context.Context, cond func() bool) {
-	t.Helper()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatal("condition not met in time")
-		case <-time.After(5 * time.Millisecond):
 		}
 	}
 }
