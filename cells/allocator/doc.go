@@ -75,6 +75,18 @@
 // checkpoint on disk, unless --no-wait; if the checkpoint cannot be written
 // it drops the reference it took and fails.
 //
+// # Order by contract
+//
+// Other cells register with the allocator through invokes, which run
+// before any start hook: identity handlers (NewHandler), the restoration
+// that local allocations wait for (NewRestoration) and the finalizers its
+// stop hook runs (NewFinalizer). Until a registered restoration is done,
+// local allocations that are not restoration's own (AsRestored, or a
+// context from Restoring) wait, bounded by --identity-allocation-timeout;
+// WaitForRestoration tells when it is done. The stop hook runs the
+// finalizers first (the checkpoint's final write): every cell that uses
+// the allocator depends on it, so their stop hooks have run by then.
+//
 // # Stores and remote clusters
 //
 // The allocator imports no store: it consumes the contract of
