@@ -28,6 +28,7 @@ var Cell = cell.Module(
 		newAllocator,
 		newCellCommands,
 		clusterInfo,
+		newIdentityMetrics,
 	),
 	cell.Invoke(registerHandlers),
 )

@@ -19,6 +19,7 @@ var Cell = cell.Module(
 	cell.Provide(
 		newCheckpoint,
 		newCommands,
+		newCheckpointMetrics,
 		func(c *Checkpoint) allocator.LocalIdentitySyncer { return c },
 	),
 

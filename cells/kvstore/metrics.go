@@ -1,11 +1,12 @@
 package kvstore
 
 import (
+	"context"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
-	"github.com/cilium/hive/cell"
 	"github.com/prometheus/client_golang/prometheus"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -36,12 +37,6 @@ func newRequestMetrics() *requestMetrics {
 		quorum:    metrics.NewKVStoreQuorumErrors(),
 		observers: map[string]map[string]*[2]prometheus.Observer{},
 	}
-}
-
-type clientOut struct {
-	cell.Out
-	Client     *Client
-	Collectors []prometheus.Collector `group:"identityd-metrics,flatten"`
 }
 
 func (m *requestMetrics) observe(method string, req any, err error, d time.Duration) {
@@ -139,4 +134,71 @@ func keyScope(req any) []byte {
 		}
 	}
 	return key[:end]
+}
+
+// newClientMetrics contributes the client's collector: the request
+// histogram and quorum errors it records as requests happen, and the
+// request counts and connectivity it reads at scrape time.
+func newClientMetrics(c *Client) metrics.CollectorOut {
+	return metrics.NewCollector(newClientCollector(c))
+}
+
+// statusScrapeTimeout bounds the status requests of one scrape, so that an
+// unreachable etcd makes the scrape slow, not stuck.
+const statusScrapeTimeout = 5 * time.Second
+
+// clientCollector reports the client's request metrics, its request counts
+// and its connectivity. Each scrape sends one Status request per endpoint,
+// which shows in the Status method's request count.
+type clientCollector struct {
+	client *Client
+
+	requests, connected, endpoints, lease *prometheus.Desc
+}
+
+func newClientCollector(client *Client) *clientCollector {
+	ns := metrics.Namespace
+	return &clientCollector{
+		client: client,
+		requests: prometheus.NewDesc(ns+"_kvstore_requests_total",
+			"Number of etcd requests this node sent, by gRPC method (streams count once when opened; LeaseGrant counts lease creations and re-creations)",
+			[]string{"method"}, nil),
+		connected: prometheus.NewDesc(ns+"_kvstore_connected",
+			"1 when at least one etcd endpoint answered a status request during this scrape, else 0", nil, nil),
+		endpoints: prometheus.NewDesc(ns+"_kvstore_endpoints",
+			"Number of configured etcd endpoints, by whether they answered during this scrape",
+			[]string{"state"}, nil),
+		lease: prometheus.NewDesc(ns+"_kvstore_lease_held",
+			"1 when this node holds an etcd lease for its keys, else 0", nil, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *clientCollector) Describe(ch chan<- *prometheus.Desc) {
+	c.client.metrics.duration.Describe(ch)
+	c.client.metrics.quorum.Describe(ch)
+	ch <- c.requests
+	ch <- c.connected
+	ch <- c.endpoints
+	ch <- c.lease
+}
+
+// Collect implements prometheus.Collector.
+func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
+	c.client.metrics.duration.Collect(ch)
+	c.client.metrics.quorum.Collect(ch)
+	ctx, cancel := context.WithTimeout(context.Background(), statusScrapeTimeout)
+	defer cancel()
+	st := c.client.Status(ctx)
+	up := st.Connected()
+	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up > 0))
+	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(up), "connected")
+	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(len(st.Endpoints)-up), "unreachable")
+	ch <- prometheus.MustNewConstMetric(c.lease, prometheus.GaugeValue, metrics.BoolValue(st.LeaseID != 0))
+	// Counts are read after the status requests so that those are in;
+	// from the counters themselves, without RequestCounts' copy.
+	c.client.counts.Range(func(method, n any) bool {
+		ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(n.(*atomic.Uint64).Load()), method.(string))
+		return true
+	})
 }

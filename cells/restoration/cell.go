@@ -21,6 +21,7 @@ var Cell = cell.Module(
 	cell.Provide(
 		newRestorer,
 		newCommands,
+		newRestorationMetrics,
 	),
 
 	// Start hooks run in the order their constructors ran. Constructing

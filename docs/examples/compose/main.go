@@ -30,7 +30,6 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
-	"github.com/identityd/identityd/cells/metrics/scrape"
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -95,8 +94,7 @@ func main() {
 	opts.LogThreshold = 100 * time.Millisecond
 	h := hive.NewWithOptions(opts,
 		health.Cell,
-		metrics.Cell,
-		scrape.Cell, // metrics derived from the cells' state at scrape time
+		metrics.Cell, // each cell below contributes its own collectors
 		job.Cell,
 		statedb.Cell,
 		statedir.Cell,
