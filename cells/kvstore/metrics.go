@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cilium/hive/cell"
 	"github.com/prometheus/client_golang/prometheus"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -139,8 +140,12 @@ func keyScope(req any) []byte {
 // newClientMetrics contributes the client's collector: the request
 // histogram and quorum errors it records as requests happen, and the
 // request counts and connectivity it reads at scrape time.
-func newClientMetrics(c *Client) metrics.CollectorOut {
-	return metrics.NewCollector(newClientCollector(c))
+func newClientMetrics(lc cell.Lifecycle, c *Client) metrics.CollectorOut {
+	col := newClientCollector(c)
+	// Appended after the client's hook (this needs the client), so the
+	// scrapes' status requests begin once the client runs.
+	lc.Append(col)
+	return metrics.NewCollector(col)
 }
 
 // statusScrapeTimeout bounds the status requests of one scrape, so that an
@@ -152,6 +157,11 @@ const statusScrapeTimeout = 5 * time.Second
 // which shows in the Status method's request count.
 type clientCollector struct {
 	client *Client
+
+	// run is the context of the client's run that the scrapes' status
+	// requests derive from: from the start until the client's stop path
+	// ends. nil before the start, when there is no connection to ask.
+	run atomic.Pointer[runContext]
 
 	requests, connected, endpoints, lease *prometheus.Desc
 }
@@ -173,6 +183,32 @@ func newClientCollector(client *Client) *clientCollector {
 	}
 }
 
+// runContext is one run of the client, as the scrapes see it.
+type runContext struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+// Start begins the run whose context bounds the scrapes' status requests.
+// The start context ends when the start is over, so the run keeps only
+// its values.
+func (c *clientCollector) Start(ctx cell.HookContext) error {
+	run, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	c.run.Store(&runContext{run, cancel})
+	return nil
+}
+
+// Stop ends the run with the client's stop path (its StopBudget), not at
+// once: this hook stops before the client's, and until the client has
+// stopped a scrape still reports what etcd answers, as the metrics
+// endpoint serves while the other cells stop.
+func (c *clientCollector) Stop(cell.HookContext) error {
+	if run := c.run.Load(); run != nil {
+		context.AfterFunc(c.client.stop.Load().expired, run.cancel)
+	}
+	return nil
+}
+
 // Describe implements prometheus.Collector.
 func (c *clientCollector) Describe(ch chan<- *prometheus.Desc) {
 	c.client.metrics.duration.Describe(ch)
@@ -187,9 +223,15 @@ func (c *clientCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
 	c.client.metrics.duration.Collect(ch)
 	c.client.metrics.quorum.Collect(ch)
-	ctx, cancel := context.WithTimeout(context.Background(), statusScrapeTimeout)
-	defer cancel()
-	st := c.client.Status(ctx)
+	var st Status
+	if run := c.run.Load(); run != nil {
+		ctx, cancel := context.WithTimeout(run.ctx, statusScrapeTimeout)
+		st = c.client.Status(ctx)
+		cancel()
+	} else {
+		// Before the start: no connection, every endpoint unreachable.
+		st = Status{Endpoints: make([]EndpointStatus, len(c.client.Endpoints()))}
+	}
 	up := st.Connected()
 	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up > 0))
 	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(up), "connected")
