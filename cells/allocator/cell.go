@@ -32,6 +32,7 @@ var Cell = cell.Module(
 		newAllocator,
 		newCellCommands,
 		clusterInfo,
+		newIdentityMetrics,
 	),
 	cell.Invoke(registerHandlers, registerContracts),
 )

@@ -26,6 +26,7 @@ var Cell = cell.Module(
 	cell.Provide(
 		newCheckpoint,
 		newCommands,
+		newCheckpointMetrics,
 		func(c *Checkpoint) allocator.LocalIdentitySyncer { return c },
 		func(c *Checkpoint) allocator.FinalizerOut {
 			return allocator.NewFinalizer(allocator.FinalizerFunc(c.finalWrite))

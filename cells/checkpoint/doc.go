@@ -56,7 +56,8 @@
 //
 // Checkpoint.Status reports the last write (time, duration, size, entries),
 // the last error and counters of writes, failures, loads, corrupt files and
-// invalid entries.
+// invalid entries. The cell exports them as the identityd_checkpoint_*
+// metrics (see cells/metrics).
 //
 // # Encoding
 //

@@ -32,6 +32,7 @@ var Cell = cell.Module(
 		statedb.RWTable[*Entry].ToTable,
 		newIPCache,
 		newCommands,
+		newIPCacheMetrics,
 	),
 )
 

@@ -13,5 +13,6 @@ var Cell = cell.Module(
 	cell.Provide(
 		newClient,
 		scriptCommands,
+		newClientMetrics,
 	),
 )

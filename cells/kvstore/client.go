@@ -16,7 +16,6 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
-	"github.com/prometheus/client_golang/prometheus"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -163,10 +162,10 @@ type params struct {
 	Jobs job.Registry `optional:"true"`
 }
 
-func newClient(p params) (clientOut, error) {
+func newClient(p params) (*Client, error) {
 	c, err := New(p.Log, p.Config, p.Dir)
 	if err != nil {
-		return clientOut{}, err
+		return nil, err
 	}
 	c.metrics = newRequestMetrics()
 	c.health = p.Health
@@ -188,7 +187,7 @@ func newClient(p params) (clientOut, error) {
 	// cells: releases in other cells' stop hooks know from the start that
 	// the lease's revoke (or its TTL) takes care of this node's keys.
 	p.Lifecycle.Append(stopMarker{c})
-	return clientOut{Client: c, Collectors: []prometheus.Collector{c.metrics.duration, c.metrics.quorum}}, nil
+	return c, nil
 }
 
 // New returns a client for cfg without starting it; call Start and Stop

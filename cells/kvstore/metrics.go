@@ -1,8 +1,10 @@
 package kvstore
 
 import (
+	"context"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -36,12 +38,6 @@ func newRequestMetrics() *requestMetrics {
 		quorum:    metrics.NewKVStoreQuorumErrors(),
 		observers: map[string]map[string]*[2]prometheus.Observer{},
 	}
-}
-
-type clientOut struct {
-	cell.Out
-	Client     *Client
-	Collectors []prometheus.Collector `group:"identityd-metrics,flatten"`
 }
 
 func (m *requestMetrics) observe(method string, req any, err error, d time.Duration) {
@@ -139,4 +135,112 @@ func keyScope(req any) []byte {
 		}
 	}
 	return key[:end]
+}
+
+// newClientMetrics contributes the client's collector: the request
+// histogram and quorum errors it records as requests happen, and the
+// request counts and connectivity it reads at scrape time.
+func newClientMetrics(lc cell.Lifecycle, c *Client) metrics.CollectorOut {
+	col := newClientCollector(c)
+	// Appended after the client's hook (this needs the client), so the
+	// scrapes' status requests begin once the client runs.
+	lc.Append(col)
+	return metrics.NewCollector(col)
+}
+
+// statusScrapeTimeout bounds the status requests of one scrape, so that an
+// unreachable etcd makes the scrape slow, not stuck.
+const statusScrapeTimeout = 5 * time.Second
+
+// clientCollector reports the client's request metrics, its request counts
+// and its connectivity. Each scrape sends one Status request per endpoint,
+// which shows in the Status method's request count.
+type clientCollector struct {
+	client *Client
+
+	// run is the context of the client's run that the scrapes' status
+	// requests derive from: from the start until the client's stop path
+	// ends. nil before the start, when there is no connection to ask.
+	run atomic.Pointer[runContext]
+
+	requests, connected, endpoints, lease *prometheus.Desc
+}
+
+func newClientCollector(client *Client) *clientCollector {
+	ns := metrics.Namespace
+	return &clientCollector{
+		client: client,
+		requests: prometheus.NewDesc(ns+"_kvstore_requests_total",
+			"Number of etcd requests this node sent, by gRPC method (streams count once when opened; LeaseGrant counts lease creations and re-creations)",
+			[]string{"method"}, nil),
+		connected: prometheus.NewDesc(ns+"_kvstore_connected",
+			"1 when at least one etcd endpoint answered a status request during this scrape, else 0", nil, nil),
+		endpoints: prometheus.NewDesc(ns+"_kvstore_endpoints",
+			"Number of configured etcd endpoints, by whether they answered during this scrape",
+			[]string{"state"}, nil),
+		lease: prometheus.NewDesc(ns+"_kvstore_lease_held",
+			"1 when this node holds an etcd lease for its keys, else 0", nil, nil),
+	}
+}
+
+// runContext is one run of the client, as the scrapes see it.
+type runContext struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+// Start begins the run whose context bounds the scrapes' status requests.
+// The start context ends when the start is over, so the run keeps only
+// its values.
+func (c *clientCollector) Start(ctx cell.HookContext) error {
+	run, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	c.run.Store(&runContext{run, cancel})
+	return nil
+}
+
+// Stop ends the run with the client's stop path (its StopBudget), not at
+// once: this hook stops before the client's, and until the client has
+// stopped a scrape still reports what etcd answers, as the metrics
+// endpoint serves while the other cells stop.
+func (c *clientCollector) Stop(cell.HookContext) error {
+	if run := c.run.Load(); run != nil {
+		context.AfterFunc(c.client.stop.Load().expired, run.cancel)
+	}
+	return nil
+}
+
+// Describe implements prometheus.Collector.
+func (c *clientCollector) Describe(ch chan<- *prometheus.Desc) {
+	c.client.metrics.duration.Describe(ch)
+	c.client.metrics.quorum.Describe(ch)
+	ch <- c.requests
+	ch <- c.connected
+	ch <- c.endpoints
+	ch <- c.lease
+}
+
+// Collect implements prometheus.Collector.
+func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
+	c.client.metrics.duration.Collect(ch)
+	c.client.metrics.quorum.Collect(ch)
+	var st Status
+	if run := c.run.Load(); run != nil {
+		ctx, cancel := context.WithTimeout(run.ctx, statusScrapeTimeout)
+		st = c.client.Status(ctx)
+		cancel()
+	} else {
+		// Before the start: no connection, every endpoint unreachable.
+		st = Status{Endpoints: make([]EndpointStatus, len(c.client.Endpoints()))}
+	}
+	up := st.Connected()
+	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up > 0))
+	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(up), "connected")
+	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(len(st.Endpoints)-up), "unreachable")
+	ch <- prometheus.MustNewConstMetric(c.lease, prometheus.GaugeValue, metrics.BoolValue(st.LeaseID != 0))
+	// Counts are read after the status requests so that those are in;
+	// from the counters themselves, without RequestCounts' copy.
+	c.client.counts.Range(func(method, n any) bool {
+		ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(n.(*atomic.Uint64).Load()), method.(string))
+		return true
+	})
 }

@@ -109,3 +109,11 @@ func NewIdentityRestoration() *prometheus.GaugeVec {
 		Help:      "Number of checkpointed identities by what restoration did with them at this start: restored, skipped, released_after_grace",
 	}, []string{LabelResult})
 }
+
+// BoolValue is the value of a gauge that says yes (1) or no (0).
+func BoolValue(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

@@ -37,17 +37,20 @@
 // requests in flight finish until the stop context ends. Without them it
 // serves in a goroutine that ends at that Shutdown.
 //
-// The metrics derived from the allocator (and its etcd backend), checkpoint,
-// kvstore, ipcache and restoration are collected at scrape time by the
-// cells/metrics/scrape package, which reads those cells' public APIs (it is
-// separate because those cells import this package).
+// Every cell contributes its own collectors, defined in the metrics.go
+// file of its package and provided with NewCollector: metrics recorded as
+// events happen (the allocation and etcd request histograms) and metrics
+// read from the cell's state at scrape time alike. This package is the
+// bottom of the import graph: it holds the registry, the endpoint and the
+// definitions the cells share, and imports no cell, so a hive has exactly
+// the metrics of the cells it composes.
 //
 // # Metrics
 //
 // All identityd metrics carry the namespace "identityd"; names follow
 // Cilium's where Cilium has the metric.
 //
-// Identities (scrape, from allocator.Allocator):
+// Identities (cells/allocator, read from the Allocator at scrape time):
 //
 //   - identityd_identity{type} gauge: identities this node knows, by type:
 //     reserved, well_known (always 0: identityd has no well-known set),
@@ -65,7 +68,7 @@
 //   - identityd_identity_restored gauge: identities held only by
 //     restoration, released after the grace period unless used again.
 //
-// Checkpoint (scrape, from *checkpoint.Checkpoint):
+// Checkpoint (cells/checkpoint, from Checkpoint.Status):
 //
 //   - identityd_checkpoint_write_duration_seconds gauge: the last
 //     successful write (snapshot, encoding, atomic write with fsyncs).
@@ -81,7 +84,7 @@
 //     identityd_checkpoint_loads_total, identityd_checkpoint_corrupt_files_total,
 //     identityd_checkpoint_invalid_entries_total counters.
 //
-// kvstore (scrape, from *kvstore.Client):
+// kvstore (cells/kvstore, from the *kvstore.Client):
 //
 //   - identityd_kvstore_requests_total{method} counter: etcd requests by
 //     gRPC method (Range, Txn, Put, DeleteRange, LeaseGrant, Status, Watch,
@@ -93,7 +96,7 @@
 //     unreachable.
 //   - identityd_kvstore_lease_held gauge: 1 while this node holds a lease.
 //
-// ipcache (scrape, from *ipcache.IPCache and its statedb table):
+// ipcache (cells/ipcache, from its statedb table):
 //
 //   - identityd_ipcache_entries gauge: prefixes in the table.
 //   - identityd_ipcache_reconciliation_errors gauge: prefixes whose write
@@ -101,8 +104,8 @@
 //   - identityd_ipcache_reconciliation_pending gauge: prefixes waiting to
 //     be written.
 //
-// Identity GC (scrape, from the etcd backend's GCStats; only with a
-// kvstore):
+// Identity GC (cells/allocator/etcdstore, from the store's counters; only
+// with a kvstore):
 //
 //   - identityd_identity_gc_entries{status} gauge: master keys the GC
 //     deleted (status "deleted") and unreferenced candidates it kept
@@ -114,7 +117,7 @@
 //     started that succeeded or failed (a gauge, as in Cilium). A run in
 //     progress counts as a success until it fails.
 //
-// Restoration (scrape, from *restoration.Restorer):
+// Restoration (cells/restoration, from Restorer.Counters):
 //
 //   - identityd_identity_restoration{result} gauge: checkpointed
 //     identities restored (got their old ID back), skipped (invalid, scope
@@ -145,8 +148,9 @@
 // NewIdentityGCEntries, NewIdentityGCRuns and NewIdentityRestoration define
 // the GC and restoration series for a cell that records them as events
 // happen (per GC run, as Cilium does). The identityd agent exports those
-// names from the scrape collectors above instead; a hive must not register
-// both, as the registry refuses two definitions of one name.
+// names from the etcdstore and restoration collectors above instead; a
+// hive must not register both, as the registry refuses two definitions of
+// one name.
 //
 // Process: the standard go_* and process_* metrics, and promhttp_* for the
 // endpoint itself.

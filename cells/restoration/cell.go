@@ -26,5 +26,6 @@ var Cell = cell.Module(
 		newRestorer,
 		newCommands,
 		func(r *Restorer) allocator.RestorationOut { return allocator.NewRestoration(r) },
+		newRestorationMetrics,
 	),
 )

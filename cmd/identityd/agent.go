@@ -17,7 +17,6 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
-	"github.com/identityd/identityd/cells/metrics/scrape"
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
@@ -28,7 +27,6 @@ import (
 var agentCells = []cell.Cell{
 	health.Cell,
 	metrics.Cell,
-	scrape.Cell,
 	job.Cell,
 	statedb.Cell,
 	statedir.Cell,

@@ -17,5 +17,5 @@ var Cell = cell.Module(
 	"Global identities in etcd",
 
 	cell.Config(DefaultConfig),
-	cell.Provide(newBackend),
+	cell.Provide(newBackend, newStoreMetrics),
 )

@@ -34,7 +34,6 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
-	"github.com/identityd/identityd/cells/metrics/scrape"
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -105,8 +104,7 @@ func main() {
 	var cells api
 	h := hive.NewWithOptions(opts,
 		health.Cell,
-		metrics.Cell,
-		scrape.Cell, // metrics derived from the cells' state at scrape time
+		metrics.Cell, // each cell below contributes its own collectors
 		job.Cell,
 		statedb.Cell,
 		statedir.Cell,

@@ -1,29 +1,32 @@
-package scrape
+package ipcache
 
 import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/metrics"
 )
 
-// IPCacheCollector reports the ipcache table's size and its reconciliation
-// state towards the datapath map. Counting rows by status is one pass over
-// the table per scrape (tens of milliseconds at a million prefixes), done
-// in one read transaction without blocking writers.
-type IPCacheCollector struct {
+// newIPCacheMetrics contributes the ipcache's collector.
+func newIPCacheMetrics(db *statedb.DB, c *IPCache) metrics.CollectorOut {
+	return metrics.NewCollector(newIPCacheCollector(db, c.Table()))
+}
+
+// ipcacheCollector reports the ipcache table's size and its reconciliation state
+// towards the datapath map. Counting rows by status is one pass over the
+// table per scrape (tens of milliseconds at a million prefixes), done in
+// one read transaction without blocking writers.
+type ipcacheCollector struct {
 	db    *statedb.DB
-	table statedb.Table[*ipcache.Entry]
+	table statedb.Table[*Entry]
 
 	entries, errors, pending *prometheus.Desc
 }
 
-// NewIPCacheCollector returns a collector reading table.
-func NewIPCacheCollector(db *statedb.DB, table statedb.Table[*ipcache.Entry]) *IPCacheCollector {
+func newIPCacheCollector(db *statedb.DB, table statedb.Table[*Entry]) *ipcacheCollector {
 	ns := metrics.Namespace
-	return &IPCacheCollector{
+	return &ipcacheCollector{
 		db:    db,
 		table: table,
 		entries: prometheus.NewDesc(ns+"_ipcache_entries",
@@ -36,14 +39,14 @@ func NewIPCacheCollector(db *statedb.DB, table statedb.Table[*ipcache.Entry]) *I
 }
 
 // Describe implements prometheus.Collector.
-func (c *IPCacheCollector) Describe(ch chan<- *prometheus.Desc) {
+func (c *ipcacheCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.entries
 	ch <- c.errors
 	ch <- c.pending
 }
 
 // Collect implements prometheus.Collector.
-func (c *IPCacheCollector) Collect(ch chan<- prometheus.Metric) {
+func (c *ipcacheCollector) Collect(ch chan<- prometheus.Metric) {
 	txn := c.db.ReadTxn()
 	var errs, pending int
 	for e := range c.table.All(txn) {

@@ -1,27 +1,30 @@
-package scrape
+package checkpoint
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/metrics"
 )
 
-// CheckpointCollector reports the checkpoint's last write and its event
+// newCheckpointMetrics contributes the checkpoint's collector.
+func newCheckpointMetrics(c *Checkpoint) metrics.CollectorOut {
+	return metrics.NewCollector(newCheckpointCollector(c))
+}
+
+// checkpointCollector reports the checkpoint's last write and its event
 // counters, read from Checkpoint.Status (no I/O).
-type CheckpointCollector struct {
-	cp *checkpoint.Checkpoint
+type checkpointCollector struct {
+	cp *Checkpoint
 
 	duration, size, entries, lastSuccess, lastFailed, pending *prometheus.Desc
 	writes, failures, loads, corrupt, invalid                 *prometheus.Desc
 }
 
-// NewCheckpointCollector returns a collector reading cp.
-func NewCheckpointCollector(cp *checkpoint.Checkpoint) *CheckpointCollector {
+func newCheckpointCollector(cp *Checkpoint) *checkpointCollector {
 	d := func(name, help string) *prometheus.Desc {
 		return prometheus.NewDesc(metrics.Namespace+"_checkpoint_"+name, help, nil, nil)
 	}
-	return &CheckpointCollector{
+	return &checkpointCollector{
 		cp:          cp,
 		duration:    d("write_duration_seconds", "Duration of the last successful checkpoint write: snapshot, encoding and atomic write with fsyncs"),
 		size:        d("size_bytes", "Size of the checkpoint file after the last successful write"),
@@ -38,7 +41,7 @@ func NewCheckpointCollector(cp *checkpoint.Checkpoint) *CheckpointCollector {
 }
 
 // Describe implements prometheus.Collector.
-func (c *CheckpointCollector) Describe(ch chan<- *prometheus.Desc) {
+func (c *checkpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.duration, c.size, c.entries, c.lastSuccess, c.lastFailed, c.pending,
 		c.writes, c.failures, c.loads, c.corrupt, c.invalid} {
 		ch <- d
@@ -46,7 +49,7 @@ func (c *CheckpointCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 // Collect implements prometheus.Collector.
-func (c *CheckpointCollector) Collect(ch chan<- prometheus.Metric) {
+func (c *checkpointCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.cp.Status()
 	gauge := func(d *prometheus.Desc, v float64) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v)
@@ -62,18 +65,11 @@ func (c *CheckpointCollector) Collect(ch chan<- prometheus.Metric) {
 		last = float64(st.LastWrite.UnixNano()) / 1e9
 	}
 	gauge(c.lastSuccess, last)
-	gauge(c.lastFailed, boolValue(st.LastError != nil))
-	gauge(c.pending, boolValue(st.Pending))
+	gauge(c.lastFailed, metrics.BoolValue(st.LastError != nil))
+	gauge(c.pending, metrics.BoolValue(st.Pending))
 	counter(c.writes, st.Counters.Writes)
 	counter(c.failures, st.Counters.WriteFailures)
 	counter(c.loads, st.Counters.Loads)
 	counter(c.corrupt, st.Counters.CorruptFiles)
 	counter(c.invalid, st.Counters.InvalidEntries)
-}
-
-func boolValue(b bool) float64 {
-	if b {
-		return 1
-	}
-	return 0
 }
