@@ -670,7 +670,7 @@ func TestAllocationsWaitForRestoration(t *testing.T) {
 	pending := make(pendingRestoration)
 	var alloc allocator.Allocator
 	h := hive.New(
-		cell.SimpleHealthCell, statedb.Cell, allocator.Cell,
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell,
 		cell.Provide(func() allocator.RestorationOut { return allocator.NewRestoration(pending) }),
 		cell.Invoke(func(a allocator.Allocator) { alloc = a }),
 	)

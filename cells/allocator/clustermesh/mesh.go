@@ -80,7 +80,15 @@ func newMesh(p params) (out, error) {
 	if err := p.Config.Validate(); err != nil {
 		return out{}, err
 	}
-	m := New(p.Log, p.Config, p.Cluster, p.Jobs.NewGroup(health.OrDetached(p.Health)))
+	h := health.OrDetached(p.Health)
+	m := New(p.Log, p.Config, p.Cluster, p.Jobs.NewGroup(h))
+	if p.Config.ClusterMeshConfig == "" {
+		// Nothing else reports to the module when no cluster is
+		// configured; a scope that never reports reads as unknown.
+		h.OK("No remote clusters: --clustermesh-config is empty")
+	} else {
+		h.OK("Following the remote clusters of " + p.Config.ClusterMeshConfig)
+	}
 	return out{Mesh: m, Remote: m}, nil
 }
 

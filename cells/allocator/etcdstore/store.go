@@ -74,6 +74,11 @@ type params struct {
 // treats as "no global backend" (allocator.ErrNoGlobalBackend).
 func newBackend(p params) (globalstore.Backend, error) {
 	if p.Client == nil {
+		if p.Health != nil {
+			// Nothing else reports to the module then; a scope that
+			// never reports reads as unknown.
+			p.Health.OK("No kvstore in the hive: no global identities")
+		}
 		return nil, nil
 	}
 	if err := p.Config.Validate(); err != nil {
