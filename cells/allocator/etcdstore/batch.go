@@ -44,9 +44,6 @@ const maxCreateBatch = 64
 // the backend's, since the request carries several callers' transactions
 // (see sendQueued for when).
 type createBatcher struct {
-	// ctx bounds the requests the batcher sends for queued callers; the
-	// backend cancels it on stop.
-	ctx context.Context
 	// requestContext bounds one request (timeout, require leader).
 	requestContext func(context.Context) (context.Context, context.CancelFunc)
 	// maxBatch is maxCreateBatch, or less after a server refused a
@@ -58,6 +55,9 @@ type createBatcher struct {
 	// transactions in them.
 	inFlight, inFlightItems int
 	queue                   []*createItem
+	// ctx bounds the requests the batcher sends for queued callers: the
+	// store's life, given by start and cancelled by the store's stop.
+	ctx context.Context
 	// stopped refuses new transactions once the backend stops.
 	stopped bool
 	wg      sync.WaitGroup
@@ -94,8 +94,8 @@ const (
 	itemAnswered
 )
 
-func newCreateBatcher(ctx context.Context, requestContext func(context.Context) (context.Context, context.CancelFunc)) *createBatcher {
-	q := &createBatcher{ctx: ctx, requestContext: requestContext}
+func newCreateBatcher(requestContext func(context.Context) (context.Context, context.CancelFunc)) *createBatcher {
+	q := &createBatcher{requestContext: requestContext}
 	q.maxBatch.Store(maxCreateBatch)
 	return q
 }
@@ -107,7 +107,7 @@ func newCreateBatcher(ctx context.Context, requestContext func(context.Context) 
 // outcome and the caller must not.
 func (q *createBatcher) commit(ctx context.Context, it *createItem) (resp *pb.TxnResponse, settled bool, err error) {
 	q.mu.Lock()
-	if q.stopped {
+	if q.stopped || q.ctx == nil {
 		q.mu.Unlock()
 		return nil, false, errCreatesStopped
 	}
@@ -209,7 +209,10 @@ func writesAny(batch []*createItem, it *createItem) bool {
 
 // send commits batch in one request and hands each item its answer.
 func (q *createBatcher) send(batch []*createItem) {
-	rctx, cancel := q.requestContext(q.ctx)
+	q.mu.Lock()
+	ctx := q.ctx
+	q.mu.Unlock()
+	rctx, cancel := q.requestContext(ctx)
 	defer cancel()
 	if len(batch) == 1 {
 		resp, err := commitTxn(rctx, batch[0].cli, batch[0].req)
@@ -261,6 +264,14 @@ func (q *createBatcher) answer(it *createItem, resp *pb.TxnResponse, err error) 
 		return
 	}
 	close(it.done)
+}
+
+// start lets the batcher send queued transactions, with requests bounded
+// by ctx.
+func (q *createBatcher) start(ctx context.Context) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.ctx = ctx
 }
 
 // stop refuses new transactions, answers the queued ones with

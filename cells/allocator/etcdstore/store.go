@@ -146,8 +146,6 @@ type Store struct {
 
 	// jobs runs the store's loops (see Start).
 	jobs job.Group
-	// stopCreates ends the requests creates sends for queued callers.
-	stopCreates context.CancelFunc
 	cancel      context.CancelFunc
 	wg          sync.WaitGroup
 }
@@ -177,9 +175,7 @@ func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg
 		// limit.
 		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),
 	}
-	createsCtx, stopCreates := context.WithCancel(context.Background())
-	b.creates = newCreateBatcher(createsCtx, b.requestContext)
-	b.stopCreates = stopCreates
+	b.creates = newCreateBatcher(b.requestContext)
 	// Master keys of other clusters' ranges (a shared etcd) are cached
 	// for lookups; the pool never hands them out.
 	b.masterCache = newMasterCache(log, kv, "global identities", cacheHooks{
@@ -251,6 +247,9 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events) error {
 	// and on the store's own, ended by Stop (or a failed start).
 	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	b.cancel = cancel
+	// The requests the batcher sends for several callers at once run on
+	// the store's life too.
+	b.creates.start(life)
 	b.jobs.Add(b.oneShot(life, "global-identities-watch", b.cacheLoop))
 	b.jobs.Add(b.oneShot(life, "lease-repair", b.repairLoop))
 	if b.cfg.IdentityGCInterval > 0 {
@@ -266,7 +265,6 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events) error {
 		if err := b.checkCluster(ctx); err != nil {
 			// A failed start hook is not stopped: end what started.
 			cancel()
-			b.stopCreates()
 			b.wg.Wait()
 			return err
 		}
@@ -323,9 +321,10 @@ func (b *Store) Stop(ctx context.Context) error {
 	sctx, cancel := b.kv.StopContext(ctx)
 	defer cancel()
 	if b.cancel != nil {
+		// Ends the loops and the requests creates sends for queued
+		// callers.
 		b.cancel()
 	}
-	b.stopCreates()
 	done := make(chan struct{})
 	go func() { b.wg.Wait(); b.creates.stop(); close(done) }()
 	select {
