@@ -166,7 +166,7 @@ func (a *identityAllocator) jobs() []job.Job {
 // Start starts the global backend's cache and the remote clusters.
 func (a *identityAllocator) Start(ctx cell.HookContext) error {
 	if a.backend != nil {
-		if err := a.backend.Start(ctx, a); err != nil {
+		if err := a.backend.Start(ctx, a, a.global); err != nil {
 			return fmt.Errorf("starting global identity backend: %w", err)
 		}
 	}

@@ -16,6 +16,13 @@ import (
 // first reference and the last release of a label set call the backend; a
 // call in flight for a label set makes others for the same set wait, so
 // that an allocation never races with the deletion of the same reference.
+//
+// It is also the only record of which label sets this node references in
+// the global store: the backend reads it (globalstore.References) when it
+// writes them again, and adds to it from inside Allocate (record), under
+// its own write lock, so that no reference it wrote is missing from the
+// record when a lost lease's repair enumerates it. The lock order is the
+// backend's locks, then mu: nothing here calls the backend holding mu.
 type globalRefs struct {
 	backend globalstore.Backend
 	events  *eventQueue
@@ -24,18 +31,28 @@ type globalRefs struct {
 	timeout time.Duration
 
 	mu       sync.RWMutex
-	byKey    map[string]*refEntry
-	byID     map[identity.NumericIdentity]*refEntry
+	byKey    map[string]*globalEntry
+	byID     map[identity.NumericIdentity]*globalEntry
 	inflight map[string]chan struct{}
 }
+
+// globalEntry is a refEntry with the backend's reference. The reference
+// lives beside the entry rather than in it: refEntry, shared with the local
+// scopes, must stay within its size class.
+type globalEntry struct {
+	refEntry
+	ref *globalstore.Reference
+}
+
+var _ globalstore.References = (*globalRefs)(nil)
 
 func newGlobalRefs(backend globalstore.Backend, events *eventQueue, timeout time.Duration) *globalRefs {
 	return &globalRefs{
 		backend:  backend,
 		events:   events,
 		timeout:  timeout,
-		byKey:    map[string]*refEntry{},
-		byID:     map[identity.NumericIdentity]*refEntry{},
+		byKey:    map[string]*globalEntry{},
+		byID:     map[identity.NumericIdentity]*globalEntry{},
 		inflight: map[string]chan struct{}{},
 	}
 }
@@ -47,7 +64,7 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 	g.mu.RLock()
 	if e := g.byKey[string(key)]; e != nil {
 		e.refs.Add(1)
-		g.events.touch(e)
+		g.events.touch(&e.refEntry)
 		g.mu.RUnlock()
 		return &e.ident, false, nil
 	}
@@ -66,7 +83,7 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 		g.mu.Lock()
 		if e := g.byKey[skey]; e != nil {
 			e.refs.Add(1)
-			g.events.touch(e)
+			g.events.touch(&e.refEntry)
 			g.mu.Unlock()
 			return &e.ident, false, nil
 		}
@@ -87,22 +104,53 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 }
 
 func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels, done chan struct{}) (*identity.Identity, bool, error) {
-	id, allocated, err := g.backend.Allocate(ctx, lbls)
+	var e *globalEntry
+	// The backend calls record under its write lock, right after the
+	// reference was written: from then on the entry is in the record a
+	// repair of the backend's keys enumerates, and hits find it. The key
+	// stays in flight until Allocate returned, so no second create starts
+	// before, and the entry's last release cannot begin before the caller
+	// has its reference.
+	record := func(ref *globalstore.Reference) {
+		e = &globalEntry{refEntry: refEntry{ident: identity.Identity{ID: ref.ID, Labels: lbls}}, ref: ref}
+		e.flags.Store(entryGlobal)
+		e.refs.Store(1)
+		g.mu.Lock()
+		g.byKey[key] = e
+		g.byID[ref.ID] = e
+		// The backend's cache reports the identity too; the
+		// dispatcher drops the echo. Queuing it with the entry makes
+		// it visible before any allocation that finds the entry
+		// returns.
+		g.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: &e.refEntry})
+		g.mu.Unlock()
+	}
+	id, allocated, err := g.backend.Allocate(ctx, lbls, record)
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	delete(g.inflight, key)
+	// A release of more references than were taken may have begun the
+	// entry's last release meanwhile and put its own mark in flight,
+	// which is not this call's to clear.
+	if g.inflight[key] == done {
+		delete(g.inflight, key)
+	}
 	close(done)
+	if err == nil && (e == nil || e.ident.ID != id) {
+		err = fmt.Errorf("global backend returned identity %d without recording this node's reference to it", id)
+	}
 	if err != nil {
+		if e != nil && g.byID[e.ident.ID] == e {
+			// A backend breaking its contract. Nobody holds the entry:
+			// take it out of the record (the reference it wrote ends
+			// with the backend's lease) and tell the table its count
+			// is zero.
+			delete(g.byKey, key)
+			delete(g.byID, e.ident.ID)
+			e.refs.Store(0)
+			g.events.touch(&e.refEntry)
+		}
 		return nil, false, err
 	}
-	e := &refEntry{ident: identity.Identity{ID: id, Labels: lbls}}
-	e.flags.Store(entryGlobal)
-	e.refs.Store(1)
-	g.byKey[key] = e
-	g.byID[id] = e
-	// The backend's cache reports the identity too; the dispatcher drops
-	// the echo. Queuing it here makes it visible before this call returns.
-	g.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: e})
 	return &e.ident, allocated, nil
 }
 
@@ -111,7 +159,7 @@ func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (
 	e := g.byID[id]
 	// Not the last reference: drop it under the read lock.
 	if e != nil && e.dropNonFinal() {
-		g.events.touch(e)
+		g.events.touch(&e.refEntry)
 		g.mu.RUnlock()
 		return false, nil
 	}
@@ -126,7 +174,7 @@ func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (
 		return false, fmt.Errorf("%w: %d", ErrUnknownIdentity, id)
 	}
 	if e.refs.Add(-1) > 0 {
-		g.events.touch(e)
+		g.events.touch(&e.refEntry)
 		g.mu.Unlock()
 		return false, nil
 	}
@@ -137,14 +185,20 @@ func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (
 	g.inflight[key] = done
 	// The identity stays in the store; the table row only learns that
 	// this node's count is zero.
-	g.events.touch(e)
+	g.events.touch(&e.refEntry)
 	g.mu.Unlock()
 
+	// Out of the record now, so no repair that reads it from here on
+	// writes the reference again; one that read it before stores its
+	// write in e.ref, which the backend reads under the lock that repair
+	// holds.
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
-	err := g.backend.Release(ctx, id, e.ident.Labels)
+	err := g.backend.Release(ctx, e.ref)
 	cancel()
 	g.mu.Lock()
-	delete(g.inflight, key)
+	if g.inflight[key] == done {
+		delete(g.inflight, key)
+	}
 	close(done)
 	g.mu.Unlock()
 	if err != nil {
@@ -156,13 +210,19 @@ func (g *globalRefs) release(ctx context.Context, id identity.NumericIdentity) (
 func (g *globalRefs) lookupByKey(key []byte) *refEntry {
 	g.mu.RLock()
 	defer g.mu.RUnlock()
-	return g.byKey[string(key)]
+	if e := g.byKey[string(key)]; e != nil {
+		return &e.refEntry
+	}
+	return nil
 }
 
 func (g *globalRefs) lookupByID(id identity.NumericIdentity) *refEntry {
 	g.mu.RLock()
 	defer g.mu.RUnlock()
-	return g.byID[id]
+	if e := g.byID[id]; e != nil {
+		return &e.refEntry
+	}
+	return nil
 }
 
 // entry returns the table entry of a held id, read under the lock as
@@ -171,7 +231,7 @@ func (g *globalRefs) entry(id identity.NumericIdentity) (Entry, bool) {
 	g.mu.RLock()
 	defer g.mu.RUnlock()
 	if e := g.byID[id]; e != nil {
-		return entryOf(e), true
+		return entryOf(&e.refEntry), true
 	}
 	return Entry{}, false
 }
@@ -180,6 +240,31 @@ func (g *globalRefs) entries(fn func(*refEntry)) {
 	g.mu.RLock()
 	defer g.mu.RUnlock()
 	for _, e := range g.byID {
-		fn(e)
+		fn(&e.refEntry)
 	}
+}
+
+// Each implements globalstore.References: fn runs on a copy, outside mu,
+// so that a backend writing to its store for each reference holds up no
+// allocation.
+func (g *globalRefs) Each(fn func(*globalstore.Reference)) {
+	g.mu.RLock()
+	refs := make([]*globalstore.Reference, 0, len(g.byID))
+	for _, e := range g.byID {
+		refs = append(refs, e.ref)
+	}
+	g.mu.RUnlock()
+	for _, r := range refs {
+		fn(r)
+	}
+}
+
+// ByID implements globalstore.References.
+func (g *globalRefs) ByID(id identity.NumericIdentity) *globalstore.Reference {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	if e := g.byID[id]; e != nil {
+		return e.ref
+	}
+	return nil
 }

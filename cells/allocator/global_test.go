@@ -3,6 +3,7 @@ package allocator_test
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -27,7 +28,7 @@ import (
 )
 
 // node starts a hive with the allocator cell and the given backend.
-func node(t *testing.T, backend globalstore.Backend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
+func node(t testing.TB, backend globalstore.Backend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
 	t.Helper()
 	var a allocator.Allocator
 	cells := []cell.Cell{
@@ -265,4 +266,63 @@ func TestScript(t *testing.T) {
 			scriptengine.ParseFlags(t, h, args)
 			return scriptengine.New(t, h)
 		}, nil, "testdata/*.txtar")
+}
+
+// globalBenchSets returns n distinct label sets of global identities.
+func globalBenchSets(n int) []labels.Labels {
+	out := make([]labels.Labels, n)
+	for i := range out {
+		out[i] = labels.MustParse("k8s:app=bench-"+strconv.Itoa(i), "k8s:io.kubernetes.pod.namespace=default")
+	}
+	return out
+}
+
+// globalBenchNode is an allocator over the in-memory global backend,
+// holding sets.
+func globalBenchNode(b *testing.B, sets []labels.Labels) allocator.Allocator {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	a, _, err := node(b, store.NewBackend("node1"), nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, s := range sets {
+		if _, _, err := a.Allocate(b.Context(), s); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return a
+}
+
+// BenchmarkGlobalHit measures taking another reference on a global
+// identity this node holds: no backend call.
+func BenchmarkGlobalHit(b *testing.B) {
+	sets := globalBenchSets(1024)
+	a := globalBenchNode(b, sets)
+	ctx := context.Background()
+	i := 0
+	for b.Loop() {
+		if _, allocated, err := a.Allocate(ctx, sets[i&1023]); err != nil || allocated {
+			b.Fatal(err)
+		}
+		i++
+	}
+}
+
+// BenchmarkGlobalHitParallel is BenchmarkGlobalHit from GOMAXPROCS
+// goroutines.
+func BenchmarkGlobalHitParallel(b *testing.B) {
+	sets := globalBenchSets(1024)
+	a := globalBenchNode(b, sets)
+	ctx := context.Background()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		i := 0
+		for pb.Next() {
+			if _, _, err := a.Allocate(ctx, sets[i&1023]); err != nil {
+				b.Error(err)
+				return
+			}
+			i++
+		}
+	})
 }

@@ -91,8 +91,9 @@ func (s *Store) broadcast(fn func(globalstore.Events)) {
 	}
 }
 
-// Allocate implements globalstore.Backend.
-func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
+// Allocate implements globalstore.Backend; it records the reference while
+// the store is locked, as a store's write and its record are one step.
+func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, bool, error) {
 	b.Requests.Add(1)
 	if b.store.Down.Load() {
 		return 0, false, ErrDown
@@ -121,11 +122,12 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels) (identity.Nu
 		s.refs[key] = map[string]struct{}{}
 	}
 	s.refs[key][b.node] = struct{}{}
+	record(globalstore.NewReference(id, lbls, 0))
 	return id, created, nil
 }
 
 // Release implements globalstore.Backend.
-func (b *Backend) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
+func (b *Backend) Release(ctx context.Context, ref *globalstore.Reference) error {
 	b.Requests.Add(1)
 	if b.store.Down.Load() {
 		return ErrDown
@@ -136,7 +138,7 @@ func (b *Backend) Release(ctx context.Context, id identity.NumericIdentity, lbls
 	s := b.store
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	delete(s.refs[lbls.Canonical()], b.node)
+	delete(s.refs[ref.Labels.Canonical()], b.node)
 	return nil
 }
 
@@ -187,7 +189,7 @@ func (b *Backend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, 
 
 // Start implements globalstore.Backend: it lists the store, then
 // reports changes.
-func (b *Backend) Start(ctx context.Context, events globalstore.Events) error {
+func (b *Backend) Start(ctx context.Context, events globalstore.Events, _ globalstore.References) error {
 	b.store.mu.Lock()
 	defer b.store.mu.Unlock()
 	for id, l := range b.store.byID {

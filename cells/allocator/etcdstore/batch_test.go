@@ -12,6 +12,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
@@ -211,7 +212,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 	allocate := func(ctx context.Context, lbls labels.Labels) <-chan error {
 		done := make(chan error, 1)
 		go func() {
-			_, _, err := b.Allocate(ctx, lbls)
+			_, _, err := b.Allocate(ctx, lbls, unrecorded)
 			done <- err
 		}()
 		return done
@@ -273,7 +274,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 
 	// The label set's master key is unused now: the next allocation
 	// takes it over.
-	got, _, err := b.Allocate(ctx, inFlight)
+	got, _, err := b.Allocate(ctx, inFlight, unrecorded)
 	if err != nil || got != id {
 		t.Fatalf("allocating the abandoned label set again: %d %v, want %d", got, err, id)
 	}
@@ -317,7 +318,7 @@ func TestEtcdCreatesAfterStop(t *testing.T) {
 	blockCreates(q)
 	done := make(chan error, 1)
 	go func() {
-		_, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=waiting"))
+		_, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=waiting"), unrecorded)
 		done <- err
 	}()
 	eventually.True(t, "the create queues", func() bool { return queued(q) == 1 })
@@ -327,7 +328,7 @@ func TestEtcdCreatesAfterStop(t *testing.T) {
 	}
 	unblockCreates(q)
 	before := n.txns()
-	if _, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=late")); !errors.Is(err, kvstore.ErrStopped) {
+	if _, _, err := b.Allocate(ctx, labels.MustParse("k8s:app=late"), unrecorded); !errors.Is(err, kvstore.ErrStopped) {
 		t.Fatalf("allocation after the stop: %v, want kvstore.ErrStopped", err)
 	}
 	if got := n.txns() - before; got != 0 {
@@ -337,3 +338,7 @@ func TestEtcdCreatesAfterStop(t *testing.T) {
 		t.Fatalf("pool has %d IDs available, had %d", got, available)
 	}
 }
+
+// unrecorded is the record of an allocation a test makes through the store
+// alone, past the allocator: the allocator does not hold it.
+func unrecorded(*globalstore.Reference) {}

@@ -12,6 +12,11 @@
 // batch.go). Follower is the same cache, read-only, for another etcd: the
 // cluster mesh uses it for remote clusters.
 //
+// The store keeps no list of this node's references of its own: it reads
+// the allocator's (globalstore.References) when it writes them again, and
+// keeps in each globalstore.Reference the revision it last wrote the
+// reference key at, which the release's delete compares.
+//
 // # Jobs
 //
 // Each loop is a hive job of the module, with its own health scope:

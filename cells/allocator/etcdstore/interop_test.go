@@ -382,6 +382,12 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// node2's GC collects what its cache holds: wait until its watch
+	// has brought the master key.
+	eventually.True(t, "node2 caches the master key", func() bool {
+		_, ok := n2.backend.LookupByID(id.ID)
+		return ok
+	})
 	if _, err := cli.Delete(ctx, refKey(l, "node1")); err != nil {
 		t.Fatal(err)
 	}

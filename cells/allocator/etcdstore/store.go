@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"math/rand/v2"
 	"path"
 	"strings"
@@ -110,14 +109,23 @@ type Store struct {
 	masterCache
 	events globalstore.Events
 
+	// refs is the allocator's record of this node's references (set by
+	// Start); the store keeps none of its own, only the revision it last
+	// wrote each reference at, in the reference's token.
+	//
 	// writeMu orders this node's reference writes against the
 	// re-creation of all of them after a lost lease: each write holds
-	// the read lock (and updates held within it), the restore holds the
-	// write lock, so a reference is never released and then restored.
-	writeMu  sync.RWMutex
-	heldMu   sync.Mutex
-	held     map[string]heldRef // canonical labels -> ID and revision
-	heldByID map[identity.NumericIdentity]string
+	// the read lock, and records the reference in refs within it
+	// (Allocate's record); the restore holds the write lock and
+	// enumerates refs, so it finds every reference written before it,
+	// and a reference the allocator dropped before is not restored (its
+	// release waits for the read lock, and reads the token the restore
+	// stored).
+	writeMu sync.RWMutex
+	refs    globalstore.References
+	// stopped is set by Stop under writeMu: from then on nothing is
+	// held, so releases send no delete and nothing is written again.
+	stopped atomic.Bool
 
 	// lease is the last lease this backend wrote with; leaseSeen wakes
 	// the repair loop when it changes.
@@ -165,8 +173,6 @@ func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg
 		cluster:     cluster,
 		node:        kv.NodeName(),
 		pool:        idpool.New(idpool.ID(cluster.MinID()), idpool.ID(cluster.MaxID())),
-		held:        map[string]heldRef{},
-		heldByID:    map[identity.NumericIdentity]string{},
 		leaseSeen:   make(chan struct{}, 1),
 		lostMasters: map[identity.NumericIdentity]struct{}{},
 		repairWake:  make(chan struct{}, 1),
@@ -223,11 +229,12 @@ func checkKeyLayout(key string) error {
 // waits for the first listing at most --allocator-list-timeout; when that
 // is not enough the listing goes on and WaitForInitialGlobalIdentities
 // callers wait for it.
-func (b *Store) Start(ctx context.Context, events globalstore.Events) error {
+func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
 	if b.kv.Client() == nil {
 		return fmt.Errorf("%w: the kvstore client is not started", globalstore.ErrUnavailable)
 	}
 	b.events = events
+	b.refs = refs
 	// A second live agent with this node name would delete this node's
 	// references when it stops: refuse to run beside it. When etcd does
 	// not answer now, the periodic sync claims the name later.
@@ -334,10 +341,9 @@ func (b *Store) Stop(ctx context.Context) error {
 	}
 	b.writeMu.Lock()
 	defer b.writeMu.Unlock()
-	b.heldMu.Lock()
-	clear(b.held)
-	clear(b.heldByID)
-	b.heldMu.Unlock()
+	// The allocator's record outlives the stop (its users release
+	// later): from here on the store treats it as empty.
+	b.stopped.Store(true)
 	b.releaseNodeName()
 	if err := b.kv.RevokeLease(sctx); err != nil {
 		// Not a failure of the stop: nothing more can be done, and
@@ -385,8 +391,10 @@ type attempt struct {
 	rev     int64
 }
 
-// Allocate implements globalstore.Backend.
-func (b *Store) Allocate(ctx context.Context, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
+// Allocate implements globalstore.Backend. record runs under writeMu's read
+// lock, in the same critical section as the transaction that wrote the
+// reference.
+func (b *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, bool, error) {
 	key := lbls.Canonical()
 	if err := checkKeyLayout(key); err != nil {
 		return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
@@ -408,9 +416,9 @@ func (b *Store) Allocate(ctx context.Context, lbls labels.Labels) (identity.Nume
 			err error
 		)
 		if hint != 0 {
-			a, err = b.adopt(ctx, key, hint, adoptRev)
+			a, err = b.adopt(ctx, key, lbls, hint, adoptRev, record)
 		} else {
-			a, err = b.create(ctx, key, lbls, foreignRev)
+			a, err = b.create(ctx, key, lbls, foreignRev, record)
 		}
 		if err != nil {
 			if errors.Is(err, globalstore.ErrSpaceExhausted) || errors.Is(err, globalstore.ErrConflict) || errors.Is(err, ErrKeyLayout) {
@@ -466,14 +474,14 @@ func (b *Store) Allocate(ctx context.Context, lbls labels.Labels) (identity.Nume
 // held keys of other label sets only; then "no node references the label
 // set" is compared as "no key under the prefix was written after
 // foreignRev", since those keys would fail a compare that none exists.
-func (b *Store) create(ctx context.Context, key string, lbls labels.Labels, foreignRev int64) (attempt, error) {
+func (b *Store) create(ctx context.Context, key string, lbls labels.Labels, foreignRev int64, record func(*globalstore.Reference)) (attempt, error) {
 	nid := b.pool.LeaseAvailableID()
 	if nid == idpool.NoID {
 		return attempt{}, globalstore.ErrSpaceExhausted
 	}
 	id := identity.NumericIdentity(nid)
 	res, wrote, err := b.writing(ctx, func(cli *clientv3.Client, lease clientv3.LeaseID) (attempt, error) {
-		return b.createWith(ctx, cli, lease, key, lbls, foreignRev, nid, id)
+		return b.createWith(ctx, cli, lease, key, lbls, foreignRev, nid, id, record)
 	})
 	if !wrote {
 		b.pool.Release(nid)
@@ -482,7 +490,7 @@ func (b *Store) create(ctx context.Context, key string, lbls labels.Labels, fore
 }
 
 // createWith is create's transaction, under writeMu's read lock.
-func (b *Store) createWith(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, lbls labels.Labels, foreignRev int64, nid idpool.ID, id identity.NumericIdentity) (attempt, error) {
+func (b *Store) createWith(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, lbls labels.Labels, foreignRev int64, nid idpool.ID, id identity.NumericIdentity, record func(*globalstore.Reference)) (attempt, error) {
 	master, refs, locks := masterKey(id), referencePrefix(key), lockPrefix(key)
 	ref := refs + b.node
 	resp, settled, err := b.creates.commit(ctx, &createItem{
@@ -501,7 +509,7 @@ func (b *Store) createWith(ctx context.Context, cli *clientv3.Client, lease clie
 	if resp.Succeeded {
 		rev := resp.Header.GetRevision()
 		b.pool.Use(nid)
-		b.hold(key, id, rev)
+		record(globalstore.NewReference(id, lbls, rev))
 		b.insertCreated(id, key, lbls, rev)
 		return attempt{out: outDone, id: id, created: true}, nil
 	}
@@ -687,15 +695,15 @@ func isReferenceOf(key []byte, prefix string) bool {
 // named id and the prefix also held keys of other label sets (see
 // outForeign), which fail the compare that every key under the prefix
 // names id; the compare is then that nothing under it changed since.
-func (b *Store) adopt(ctx context.Context, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
+func (b *Store) adopt(ctx context.Context, key string, lbls labels.Labels, id identity.NumericIdentity, scannedAt int64, record func(*globalstore.Reference)) (attempt, error) {
 	res, _, err := b.writing(ctx, func(cli *clientv3.Client, lease clientv3.LeaseID) (attempt, error) {
-		return b.adoptWith(ctx, cli, lease, key, id, scannedAt)
+		return b.adoptWith(ctx, cli, lease, key, lbls, id, scannedAt, record)
 	})
 	return res, err
 }
 
 // adoptWith is adopt's transaction, under writeMu's read lock.
-func (b *Store) adoptWith(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity, scannedAt int64) (attempt, error) {
+func (b *Store) adoptWith(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, lbls labels.Labels, id identity.NumericIdentity, scannedAt int64, record func(*globalstore.Reference)) (attempt, error) {
 	master, refs := masterKey(id), referencePrefix(key)
 	end := clientv3.GetPrefixRangeEnd(refs)
 	holds := clientv3.Compare(clientv3.Value(master), "=", key)
@@ -723,7 +731,7 @@ func (b *Store) adoptWith(ctx context.Context, cli *clientv3.Client, lease clien
 	nested := resp.Responses[0].GetResponseTxn()
 	if resp.Succeeded || nested.GetSucceeded() {
 		b.pool.Remove(idpool.ID(id))
-		b.hold(key, id, resp.Header.GetRevision())
+		record(globalstore.NewReference(id, lbls, resp.Header.GetRevision()))
 		return attempt{out: outDone, id: id}, nil
 	}
 	kvs := nested.Responses[0].GetResponseRange().GetKvs()
@@ -833,49 +841,40 @@ func (b *Store) requestContext(ctx context.Context) (context.Context, context.Ca
 	return b.kv.RequestContext(clientv3.WithRequireLeader(ctx))
 }
 
-// heldRef is a label set this node references: its ID, and the revision
-// at which this node last wrote the reference key; the release deletes
-// only that write (see releaseTxn).
-type heldRef struct {
-	id  identity.NumericIdentity
-	rev int64
-}
-
-// hold records that this node references id for key, with its reference
-// key written at revision rev.
-func (b *Store) hold(key string, id identity.NumericIdentity, rev int64) {
-	b.heldMu.Lock()
-	defer b.heldMu.Unlock()
-	b.held[key] = heldRef{id: id, rev: rev}
-	b.heldByID[id] = key
-}
-
-// rewrote records that the reference key of a held label set was written
-// again, at revision rev.
-func (b *Store) rewrote(key string, id identity.NumericIdentity, rev int64) {
-	b.heldMu.Lock()
-	defer b.heldMu.Unlock()
-	if h := b.held[key]; h.id == id {
-		b.held[key] = heldRef{id: id, rev: rev}
+// heldRefs returns the references this node holds: the allocator's
+// record, or nothing once Stop began.
+func (b *Store) heldRefs() []*globalstore.Reference {
+	var out []*globalstore.Reference
+	if b.refs == nil || b.stopped.Load() {
+		return nil
 	}
+	b.refs.Each(func(r *globalstore.Reference) { out = append(out, r) })
+	return out
 }
 
-// Release implements globalstore.Backend: it deletes this node's reference key.
-func (b *Store) Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
-	key := lbls.Canonical()
+// heldRef returns this node's reference to id, or nil.
+func (b *Store) heldRef(id identity.NumericIdentity) *globalstore.Reference {
+	if b.refs == nil || b.stopped.Load() {
+		return nil
+	}
+	return b.refs.ByID(id)
+}
+
+// Release implements globalstore.Backend: it deletes this node's reference
+// key, if it is still the write of the revision in ref's token. The token
+// is read under writeMu's read lock: a restoration that wrote the key
+// again after the allocator dropped ref from its record has stored the
+// new revision by then, and no other can start until the delete is sent.
+func (b *Store) Release(ctx context.Context, ref *globalstore.Reference) error {
+	key := ref.Labels.Canonical()
 	b.writeMu.RLock()
 	defer b.writeMu.RUnlock()
-	// Forget the reference even if the delete fails: a lost reference
-	// key is harmless (it expires with the lease), a restored one would
-	// keep the identity alive forever.
-	var rev int64
-	b.heldMu.Lock()
-	if h := b.held[key]; h.id == id {
-		rev = h.rev
-		delete(b.held, key)
-		delete(b.heldByID, id)
+	if b.stopped.Load() {
+		// The lease's revoke in Stop removed the reference with all
+		// the others, or its TTL does if etcd is gone.
+		return nil
 	}
-	b.heldMu.Unlock()
+	rev := ref.Token()
 	select {
 	case <-b.kv.Stopping():
 		// The agent is stopping: the lease's revoke removes the
@@ -912,13 +911,12 @@ func releaseTxn(txn clientv3.Txn, ref string, rev int64) clientv3.Txn {
 }
 
 // Held returns the label sets this node references in etcd, by canonical
-// string.
+// string, as the allocator records them.
 func (b *Store) Held() map[string]identity.NumericIdentity {
-	b.heldMu.Lock()
-	defer b.heldMu.Unlock()
-	out := make(map[string]identity.NumericIdentity, len(b.held))
-	for k, h := range b.held {
-		out[k] = h.id
+	refs := b.heldRefs()
+	out := make(map[string]identity.NumericIdentity, len(refs))
+	for _, r := range refs {
+		out[r.Labels.Canonical()] = r.ID
 	}
 	return out
 }
@@ -986,13 +984,11 @@ func (b *Store) emit(changes []change) {
 // this node still references: its users would otherwise lose the identity
 // to the next allocation of the ID.
 func (b *Store) protect(id identity.NumericIdentity, lbls labels.Labels) {
-	b.heldMu.Lock()
-	key, held := b.heldByID[id]
-	b.heldMu.Unlock()
-	if !held {
+	ref := b.heldRef(id)
+	if ref == nil {
 		return
 	}
-	b.log.Warn("Master key of a global identity this node uses was deleted; re-creating it", "id", id, "labels", key)
+	b.log.Warn("Master key of a global identity this node uses was deleted; re-creating it", "id", id, "labels", ref.Labels.Canonical())
 	b.lostMu.Lock()
 	b.lostMasters[id] = struct{}{}
 	b.lostMu.Unlock()
@@ -1040,11 +1036,18 @@ func (b *Store) repairLoop(ctx context.Context) {
 // restoreReferences writes every reference this node holds with a new
 // lease, re-creating master keys that vanished meanwhile. It returns the
 // lease used, or 0 when nothing is held (the next write grants one).
+//
+// The allocator's record is read under the write lock: every allocation
+// that wrote a reference recorded it before it let go of the read lock,
+// and none records one until this ends. A reference the allocator drops
+// meanwhile is restored all the same, and its release, waiting for the
+// read lock, deletes the restored key by the revision restoreReference
+// stored in it.
 func (b *Store) restoreReferences(ctx context.Context) clientv3.LeaseID {
 	b.writeMu.Lock()
 	defer b.writeMu.Unlock()
 	for attempt := 1; ctx.Err() == nil; attempt++ {
-		held := b.Held()
+		held := b.heldRefs()
 		if len(held) == 0 {
 			b.lease.Store(0)
 			return 0
@@ -1061,7 +1064,7 @@ func (b *Store) restoreReferences(ctx context.Context) clientv3.LeaseID {
 	return 0
 }
 
-func (b *Store) restoreOnce(ctx context.Context, held map[string]identity.NumericIdentity) (clientv3.LeaseID, int, error) {
+func (b *Store) restoreOnce(ctx context.Context, held []*globalstore.Reference) (clientv3.LeaseID, int, error) {
 	cli := b.kv.Client()
 	if cli == nil {
 		return 0, 0, kvstore.ErrStopped
@@ -1070,11 +1073,7 @@ func (b *Store) restoreOnce(ctx context.Context, held map[string]identity.Numeri
 	if err != nil {
 		return 0, 0, err
 	}
-	type item struct {
-		key string
-		id  identity.NumericIdentity
-	}
-	work := make(chan item)
+	work := make(chan *globalstore.Reference)
 	var (
 		errMu    sync.Mutex
 		firstErr error
@@ -1082,8 +1081,8 @@ func (b *Store) restoreOnce(ctx context.Context, held map[string]identity.Numeri
 	)
 	for range min(restoreWorkers, len(held)) {
 		wg.Go(func() {
-			for it := range work {
-				if _, err := b.restoreReference(ctx, cli, lease, it.key, it.id); err != nil {
+			for ref := range work {
+				if _, err := b.restoreReference(ctx, cli, lease, ref); err != nil {
 					errMu.Lock()
 					firstErr = cmpErr(firstErr, err)
 					errMu.Unlock()
@@ -1091,8 +1090,8 @@ func (b *Store) restoreOnce(ctx context.Context, held map[string]identity.Numeri
 			}
 		})
 	}
-	for key, id := range held {
-		work <- item{key, id}
+	for _, ref := range held {
+		work <- ref
 	}
 	close(work)
 	wg.Wait()
@@ -1121,7 +1120,11 @@ func cmpErr(first, err error) error {
 // master key from being reused while its users hold the ID), reports the
 // conflict, and its next sync writes the reference once the others are
 // gone.
-func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, key string, id identity.NumericIdentity) (bool, error) {
+//
+// A write is stored in ref's token, whether or not the allocator still
+// records ref: its release deletes that write then.
+func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, held *globalstore.Reference) (bool, error) {
+	key, id := held.Labels.Canonical(), held.ID
 	master, refs := masterKey(id), referencePrefix(key)
 	end := clientv3.GetPrefixRangeEnd(refs)
 	own := refs + b.node
@@ -1171,7 +1174,7 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 		}
 		nested := resp.Responses[0].GetResponseTxn()
 		if resp.Succeeded || nested.GetSucceeded() {
-			b.rewrote(key, id, resp.Header.GetRevision())
+			held.SetToken(resp.Header.GetRevision())
 			return true, nil
 		}
 		if kvs := nested.Responses[0].GetResponseRange().GetKvs(); len(kvs) > 0 && string(kvs[0].Value) != key {
@@ -1219,15 +1222,13 @@ func (b *Store) restoreMasters(ctx context.Context) (retry bool) {
 	defer b.writeMu.RUnlock()
 	cli := b.kv.Client()
 	for _, id := range ids {
-		b.heldMu.Lock()
-		key, held := b.heldByID[id]
-		b.heldMu.Unlock()
-		if !held || cli == nil {
+		ref := b.heldRef(id)
+		if ref == nil || cli == nil {
 			continue
 		}
 		lease, err := b.kv.Lease(ctx)
 		if err == nil {
-			_, err = b.restoreReference(ctx, cli, lease, key, id)
+			_, err = b.restoreReference(ctx, cli, lease, ref)
 		}
 		if err != nil && ctx.Err() == nil {
 			b.log.Warn("Re-creating a deleted master key failed; retrying", "id", id, "error", err)
@@ -1273,21 +1274,22 @@ func (b *Store) SyncReferences(ctx context.Context) (int, error) {
 	if err := b.checkNodeName(ctx, cli); err != nil {
 		return 0, err
 	}
-	b.heldMu.Lock()
-	held := make(map[string]heldRef, len(b.held))
-	maps.Copy(held, b.held)
-	b.heldMu.Unlock()
-
-	var stale []string
-	for key, h := range held {
+	// A stale reference, with the token it had when it was checked.
+	type staleRef struct {
+		ref *globalstore.Reference
+		rev int64
+	}
+	var stale []staleRef
+	for _, h := range b.heldRefs() {
+		key, rev := h.Labels.Canonical(), h.Token()
 		rctx, cancel := b.requestContext(ctx)
 		resp, err := cli.Get(rctx, referencePrefix(key)+b.node)
 		cancel()
 		if err != nil {
 			return 0, fmt.Errorf("%w: reading reference key of %s: %w", globalstore.ErrUnavailable, key, err)
 		}
-		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != h.rev || string(resp.Kvs[0].Value) != h.id.String() {
-			stale = append(stale, key)
+		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != rev || string(resp.Kvs[0].Value) != h.ID.String() {
+			stale = append(stale, staleRef{h, rev})
 			if len(resp.Kvs) > 0 && resp.Kvs[0].Lease != b.lease.Load() {
 				b.nameConflict(fmt.Errorf("%w: reference key %s was written on lease %x, not this node's",
 					ErrNodeNameInUse, resp.Kvs[0].Key, resp.Kvs[0].Lease))
@@ -1308,14 +1310,11 @@ func (b *Store) SyncReferences(ctx context.Context) (int, error) {
 		return 0, err
 	}
 	n := 0
-	for _, key := range stale {
-		b.heldMu.Lock()
-		h, still := b.held[key]
-		b.heldMu.Unlock()
-		if !still || h.rev != held[key].rev {
+	for _, st := range stale {
+		if b.heldRef(st.ref.ID) != st.ref || st.ref.Token() != st.rev {
 			continue // released, or written again, since the check
 		}
-		wrote, err := b.restoreReference(ctx, cli, lease, key, h.id)
+		wrote, err := b.restoreReference(ctx, cli, lease, st.ref)
 		if err != nil {
 			return n, err
 		}

@@ -56,24 +56,7 @@ func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...node
 			n.backend, _ = b.(*Store)
 		}),
 	)
-	stateDir := tb.TempDir()
-	hive.AddConfigOverride(n.h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
-	hive.AddConfigOverride(n.h, func(cfg *kvstore.Config) {
-		cfg.KVStoreEndpoints = c.Endpoints()
-		cfg.NodeName = name
-		cfg.KVStoreDialTimeout = 10 * time.Second
-		cfg.KVStoreRequestTimeout = 5 * time.Second
-		for _, o := range opts {
-			o(cfg, new(Config))
-		}
-	})
-	hive.AddConfigOverride(n.h, func(cfg *Config) {
-		// Tests run the GC themselves unless they ask for the job.
-		cfg.IdentityGCInterval = 0
-		for _, o := range opts {
-			o(new(kvstore.Config), cfg)
-		}
-	})
+	configureNode(tb, n.h, c, name, opts...)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := n.h.Start(nodeLogger(tb), ctx); err != nil {
@@ -84,6 +67,29 @@ func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...node
 		tb.Fatalf("node %s has no etcd backend", name)
 	}
 	return n
+}
+
+// configureNode sets the configuration of node name's hive h: a state
+// directory of its own, c's endpoints, and opts.
+func configureNode(tb testing.TB, h *hive.Hive, c *etcdtest.Cluster, name string, opts ...nodeOpt) {
+	stateDir := tb.TempDir()
+	hive.AddConfigOverride(h, func(cfg *statedir.Config) { cfg.StateDir = stateDir })
+	hive.AddConfigOverride(h, func(cfg *kvstore.Config) {
+		cfg.KVStoreEndpoints = c.Endpoints()
+		cfg.NodeName = name
+		cfg.KVStoreDialTimeout = 10 * time.Second
+		cfg.KVStoreRequestTimeout = 5 * time.Second
+		for _, o := range opts {
+			o(cfg, new(Config))
+		}
+	})
+	hive.AddConfigOverride(h, func(cfg *Config) {
+		// Tests run the GC themselves unless they ask for the job.
+		cfg.IdentityGCInterval = 0
+		for _, o := range opts {
+			o(new(kvstore.Config), cfg)
+		}
+	})
 }
 
 // nodeLogger logs a node's hive to the test; a benchmark, which prints
@@ -500,6 +506,167 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 	}
 }
 
+// recordedRefs is the record an allocator keeps, for a store started
+// without one.
+type recordedRefs struct {
+	mu   sync.Mutex
+	byID map[identity.NumericIdentity]*globalstore.Reference
+}
+
+func (r *recordedRefs) add(ref *globalstore.Reference) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.byID[ref.ID] = ref
+}
+
+// Each calls fn with the lock held: the store calls nothing of the record
+// from fn.
+func (r *recordedRefs) Each(fn func(*globalstore.Reference)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, ref := range r.byID {
+		fn(ref)
+	}
+}
+
+func (r *recordedRefs) ByID(id identity.NumericIdentity) *globalstore.Reference {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.byID[id]
+}
+
+type ignoredEvents struct{}
+
+func (ignoredEvents) Upsert(identity.NumericIdentity, labels.Labels) {}
+func (ignoredEvents) Delete(identity.NumericIdentity, labels.Labels) {}
+func (ignoredEvents) Synced()                                        {}
+
+// startBareStore starts the etcd store of node name without an allocator,
+// keeping its references in the returned record.
+func startBareStore(t *testing.T, c *etcdtest.Cluster, name string, leaseTTL time.Duration) (*Store, *recordedRefs) {
+	t.Helper()
+	var b *Store
+	h := hive.New(
+		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
+		cell.Provide(func() identity.ClusterInfo { return identity.ClusterInfo{Name: "default"} }),
+		cell.Invoke(func(backend globalstore.Backend) { b, _ = backend.(*Store) }),
+	)
+	configureNode(t, h, c, name, func(kv *kvstore.Config, _ *Config) { kv.KVStoreLeaseTTL = leaseTTL })
+	log := nodeLogger(t)
+	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Stop(log, testCtx(t, time.Minute)) })
+	if b == nil {
+		t.Fatal("no etcd store")
+	}
+	refs := &recordedRefs{byID: map[identity.NumericIdentity]*globalstore.Reference{}}
+	if err := b.Start(testCtx(t, time.Minute), ignoredEvents{}, refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Stop(testCtx(t, time.Minute)) })
+	return b, refs
+}
+
+// An allocation whose reference is written, and whose lease is lost before
+// the allocator has recorded the reference: the repair that the loss
+// starts must find the reference in the record, or the node uses an
+// identity no reference protects and another node's GC may delete it. The
+// store records the reference under the lock that the repair waits for,
+// so the repair runs after the record, and writes the reference again.
+// The record below revokes the lease and waits until the repair is
+// waiting for that lock before it records.
+func TestEtcdLeaseLostBeforeRecord(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		adopted bool
+	}{{"created", false}, {"adopted", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+			cli := c.Client(t)
+			b, refs := startBareStore(t, c, "node1", kvstore.MinLeaseTTL)
+			ctx := testCtx(t, 2*time.Minute)
+			l := labels.MustParse("k8s:app=recorded")
+			ref := refKey(l, "node1")
+			if tc.adopted {
+				// Another node's identity, which the cache knows.
+				if _, err := cli.Put(ctx, masterKey(40000), l.Canonical()); err != nil {
+					t.Fatal(err)
+				}
+				eventually.True(t, "the cache knows the identity", func() bool {
+					id, ok := b.cachedID(l.Canonical())
+					return ok && id == 40000
+				})
+			}
+
+			var revoked int64
+			id, allocated, err := b.Allocate(ctx, l, func(r *globalstore.Reference) {
+				_, revoked, _ = getValue(t, cli, ref)
+				if _, err := cli.Revoke(ctx, clientv3.LeaseID(revoked)); err != nil {
+					t.Error(err)
+				}
+				eventually.Within(t, time.Minute, "the lease loss is noticed", func() bool {
+					select {
+					case <-b.kv.LeaseLost(clientv3.LeaseID(revoked)):
+						return true
+					default:
+						return false
+					}
+				})
+				// A writer waiting makes TryRLock fail: the repair is
+				// waiting for the lock this record runs under. A repair
+				// that found nothing to restore leaves no lease.
+				var ranFirst bool
+				eventually.Within(t, time.Minute, "the repair waits for the allocation", func() bool {
+					if ranFirst = b.lease.Load() == 0; ranFirst {
+						return true
+					}
+					if b.writeMu.TryRLock() {
+						b.writeMu.RUnlock()
+						return false
+					}
+					return true
+				})
+				if ranFirst {
+					t.Error("the lost lease's repair ran before the allocation recorded its reference")
+				}
+				refs.add(r)
+			})
+			if t.Failed() {
+				return
+			}
+			if err != nil || allocated == tc.adopted {
+				t.Fatalf("allocate: %d %v %v", id, allocated, err)
+			}
+			if tc.adopted && id != 40000 {
+				t.Fatalf("adopted %d, want 40000", id)
+			}
+			var rev int64
+			eventually.Within(t, time.Minute, "the reference is written again with a new lease", func() bool {
+				resp, err := cli.Get(ctx, ref)
+				if err != nil || len(resp.Kvs) != 1 {
+					return false
+				}
+				kv := resp.Kvs[0]
+				rev = kv.ModRevision
+				return string(kv.Value) == id.String() && kv.Lease != revoked && kv.Lease != 0
+			})
+			// The record holds the rewrite's revision: the release
+			// deletes it.
+			r := refs.ByID(id)
+			if r == nil || r.Token() != rev {
+				t.Fatalf("recorded reference %v, want the token %d of the rewrite", r, rev)
+			}
+			if err := b.Release(ctx, r); err != nil {
+				t.Fatal(err)
+			}
+			if _, _, ok := getValue(t, cli, ref); ok {
+				t.Fatal("reference left after the release")
+			}
+		})
+	}
+}
+
 // TestEtcdLateReleaseKeepsNewerReference replays a release's delete after
 // the label set was allocated again, as etcd applies a request that was
 // sent to a stalled member, given up on by the node and proposed when the
@@ -518,9 +685,7 @@ func TestEtcdLateReleaseKeepsNewerReference(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n1.backend.heldMu.Lock()
-	rev := n1.backend.held[l.Canonical()].rev
-	n1.backend.heldMu.Unlock()
+	rev := n1.backend.heldRef(id.ID).Token()
 	resp, err := cli.Get(ctx, ref)
 	if err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].ModRevision != rev {
 		t.Fatalf("reference key %v, recorded revision %d: %v", resp.Kvs, rev, err)

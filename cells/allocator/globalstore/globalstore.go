@@ -9,12 +9,17 @@
 //
 // The allocator counts this node's references itself and calls a Backend
 // only for the first reference and the last release of a label set, so the
-// reference counts of this node live in the allocator alone.
+// reference counts of this node live in the allocator alone. The record of
+// which label sets this node references lives there too: a Backend that
+// must write them again (after a lost lease, say) reads it through
+// References, and keeps what it needs of each (the revision it wrote the
+// reference at) in the Reference itself.
 package globalstore
 
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
@@ -23,13 +28,23 @@ import (
 // Backend stores cluster-wide identities in a store the nodes share.
 type Backend interface {
 	// Allocate returns the numeric identity of the label set, creating it
-	// or adopting the one another node created, and records this node's
+	// or adopting the one another node created, and writes this node's
 	// reference. allocated is true when the identity was created. The
 	// allocator calls it once per label set until the matching Release.
-	Allocate(ctx context.Context, lbls labels.Labels) (id identity.NumericIdentity, allocated bool, err error)
+	//
+	// Allocate calls record exactly once when it returns no error, and
+	// never otherwise, with the reference it wrote, before anything that
+	// rewrites this node's references (the backend's repair of a lost
+	// lease, say) can run: record adds it to the References the backend
+	// was started with, so that no written reference is ever missing
+	// from them.
+	Allocate(ctx context.Context, lbls labels.Labels, record func(*Reference)) (id identity.NumericIdentity, allocated bool, err error)
 
-	// Release removes this node's reference on the identity.
-	Release(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error
+	// Release removes this node's reference. The allocator has removed
+	// ref from its References before the call; ref is the one Allocate
+	// recorded, and its token is whatever the backend last stored in it,
+	// including a rewrite made after the allocator removed it.
+	Release(ctx context.Context, ref *Reference) error
 
 	// LookupByID and LookupByLabels consult the backend's cache of all
 	// global identities, without a request.
@@ -40,10 +55,48 @@ type Backend interface {
 	// disappears is reported to events, and events.Synced is called once
 	// after the first complete listing. Stop ends it. An identity that
 	// Allocate created need not be reported: the allocator reports it
-	// from Allocate's result. The allocator calls Start from its start
-	// hook and Stop from its stop hook.
-	Start(ctx context.Context, events Events) error
+	// from Allocate's result. refs is this node's record of references,
+	// which the backend reads when it writes them again. The allocator
+	// calls Start from its start hook and Stop from its stop hook.
+	Start(ctx context.Context, events Events, refs References) error
 	Stop(ctx context.Context) error
+}
+
+// Reference is one label set this node references in the global store, as
+// the allocator records it from Allocate until Release. ID and Labels never
+// change. The token is the backend's own: the etcd store keeps in it the
+// revision at which it last wrote the reference key, so that a release
+// deletes only that write.
+type Reference struct {
+	ID     identity.NumericIdentity
+	Labels labels.Labels
+	token  atomic.Int64
+}
+
+// NewReference returns the reference to id for lbls, with the backend's
+// token.
+func NewReference(id identity.NumericIdentity, lbls labels.Labels, token int64) *Reference {
+	r := &Reference{ID: id, Labels: lbls}
+	r.token.Store(token)
+	return r
+}
+
+// Token returns what the backend last stored with SetToken.
+func (r *Reference) Token() int64 { return r.token.Load() }
+
+// SetToken stores the backend's token, when it wrote the reference again.
+func (r *Reference) SetToken(token int64) { r.token.Store(token) }
+
+// References is the allocator's record of this node's references, which a
+// backend reads. Its methods, like Allocate's record, take the allocator's
+// lock briefly; the allocator never calls the backend while holding it, so
+// a backend may call them while it holds locks of its own.
+type References interface {
+	// Each calls fn for every reference recorded when Each was called,
+	// outside the allocator's lock.
+	Each(fn func(*Reference))
+	// ByID returns the reference to id, or nil when none is recorded.
+	ByID(id identity.NumericIdentity) *Reference
 }
 
 // Remote is a read-only source of other clusters' identities. It never
