@@ -153,9 +153,9 @@ type Store struct {
 	health       cell.Health
 
 	// jobs runs the store's loops (see Start).
-	jobs job.Group
-	cancel      context.CancelFunc
-	wg          sync.WaitGroup
+	jobs   job.Group
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
 }
 
 var _ globalstore.Backend = (*Store)(nil)
