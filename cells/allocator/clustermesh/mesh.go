@@ -414,7 +414,7 @@ func newRemoteCluster(m *Mesh, name string, f *configFile, prev *remoteCluster) 
 	return rc
 }
 
-// Client implements cacheSource.
+// Client implements etcdstore.Source.
 func (rc *remoteCluster) Client() *clientv3.Client {
 	rc.mu.Lock()
 	kv := rc.kv
@@ -425,7 +425,7 @@ func (rc *remoteCluster) Client() *clientv3.Client {
 	return kv.Client()
 }
 
-// RequestTimeout implements cacheSource.
+// RequestTimeout implements etcdstore.Source.
 func (rc *remoteCluster) RequestTimeout() time.Duration { return remoteRequestTimeout }
 
 // remoteRequestTimeout bounds one request to a remote cluster's etcd.
