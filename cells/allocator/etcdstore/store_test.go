@@ -44,16 +44,24 @@ type etcdNode struct {
 	once    sync.Once
 }
 
-type nodeOpt func(kv *kvstore.Config, e *Config)
+type nodeOpt func(kv *kvstore.Config, e *storeConfig)
+
+// storeConfig is what a nodeOpt sets of the store: the stores' shared
+// configuration and the etcd store's own.
+type storeConfig struct {
+	sharedConfig
+	Config
+}
+
+type sharedConfig = globalstore.Config
 
 func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...nodeOpt) *etcdNode {
 	tb.Helper()
 	n := &etcdNode{t: tb, name: name}
 	n.h = hive.New(
 		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
-		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b globalstore.Backend) {
-			n.alloc, n.kv = a, kv
-			n.backend, _ = b.(*Store)
+		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b *Store) {
+			n.alloc, n.kv, n.backend = a, kv, b
 		}),
 	)
 	configureNode(tb, n.h, c, name, opts...)
@@ -80,15 +88,24 @@ func configureNode(tb testing.TB, h *hive.Hive, c *etcdtest.Cluster, name string
 		cfg.KVStoreDialTimeout = 10 * time.Second
 		cfg.KVStoreRequestTimeout = 5 * time.Second
 		for _, o := range opts {
-			o(cfg, new(Config))
+			o(cfg, new(storeConfig))
 		}
 	})
 	hive.AddConfigOverride(h, func(cfg *Config) {
-		// Tests run the GC themselves unless they ask for the job.
-		cfg.IdentityGCInterval = 0
+		e := storeConfig{Config: *cfg}
 		for _, o := range opts {
-			o(new(kvstore.Config), cfg)
+			o(new(kvstore.Config), &e)
 		}
+		*cfg = e.Config
+	})
+	hive.AddConfigOverride(h, func(cfg *globalstore.Config) {
+		// Tests run the GC themselves unless they ask for the job.
+		e := storeConfig{sharedConfig: *cfg}
+		e.IdentityGCInterval = 0
+		for _, o := range opts {
+			o(new(kvstore.Config), &e)
+		}
+		*cfg = e.sharedConfig
 	})
 }
 
@@ -297,7 +314,7 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 func TestEtcdGCRace(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) {
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) {
 		e.IdentityGCInterval = 50 * time.Millisecond
 		e.IdentityGCRateLimit = 1_000_000
 	})
@@ -342,7 +359,7 @@ func TestEtcdRelistAfterCompaction(t *testing.T) {
 	// falls behind: changes happen and etcd compacts them away before its
 	// watch starts.
 	rec := &recorder{}
-	b := New(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, DefaultConfig, nil)
+	b := New(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, globalstore.DefaultConfig, DefaultConfig, nil)
 	b.events = rec
 	rev, err := b.list(ctx)
 	if err != nil {
@@ -441,7 +458,7 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 	cli := c.Client(t)
 	// The shortest TTL makes the keepalive notice a revocation within
 	// seconds.
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *Config) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *storeConfig) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
 	ctx := testCtx(t, 2*time.Minute)
 
 	var sets []labels.Labels
@@ -549,9 +566,10 @@ func startBareStore(t *testing.T, c *etcdtest.Cluster, name string, leaseTTL tim
 	h := hive.New(
 		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
 		cell.Provide(func() identity.ClusterInfo { return identity.ClusterInfo{Name: "default"} }),
-		cell.Invoke(func(backend globalstore.Backend) { b, _ = backend.(*Store) }),
+		cell.Config(globalstore.DefaultConfig),
+		cell.Invoke(func(backend *Store) { b = backend }),
 	)
-	configureNode(t, h, c, name, func(kv *kvstore.Config, _ *Config) { kv.KVStoreLeaseTTL = leaseTTL })
+	configureNode(t, h, c, name, func(kv *kvstore.Config, _ *storeConfig) { kv.KVStoreLeaseTTL = leaseTTL })
 	log := nodeLogger(t)
 	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
 		t.Fatal(err)
@@ -797,7 +815,7 @@ func TestEtcdCiliumLock(t *testing.T) {
 func TestEtcdTLS(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithTLS(nil), etcdtest.WithUnsafeNoFsync())
 	certs := c.Certs()
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *Config) {
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *storeConfig) {
 		kv.KVStoreCAFile = certs.CAFile
 		kv.KVStoreCertFile = certs.ClientCertFile
 		kv.KVStoreKeyFile = certs.ClientKeyFile
@@ -819,7 +837,7 @@ func startAuthNode(t *testing.T, c *etcdtest.Cluster, name, user, password strin
 	if err := os.WriteFile(file, []byte(password+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *Config) {
+	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *storeConfig) {
 		kv.KVStoreUsername = user
 		kv.KVStorePasswordFile = file
 	})
@@ -924,8 +942,8 @@ func TestEtcdAuthPrefixRole(t *testing.T) {
 
 func TestEtcdNoKVStore(t *testing.T) {
 	var a allocator.Allocator
-	var b globalstore.Backend
-	h := hive.New(job.Cell, statedb.Cell, allocator.Cell, Cell, cell.Invoke(func(x allocator.Allocator, y globalstore.Backend) { a, b = x, y }))
+	var b *Store
+	h := hive.New(job.Cell, statedb.Cell, allocator.Cell, Cell, cell.Invoke(func(x allocator.Allocator, y *Store) { a, b = x, y }))
 	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
 		t.Fatal(err)
 	}
