@@ -25,9 +25,11 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/allocatortest"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
 )
@@ -938,6 +940,64 @@ func TestEtcdAuthPrefixRole(t *testing.T) {
 	if st.Leader == "" || len(st.Endpoints) != 1 || st.Endpoints[0].Error != "" {
 		t.Fatalf("status with a prefix role: %+v", st)
 	}
+}
+
+// TestEtcdNotUsedInCRDMode: with --identity-allocation-mode=crd the store
+// is not built even though the kvstore cell has an etcd client: global
+// identities go to the crd driver, nothing is written to etcd (not even
+// the node-name claim), and the module reports that it is not used.
+func TestEtcdNotUsedInCRDMode(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	crd := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	var (
+		a    allocator.Allocator
+		b    *Store
+		kv   *kvstore.Client
+		prov *health.Provider
+	)
+	opts := hive.DefaultOptions()
+	opts.ModuleDecorators = health.ModuleDecorators
+	h := hive.NewWithOptions(opts,
+		health.Cell, statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
+		allocatortest.DriverCell(identity.AllocationModeCRD, crd.NewBackend("crd-node")),
+		cell.Invoke(func(x allocator.Allocator, y *Store, z *kvstore.Client, p *health.Provider) { a, b, kv, prov = x, y, z, p }),
+	)
+	configureNode(t, h, c, "crd-node")
+	hive.AddConfigOverride(h, func(cfg *allocator.Config) { cfg.IdentityAllocationMode = identity.AllocationModeCRD })
+	log := nodeLogger(t)
+	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(log, context.Background())
+	if b != nil {
+		t.Fatal("crd mode built the etcd store")
+	}
+	if kv == nil {
+		t.Fatal("crd mode with --kvstore-endpoints has no etcd client")
+	}
+	if _, _, err := a.Allocate(testCtx(t, time.Minute), labels.MustParse("k8s:app=crd")); err != nil {
+		t.Fatal(err)
+	}
+	if crd.Len() != 1 {
+		t.Fatalf("the crd driver's store holds %d identities, want 1", crd.Len())
+	}
+	resp, err := c.Client(t).Get(testCtx(t, time.Minute), IdentitiesPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Count != 0 {
+		t.Fatalf("%d keys under %s in crd mode, want none", resp.Count, IdentitiesPrefix)
+	}
+	const want = "Not used in crd mode: global identities are CiliumIdentity objects"
+	for _, st := range prov.All() {
+		if st.Name == "etcdstore" {
+			if st.Message != want || !st.OK() {
+				t.Fatalf("etcdstore health %+v, want OK %q", st, want)
+			}
+			return
+		}
+	}
+	t.Fatalf("no etcdstore health scope in %+v", prov.All())
 }
 
 func TestEtcdNoKVStore(t *testing.T) {
