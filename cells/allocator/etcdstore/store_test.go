@@ -960,7 +960,9 @@ func TestEtcdNotUsedInCRDMode(t *testing.T) {
 	h := hive.NewWithOptions(opts,
 		health.Cell, statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
 		allocatortest.DriverCell(identity.AllocationModeCRD, crd.NewBackend("crd-node")),
-		cell.Invoke(func(x allocator.Allocator, y *Store, z *kvstore.Client, p *health.Provider) { a, b, kv, prov = x, y, z, p }),
+		cell.Invoke(func(x allocator.Allocator, y *Store, z *kvstore.Client, p *health.Provider) {
+			a, b, kv, prov = x, y, z, p
+		}),
 	)
 	configureNode(t, h, c, "crd-node")
 	hive.AddConfigOverride(h, func(cfg *allocator.Config) { cfg.IdentityAllocationMode = identity.AllocationModeCRD })
