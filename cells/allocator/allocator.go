@@ -27,15 +27,16 @@ type params struct {
 	Lifecycle cell.Lifecycle
 	DB        *statedb.DB
 	Table     statedb.RWTable[Entry]
-	Stores    globalstore.Config
-	Drivers   []globalstore.Driver `group:"globalstore-drivers"`
-	// Backend, when provided on its own (tests), is used whatever the
-	// drivers.
-	Backend globalstore.Backend `optional:"true"`
-	Remote  globalstore.Remote  `optional:"true"`
-	Metrics *allocationMetrics
-	Jobs    job.Registry
-	Health  cell.Health `optional:"true"`
+	Backend   globalstore.Backend `optional:"true"`
+	Remote    globalstore.Remote  `optional:"true"`
+	Metrics   *allocationMetrics
+	Jobs      job.Registry
+	Health    cell.Health `optional:"true"`
+
+	// The store drivers the configured mode picks from (Backend, when
+	// provided on its own, wins), and their shared configuration.
+	Drivers []globalstore.Driver `group:"globalstore-drivers"`
+	Stores  globalstore.Config
 }
 
 // allocatorOut is the Allocator, and the sink through which
@@ -127,10 +128,10 @@ func newAllocator(p params) (allocatorOut, error) {
 // as it always has; crd mode asks for the CRD store explicitly, so its
 // absence is an error rather than a silent loss of global identities.
 func driverBackend(p params) (globalstore.Backend, error) {
-	mode := p.Config.IdentityAllocationMode
 	if p.Backend != nil {
 		return p.Backend, nil
 	}
+	mode := p.Config.IdentityAllocationMode
 	var found []globalstore.Driver
 	for _, d := range p.Drivers {
 		if d.Mode == mode {
