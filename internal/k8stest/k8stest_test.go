@@ -54,6 +54,15 @@ func widget(name, color string) *unstructured.Unstructured {
 	}}
 }
 
+// startWithWidgets starts a server with the widget CRD installed, and
+// returns an admin client of widgets.
+func startWithWidgets(t testing.TB) (*k8stest.Server, dynamic.ResourceInterface) {
+	t.Helper()
+	s := k8stest.Start(t)
+	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
+	return s, widgetClient(t, s.RESTConfig())
+}
+
 func widgetClient(t testing.TB, cfg *rest.Config) dynamic.ResourceInterface {
 	t.Helper()
 	dyn, err := dynamic.NewForConfig(cfg)
@@ -70,21 +79,22 @@ func createWidget(t testing.TB, cli dynamic.ResourceInterface, name, color strin
 	}
 }
 
-func getColor(t testing.TB, cli dynamic.ResourceInterface, name string) string {
+// wantColor checks the color of widget name, read through cli; what says
+// which read it is.
+func wantColor(t testing.TB, cli dynamic.ResourceInterface, name, want, what string) {
 	t.Helper()
 	got, err := cli.Get(t.Context(), name, metav1.GetOptions{})
 	if err != nil {
-		t.Fatalf("getting widget %s: %v", name, err)
+		t.Fatalf("%s: getting widget %s: %v", what, name, err)
 	}
-	color, _, _ := unstructured.NestedString(got.Object, "color")
-	return color
+	if color, _, _ := unstructured.NestedString(got.Object, "color"); color != want {
+		t.Errorf("%s: widget %s has color %q, want %q", what, name, color, want)
+	}
 }
 
 func TestCreateAndGet(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	cli := widgetClient(t, s.RESTConfig())
+	s, cli := startWithWidgets(t)
 
 	// InstallCRD waits out the server's delay of creates on a CRD that
 	// was just established (2s), so the first create is fast.
@@ -93,9 +103,7 @@ func TestCreateAndGet(t *testing.T) {
 	if d := time.Since(start); d >= 2*time.Second {
 		t.Errorf("first create took %s, the server's delay on a new CRD was not waited out", d)
 	}
-	if got := getColor(t, cli, "w1"); got != "red" {
-		t.Errorf("color = %q, want red", got)
-	}
+	wantColor(t, cli, "w1", "red", "after create")
 	// The server validates objects against the CRD's schema.
 	bad := widget("w2", "red")
 	bad.Object["color"] = 42
@@ -108,9 +116,7 @@ func TestCreateAndGet(t *testing.T) {
 
 func TestRestartKeepsClientsAndData(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	cli := widgetClient(t, s.RESTConfig())
+	s, cli := startWithWidgets(t)
 	createWidget(t, cli, "before", "blue")
 	url := s.URL()
 
@@ -118,23 +124,17 @@ func TestRestartKeepsClientsAndData(t *testing.T) {
 	if s.URL() != url {
 		t.Fatalf("URL changed on restart: %s -> %s", url, s.URL())
 	}
-	if got := getColor(t, cli, "before"); got != "blue" {
-		t.Errorf("after restart: color = %q, want blue", got)
-	}
+	wantColor(t, cli, "before", "blue", "after restart")
 	createWidget(t, cli, "after", "green")
 
 	// A kubeconfig written before the restart still works.
 	fromFile := kubeconfigClient(t, s.Kubeconfig())
-	if got := getColor(t, fromFile, "after"); got != "green" {
-		t.Errorf("through the kubeconfig: color = %q, want green", got)
-	}
+	wantColor(t, fromFile, "after", "green", "through the kubeconfig")
 }
 
 func TestKill(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	cli := widgetClient(t, s.RESTConfig())
+	s, cli := startWithWidgets(t)
 	createWidget(t, cli, "w", "red")
 
 	s.Kill(t)
@@ -146,16 +146,13 @@ func TestKill(t *testing.T) {
 	}
 	// Killed, it comes back with its data, which is in etcd.
 	s.Restart(t)
-	if got := getColor(t, cli, "w"); got != "red" {
-		t.Errorf("after kill and restart: color = %q, want red", got)
-	}
+	wantColor(t, cli, "w", "red", "after kill and restart")
 }
 
 func TestOtherUserForbidden(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	createWidget(t, widgetClient(t, s.RESTConfig()), "w", "red")
+	s, cli := startWithWidgets(t)
+	createWidget(t, cli, "w", "red")
 
 	for _, path := range []string{s.Kubeconfig(), s.UserKubeconfig(t, "alice", "developers")} {
 		fi, err := os.Stat(path)
@@ -167,9 +164,7 @@ func TestOtherUserForbidden(t *testing.T) {
 		}
 	}
 	admin := kubeconfigClient(t, s.Kubeconfig())
-	if got := getColor(t, admin, "w"); got != "red" {
-		t.Errorf("admin: color = %q, want red", got)
-	}
+	wantColor(t, admin, "w", "red", "admin")
 	alice := kubeconfigClient(t, s.UserKubeconfig(t, "alice", "developers"))
 	_, err := alice.Get(t.Context(), "w", metav1.GetOptions{})
 	if !apierrors.IsForbidden(err) {
@@ -180,9 +175,7 @@ func TestOtherUserForbidden(t *testing.T) {
 	}
 	// The group is what the server authorizes.
 	root := kubeconfigClient(t, s.UserKubeconfig(t, "root", "system:masters"))
-	if got := getColor(t, root, "w"); got != "red" {
-		t.Errorf("user in system:masters: color = %q, want red", got)
-	}
+	wantColor(t, root, "w", "red", "user in system:masters")
 }
 
 func TestTwoServersOneEtcd(t *testing.T) {
@@ -202,12 +195,8 @@ func TestTwoServersOneEtcd(t *testing.T) {
 	ca, cb := widgetClient(t, a.RESTConfig()), widgetClient(t, b.RESTConfig())
 	createWidget(t, ca, "w", "red")
 	createWidget(t, cb, "w", "blue")
-	if got := getColor(t, ca, "w"); got != "red" {
-		t.Errorf("server a: color = %q, want red", got)
-	}
-	if got := getColor(t, cb, "w"); got != "blue" {
-		t.Errorf("server b: color = %q, want blue", got)
-	}
+	wantColor(t, ca, "w", "red", "server a")
+	wantColor(t, cb, "w", "blue", "server b")
 }
 
 func kubeconfigClient(t testing.TB, path string) dynamic.ResourceInterface {
