@@ -3,7 +3,9 @@ package k8stest_test
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -197,6 +200,63 @@ func TestTwoServersOneEtcd(t *testing.T) {
 	createWidget(t, cb, "w", "blue")
 	wantColor(t, ca, "w", "red", "server a")
 	wantColor(t, cb, "w", "blue", "server b")
+}
+
+// fatalTB records the first fatal error of what it is passed to instead of
+// failing the test.
+type fatalTB struct {
+	testing.TB
+	msg string
+}
+
+func (f *fatalTB) Fatal(args ...any) { f.msg = fmt.Sprint(args...); runtime.Goexit() }
+func (f *fatalTB) Fatalf(format string, args ...any) {
+	f.msg = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+
+func TestStartFailureShowsLog(t *testing.T) {
+	t.Parallel()
+	tb := &fatalTB{TB: t}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		k8stest.Start(tb, k8stest.WithServerArgs("--no-such-flag"))
+		t.Error("Start returned for a server that cannot start")
+	}()
+	<-done
+	if !strings.Contains(tb.msg, "exited before serving") || !strings.Contains(tb.msg, "unknown flag: --no-such-flag") {
+		t.Errorf("Start failed with %q, want the server's exit and its log", tb.msg)
+	}
+}
+
+func TestStopEndsWatches(t *testing.T) {
+	t.Parallel()
+	s, cli := startWithWidgets(t)
+	w, err := cli.Watch(t.Context(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	createWidget(t, cli, "w", "red")
+	if ev := <-w.ResultChan(); ev.Type != watch.Added {
+		t.Fatalf("first event %v, want Added", ev.Type)
+	}
+	// The server ends open watches when it stops instead of waiting for
+	// them (up to a minute) or being killed by Stop after its grace period.
+	start := time.Now()
+	s.Restart(t)
+	if d := time.Since(start); d > 20*time.Second {
+		t.Errorf("restart with a watch open took %s", d)
+	}
+	select {
+	case _, ok := <-w.ResultChan():
+		for ok {
+			_, ok = <-w.ResultChan()
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watch did not end when the server restarted")
+	}
 }
 
 func kubeconfigClient(t testing.TB, path string) dynamic.ResourceInterface {
