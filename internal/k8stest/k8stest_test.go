@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/k8stest"
 )
 
@@ -150,6 +151,22 @@ func TestKill(t *testing.T) {
 	// Killed, it comes back with its data, which is in etcd.
 	s.Restart(t)
 	wantColor(t, cli, "w", "red", "after kill and restart")
+}
+
+func TestEtcdKilledUnderServer(t *testing.T) {
+	t.Parallel()
+	s, cli := startWithWidgets(t)
+	createWidget(t, cli, "before", "red")
+	// Killed rather than stopped: etcd's graceful stop waits seconds for
+	// the server's open streams.
+	s.EtcdCluster().Member(0).Kill()
+	s.EtcdCluster().Member(0).Restart()
+	// The server reconnects to etcd; requests in between may fail.
+	eventually.True(t, "a create after etcd restarted", func() bool {
+		_, err := cli.Create(t.Context(), widget("after", "blue"), metav1.CreateOptions{})
+		return err == nil
+	})
+	wantColor(t, cli, "before", "red", "after etcd restarted")
 }
 
 func TestOtherUserForbidden(t *testing.T) {

@@ -73,6 +73,7 @@ type Server struct {
 	dir      string
 	opts     options
 	etcd     []string
+	ownEtcd  *etcdtest.Cluster
 	prefix   string
 	certs    *etcdtest.Certs
 	admin    clientCert
@@ -107,7 +108,8 @@ func Start(tb testing.TB, opts ...Option) *Server {
 	}
 	s.etcd = s.opts.etcd
 	if len(s.etcd) == 0 {
-		s.etcd = etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync()).Endpoints()
+		s.ownEtcd = etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync())
+		s.etcd = s.ownEtcd.Endpoints()
 	}
 	token := make([]byte, 8)
 	rand.Read(token)
@@ -253,6 +255,10 @@ func (s *Server) URL() string { return s.url }
 
 // Etcd returns the endpoints of the etcd the server stores its objects in.
 func (s *Server) Etcd() []string { return append([]string(nil), s.etcd...) }
+
+// EtcdCluster returns the etcd the server started for itself, to restart
+// or kill it under the server, or nil if it was given one (WithEtcd).
+func (s *Server) EtcdCluster() *etcdtest.Cluster { return s.ownEtcd }
 
 // EtcdPrefix is the key prefix under which the server stores its objects.
 func (s *Server) EtcdPrefix() string { return s.prefix }
