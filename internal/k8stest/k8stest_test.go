@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -113,6 +114,24 @@ func TestCreateAndGet(t *testing.T) {
 	bad.Object["color"] = 42
 	if _, err := cli.Create(t.Context(), bad, metav1.CreateOptions{}); !apierrors.IsInvalid(err) {
 		t.Errorf("creating a widget with a number for color: err = %v, want Invalid", err)
+	}
+	// Discovery clients find the CRD's resource, from /api and /apis on.
+	disco, err := discovery.NewDiscoveryClientForConfig(s.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, resources, err := disco.ServerGroupsAndResources()
+	if err != nil {
+		t.Fatalf("discovery: %v", err)
+	}
+	found := false
+	for _, list := range resources {
+		for _, r := range list.APIResources {
+			found = found || list.GroupVersion == widgets.GroupVersion().String() && r.Name == widgets.Resource
+		}
+	}
+	if !found {
+		t.Errorf("discovery did not find %s in %v", widgets, resources)
 	}
 	// Installing the same CRD again is a no-op.
 	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
