@@ -86,7 +86,7 @@ func TestLocalWrapsAfterChurn(t *testing.T) {
 		t.Fatalf("after churn the ID table has %d middle nodes and %d leaves for %d held identities, want 1 and 1", mids, leaves, len(heldIDs))
 	}
 	settle(a)
-	if mids, leaves := a.disp.state.local.Nodes(); mids != 1 || leaves != 1 {
+	if mids, leaves := a.disp.state.Nodes(); mids != 1 || leaves != 1 {
 		t.Fatalf("after churn the dispatcher's table has %d middle nodes and %d leaves, want 1 and 1", mids, leaves)
 	}
 }

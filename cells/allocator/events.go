@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idtable"
 )
 
 // event is one identity change as queued by the allocation paths.
@@ -170,17 +171,17 @@ type dispatcher struct {
 	// touched is the scratch list of entries to hand to the table,
 	// kept between drains.
 	touched []*refEntry
-	state   identityState
-	subs    map[*subscriber]struct{}
-	synced  bool
-	closed  bool
+	// state is the set of identities delivered.
+	state  idtable.Map[identity.Identity]
+	subs   map[*subscriber]struct{}
+	synced bool
+	closed bool
 }
 
 func newDispatcher(q *eventQueue, handlers []Handler) *dispatcher {
 	return &dispatcher{
 		queue:    q,
 		handlers: handlers,
-		state:    newIdentityState(),
 		subs:     map[*subscriber]struct{}{},
 	}
 }
@@ -272,10 +273,10 @@ func (d *dispatcher) drain() int {
 			if ev.ref != nil {
 				touched = append(touched, ev.ref)
 			}
-			if old, ok := d.state.get(id.ID); ok && old.Labels.Equal(id.Labels) {
+			if old := d.state.Get(id.ID); old != nil && old.Labels.Equal(id.Labels) {
 				continue // a watch echo of an identity already known
 			}
-			d.state.set(id)
+			d.state.Set(id.ID, id)
 			if wantBatch {
 				if old, ok := deleted[id.ID]; ok && old.Equal(id.Labels) {
 					delete(deleted, id.ID)
@@ -288,10 +289,10 @@ func (d *dispatcher) drain() int {
 			if ev.ref != nil {
 				touched = append(touched, ev.ref)
 			}
-			if _, ok := d.state.get(id.ID); !ok {
+			if d.state.Get(id.ID) == nil {
 				continue
 			}
-			d.state.delete(id.ID)
+			d.state.Set(id.ID, nil)
 			if wantBatch {
 				if _, ok := added[id.ID]; ok {
 					delete(added, id.ID)
@@ -340,8 +341,8 @@ func (d *dispatcher) close() {
 func (d *dispatcher) snapshot() []*identity.Identity {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	out := make([]*identity.Identity, 0, d.state.len())
-	d.state.each(func(id *identity.Identity) { out = append(out, id) })
+	out := make([]*identity.Identity, 0, d.state.Len())
+	d.state.Each(func(id *identity.Identity) { out = append(out, id) })
 	return out
 }
 
@@ -349,23 +350,21 @@ func (d *dispatcher) snapshot() []*identity.Identity {
 func (d *dispatcher) lookup(id identity.NumericIdentity) *identity.Identity {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	ident, _ := d.state.get(id)
-	return ident
+	return d.state.Get(id)
 }
 
 func (d *dispatcher) known(id identity.NumericIdentity) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	_, ok := d.state.get(id)
-	return ok
+	return d.state.Get(id) != nil
 }
 
 // Observe implements stream.Observable[Change].
 func (d *dispatcher) Observe(ctx context.Context, next func(Change), complete func(error)) {
 	s := &subscriber{wake: make(chan struct{}, 1)}
 	d.mu.Lock()
-	replay := make([]Change, 0, d.state.len()+1)
-	d.state.each(func(id *identity.Identity) {
+	replay := make([]Change, 0, d.state.Len()+1)
+	d.state.Each(func(id *identity.Identity) {
 		replay = append(replay, Change{Kind: ChangeUpsert, ID: id.ID, Labels: id.Labels})
 	})
 	if d.synced {
