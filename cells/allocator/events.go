@@ -9,6 +9,7 @@ import (
 	"github.com/identityd/identityd/internal/eventqueue"
 	"github.com/identityd/identityd/internal/fanout"
 	"github.com/identityd/identityd/internal/idtable"
+	"github.com/identityd/identityd/internal/tablewriter"
 )
 
 // event is one identity change as queued by the allocation paths.
@@ -94,18 +95,6 @@ func (d *dispatcher) run(ctx context.Context) {
 			}
 		}
 	}
-}
-
-// maxScratch bounds the capacity of the lists kept for reuse between
-// drains and flushes (512 KiB of pointers).
-const maxScratch = 1 << 16
-
-// reusable reports whether a scratch list whose last use filled used of
-// it is worth keeping: not beyond maxScratch, and not when the work has
-// shrunk to a quarter of it, so that a quiet allocator does not keep a
-// burst's lists.
-func reusable(capacity, used int) bool {
-	return capacity <= maxScratch && 4*used >= capacity
 }
 
 // A drain of at least dispatchBurst changes makes the dispatcher pause for
@@ -194,7 +183,7 @@ func (d *dispatcher) drain() int {
 	d.queue.table.touchAll(touched)
 	clear(touched)
 	d.touched = nil
-	if reusable(cap(touched), len(touched)) {
+	if tablewriter.Reusable(cap(touched), len(touched)) {
 		d.touched = touched[:0]
 	}
 	d.mu.Unlock()
