@@ -122,15 +122,12 @@ func hashLabels(seed maphash.Seed, ls labels.Labels) uint64 {
 // yields the IDs stored under the same 32 bits of the hash; their labels
 // tell them apart.
 func (s *localScope) find(h uint64, lbls labels.Labels) *refEntry {
-	for p := s.byLabel.Find(h); ; {
-		id := p.Next()
-		if id == 0 {
-			return nil
-		}
+	for id := range s.byLabel.Candidates(h) {
 		if e := s.byID.Get(id); e.ident.Labels.Equal(lbls) {
 			return e
 		}
 	}
+	return nil
 }
 
 // acquire returns the identity of lbls with one more reference, allocating

@@ -5,6 +5,8 @@
 package labelindex
 
 import (
+	"iter"
+
 	"github.com/identityd/identityd/identity"
 )
 
@@ -17,8 +19,7 @@ import (
 // nothing (every new identity) costs one cache miss, against two for a Go
 // map. A shard grows on its own, so growing never rehashes more than 1/256
 // of the identities under the owner's write lock. Equal tags are told
-// apart by the owner, which compares the labels of each candidate Find
-// yields.
+// apart by the owner, which compares the labels of each candidate.
 //
 // The zero Index is empty and ready to use. It is not safe for concurrent
 // use: its owner locks it.
@@ -54,44 +55,29 @@ func (x *Index) shard(h uint64) *shard {
 // from it too, so that growing needs no rehashing of labels.
 func tagOf(h uint64) uint32 { return uint32(h) }
 
-// Probe yields the candidates of one hash: the IDs stored under a hash
-// with the same tag, in the order of its probe sequence.
-type Probe struct {
-	// slots is nil once the sequence reached an empty slot.
-	slots []slot
-	tag   uint32
-	mask  uint32
-	i     uint32
-}
-
-// Find returns the candidates of h. Its owner compares each candidate's
-// labels with the ones it looks for; an insert or remove ends the Probe's
-// validity.
-func (x *Index) Find(h uint64) Probe {
-	s := x.shard(h)
-	if s.n == 0 {
-		return Probe{}
-	}
-	tag := tagOf(h)
-	mask := uint32(len(s.slots) - 1)
-	return Probe{slots: s.slots, tag: tag, mask: mask, i: tag & mask}
-}
-
-// Next returns the next candidate, or 0 when there is none left. It is
-// small enough to be inlined into its owner's lookup loop.
-func (p *Probe) Next() identity.NumericIdentity {
-	for p.slots != nil {
-		sl := p.slots[p.i]
-		p.i = (p.i + 1) & p.mask
-		if sl.id == 0 {
-			p.slots = nil
-			break
+// Candidates yields the IDs stored under a hash with the same tag as h,
+// in the order of its probe sequence. Its owner compares each candidate's
+// labels with the ones it looks for, and stops at the first match; an
+// insert or remove ends the sequence's validity. It is small enough to be
+// inlined, loop body and all, into its owner's lookup.
+func (x *Index) Candidates(h uint64) iter.Seq[identity.NumericIdentity] {
+	return func(yield func(identity.NumericIdentity) bool) {
+		s := x.shard(h)
+		if s.n == 0 {
+			return
 		}
-		if sl.tag == p.tag {
-			return sl.id
+		tag := tagOf(h)
+		mask := uint32(len(s.slots) - 1)
+		for i := tag & mask; ; i = (i + 1) & mask {
+			sl := s.slots[i]
+			if sl.id == 0 {
+				return
+			}
+			if sl.tag == tag && !yield(sl.id) {
+				return
+			}
 		}
 	}
-	return 0
 }
 
 // Insert adds id under h; id must not be in the index yet, and must not

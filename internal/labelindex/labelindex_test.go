@@ -10,7 +10,7 @@ import (
 )
 
 // owner is what the allocator's local scope keeps beside its index: each
-// ID's label set, to confirm the candidates Find yields.
+// ID's label set, to confirm the candidates.
 type owner struct {
 	x      Index
 	labels map[identity.NumericIdentity]labels.Labels
@@ -19,12 +19,12 @@ type owner struct {
 // find returns the ID of lbls, whose hash is h, as the local scope finds
 // it, or 0.
 func (o *owner) find(h uint64, lbls labels.Labels) identity.NumericIdentity {
-	for p := o.x.Find(h); ; {
-		id := p.Next()
-		if id == 0 || o.labels[id].Equal(lbls) {
+	for id := range o.x.Candidates(h) {
+		if o.labels[id].Equal(lbls) {
 			return id
 		}
 	}
+	return 0
 }
 
 // labelSets returns n distinct label sets; the index sees only their
