@@ -186,7 +186,7 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 func (a *identityAllocator) jobs() []job.Job {
 	return []job.Job{
 		job.OneShot("identities-table-writer", func(ctx context.Context, _ cell.Health) error {
-			a.table.run(ctx)
+			a.table.Run(ctx)
 			return nil
 		}),
 		// The dispatcher wakes at once: the reserved identities queued

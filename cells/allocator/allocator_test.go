@@ -512,13 +512,6 @@ func bareTableWriter(t *testing.T) (*statedb.DB, statedb.RWTable[Entry], *tableW
 	return db, table, newTableWriter(db, table)
 }
 
-// queued reports whether changes wait to be taken into the backlog.
-func (w *tableWriter) queued() bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return len(w.dirty) > 0 || len(w.evs) > 0
-}
-
 // TestTableWriterChunks checks that the table writer writes a burst in
 // transactions of at most tableWriterChunk rows, and that flush writes
 // both the rest of a backlog and what was queued after it was taken.
@@ -537,7 +530,7 @@ func TestTableWriterChunks(t *testing.T) {
 	w.touchAll(burst)
 	rows := func() int { return table.NumObjects(db.ReadTxn()) }
 
-	if !w.writeChunk(tableWriterChunk, true) {
+	if !w.WriteChunk(tableWriterChunk, true) {
 		t.Fatal("first chunk of a burst of two reported nothing left")
 	}
 	if got := rows(); got != tableWriterChunk {
@@ -555,7 +548,7 @@ func TestTableWriterChunks(t *testing.T) {
 	w.touchAll([]*refEntry{burst[0], burst[len(burst)-1]})
 	burst[len(burst)-1].refs.Store(5)
 
-	w.flush()
+	w.Flush()
 	if got := rows(); got != len(sets) {
 		t.Fatalf("%d rows after flush, want %d", got, len(sets))
 	}
@@ -571,7 +564,7 @@ func TestTableWriterChunks(t *testing.T) {
 			t.Fatalf("entry %d still marked dirty after it was written", c.e.ident.ID)
 		}
 	}
-	if w.writeChunk(tableWriterChunk, true) || w.queued() {
+	if w.WriteChunk(tableWriterChunk, true) || w.Queued() {
 		t.Fatal("rows left after flush")
 	}
 }
@@ -601,11 +594,11 @@ func TestTableFlushEnds(t *testing.T) {
 	for range first {
 		w.touch(released())
 	}
-	w.flush()
+	w.Flush()
 	if next != 2*first {
 		t.Fatalf("the flush wrote until %d changes were made, want it to stop after the %d queued when it started", next, first)
 	}
-	if !w.queued() {
+	if !w.Queued() {
 		t.Fatal("the changes made during the flush were lost")
 	}
 }

@@ -213,7 +213,7 @@ func BenchmarkLocalMemory(b *testing.B) {
 		// what they keep is counted too.
 		for a.disp.drain() > 0 {
 		}
-		a.table.flush()
+		a.table.Flush()
 		runtime.GC()
 		runtime.ReadMemStats(&after)
 		runtime.KeepAlive(a)

@@ -44,7 +44,7 @@ func churnSets(n int) []labels.Labels {
 func settle(a *identityAllocator) {
 	for a.disp.drain() > 0 {
 	}
-	a.table.flush()
+	a.table.Flush()
 }
 
 // TestLocalWrapsAfterChurn runs a scope of 2^17 IDs through four full
@@ -86,7 +86,7 @@ func TestLocalWrapsAfterChurn(t *testing.T) {
 		t.Fatalf("after churn the ID table has %d middle nodes and %d leaves for %d held identities, want 1 and 1", mids, leaves, len(heldIDs))
 	}
 	settle(a)
-	if mids, leaves := a.disp.state.local.Nodes(); mids != 1 || leaves != 1 {
+	if mids, leaves := a.disp.state.Nodes(); mids != 1 || leaves != 1 {
 		t.Fatalf("after churn the dispatcher's table has %d middle nodes and %d leaves, want 1 and 1", mids, leaves)
 	}
 }
@@ -157,7 +157,7 @@ func TestTableWriterPassesOverReleased(t *testing.T) {
 	}
 	written := entry(len(sets)-1, 1)
 	w.touchAll([]*refEntry{written})
-	w.flush()
+	w.Flush()
 	rows := func() int { return table.NumObjects(db.ReadTxn()) }
 	if rows() != 1 {
 		t.Fatalf("%d rows, want 1", rows())
@@ -171,7 +171,7 @@ func TestTableWriterPassesOverReleased(t *testing.T) {
 	written.refs.Store(0)
 	batch = append(batch, written, held)
 	w.touchAll(batch)
-	if w.writeChunk(tableWriterChunk, true) {
+	if w.WriteChunk(tableWriterChunk, true) {
 		t.Fatalf("one chunk left rows behind %d released entries", 4*tableWriterChunk)
 	}
 	row, _, ok := table.Get(db.ReadTxn(), EntryIDIndex.Query(held.ident.ID))

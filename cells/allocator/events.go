@@ -6,6 +6,10 @@ import (
 	"time"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/eventqueue"
+	"github.com/identityd/identityd/internal/fanout"
+	"github.com/identityd/identityd/internal/idtable"
+	"github.com/identityd/identityd/internal/tablewriter"
 )
 
 // event is one identity change as queued by the allocation paths.
@@ -23,141 +27,23 @@ type event struct {
 // or the identities table: the dispatcher and the table writer deliver to
 // those on their own goroutines.
 type eventQueue struct {
-	mu sync.Mutex
-	// pending is a list of fixed-size chunks: appending never copies the
-	// events already queued, however far the dispatcher lags behind.
-	pending [][]event
-	// free holds drained full-size chunks for reuse, so that a busy
-	// allocator does not turn every event into garbage.
-	free  [][]event
-	holds int
-	wake  chan struct{}
-
+	q     *eventqueue.Queue[event]
 	table *tableWriter
 }
 
 func newEventQueue(table *tableWriter) *eventQueue {
-	return &eventQueue{wake: make(chan struct{}, 1), table: table}
+	return &eventQueue{q: eventqueue.New[event](), table: table}
 }
 
-// eventChunk is the number of events per chunk of the queue, and
-// firstEventChunk the size of the first chunk after the dispatcher took
-// the queue.
-const (
-	eventChunk      = 512
-	firstEventChunk = 16
-)
-
-func (q *eventQueue) pushEvent(ev event) {
-	q.mu.Lock()
-	// Only the first event after a take wakes the dispatcher: it takes
-	// everything queued, and a wake-up for each event would cost a
-	// channel operation per allocation.
-	first := len(q.pending) == 0
-	if first || len(q.pending[len(q.pending)-1]) == cap(q.pending[len(q.pending)-1]) {
-		q.pending = append(q.pending, q.newChunk(first))
-	}
-	last := &q.pending[len(q.pending)-1]
-	*last = append(*last, ev)
-	q.mu.Unlock()
-	if first {
-		q.signal()
-	}
-}
-
-// newChunk returns an empty chunk, a recycled one if there is one. The
-// caller holds mu.
-func (q *eventQueue) newChunk(first bool) []event {
-	if n := len(q.free); n > 0 {
-		c := q.free[n-1]
-		q.free[n-1] = nil
-		q.free = q.free[:n-1]
-		return c
-	}
-	if first {
-		// The dispatcher usually takes the queue within a few
-		// events: a full chunk for each would be mostly garbage.
-		return make([]event, 0, firstEventChunk)
-	}
-	return make([]event, 0, eventChunk)
-}
-
-// maxFreeChunks bounds the chunks kept for reuse (about 1.3 MB).
-const maxFreeChunks = 64
-
-// recycle takes back drained chunks for reuse. It keeps no more than the
-// drain took: the allocations until the next drain need about as many,
-// and a queue that has gone quiet after a burst does not keep the burst's
-// chunks.
-func (q *eventQueue) recycle(chunks [][]event) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	keep := min(len(chunks), maxFreeChunks)
-	if len(q.free) > keep {
-		clear(q.free[keep:])
-		q.free = q.free[:keep]
-	}
-	for _, c := range chunks {
-		if cap(c) != eventChunk || len(q.free) == keep {
-			continue
-		}
-		// Drop the references, so that a recycled chunk keeps no
-		// released entry alive.
-		clear(c)
-		q.free = append(q.free, c[:0])
-	}
-}
-
-func (q *eventQueue) signal() {
-	select {
-	case q.wake <- struct{}{}:
-	default:
-	}
-}
+func (q *eventQueue) pushEvent(ev event) { q.q.Push(ev) }
 
 // touch tells the identities table that an entry's count changed.
 func (q *eventQueue) touch(e *refEntry) { q.table.touch(e) }
 
 // hold keeps the dispatcher from taking changes until release, so that the
 // changes of a batch reach the handlers in one call.
-func (q *eventQueue) hold() {
-	q.mu.Lock()
-	q.holds++
-	q.mu.Unlock()
-}
-
-func (q *eventQueue) release() {
-	q.mu.Lock()
-	q.holds--
-	q.mu.Unlock()
-	q.signal()
-}
-
-func (q *eventQueue) take() [][]event {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	if q.holds > 0 {
-		return nil
-	}
-	evs := q.pending
-	q.pending = nil
-	return evs
-}
-
-// allEvents iterates over the events of a list of chunks.
-func allEvents(chunks [][]event) func(func(int, event) bool) {
-	return func(yield func(int, event) bool) {
-		i := 0
-		for _, c := range chunks {
-			for _, ev := range c {
-				if !yield(i, ev) {
-					return
-				}
-				i++
-			}
-		}
-	}
-}
+func (q *eventQueue) hold()    { q.q.Hold() }
+func (q *eventQueue) release() { q.q.Release() }
 
 // dispatcher turns queued changes into Observe events and handler batches,
 // and forwards them to the table writer. It runs on one goroutine, so
@@ -170,18 +56,16 @@ type dispatcher struct {
 	// touched is the scratch list of entries to hand to the table,
 	// kept between drains.
 	touched []*refEntry
-	state   identityState
-	subs    map[*subscriber]struct{}
-	synced  bool
-	closed  bool
+	// state is the set of identities delivered.
+	state     idtable.Map[identity.Identity]
+	observers fanout.Fanout[Change]
+	synced    bool
 }
 
 func newDispatcher(q *eventQueue, handlers []Handler) *dispatcher {
 	return &dispatcher{
 		queue:    q,
 		handlers: handlers,
-		state:    newIdentityState(),
-		subs:     map[*subscriber]struct{}{},
 	}
 }
 
@@ -194,9 +78,9 @@ func (d *dispatcher) run(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			d.drain()
-			d.close()
+			d.observers.Close()
 			return
-		case <-d.queue.wake:
+		case <-d.queue.q.Wake():
 			if d.drain() < dispatchBurst {
 				continue
 			}
@@ -213,18 +97,6 @@ func (d *dispatcher) run(ctx context.Context) {
 	}
 }
 
-// maxScratch bounds the capacity of the lists kept for reuse between
-// drains and flushes (512 KiB of pointers).
-const maxScratch = 1 << 16
-
-// reusable reports whether a scratch list whose last use filled used of
-// it is worth keeping: not beyond maxScratch, and not when the work has
-// shrunk to a quarter of it, so that a quiet allocator does not keep a
-// burst's lists.
-func reusable(capacity, used int) bool {
-	return capacity <= maxScratch && 4*used >= capacity
-}
-
 // A drain of at least dispatchBurst changes makes the dispatcher pause for
 // dispatchBurstPause before the next one.
 const (
@@ -234,7 +106,7 @@ const (
 
 // drain delivers everything queued and returns how many changes it took.
 func (d *dispatcher) drain() int {
-	chunks := d.queue.take()
+	chunks := d.queue.q.Take()
 	if len(chunks) == 0 {
 		return 0
 	}
@@ -245,7 +117,7 @@ func (d *dispatcher) drain() int {
 	d.mu.Lock()
 	// Handler batches and observer events are only built when someone
 	// consumes them: a busy allocator queues many changes per drain.
-	wantBatch, wantOut := len(d.handlers) > 0, len(d.subs) > 0
+	wantBatch, wantOut := len(d.handlers) > 0, d.observers.Len() > 0
 	var added, deleted IdentityMap
 	if wantBatch {
 		added, deleted = IdentityMap{}, IdentityMap{}
@@ -254,9 +126,9 @@ func (d *dispatcher) drain() int {
 	touched := d.touched[:0]
 	var out []Change
 	if wantOut {
-		out = make([]Change, 0, len(chunks)*eventChunk)
+		out = make([]Change, 0, len(chunks)*eventqueue.ChunkLen)
 	}
-	for _, ev := range allEvents(chunks) {
+	for _, ev := range eventqueue.All(chunks) {
 		switch ev.kind {
 		case ChangeSync:
 			if d.synced {
@@ -272,10 +144,10 @@ func (d *dispatcher) drain() int {
 			if ev.ref != nil {
 				touched = append(touched, ev.ref)
 			}
-			if old, ok := d.state.get(id.ID); ok && old.Labels.Equal(id.Labels) {
+			if old := d.state.Get(id.ID); old != nil && old.Labels.Equal(id.Labels) {
 				continue // a watch echo of an identity already known
 			}
-			d.state.set(id)
+			d.state.Set(id.ID, id)
 			if wantBatch {
 				if old, ok := deleted[id.ID]; ok && old.Equal(id.Labels) {
 					delete(deleted, id.ID)
@@ -288,10 +160,10 @@ func (d *dispatcher) drain() int {
 			if ev.ref != nil {
 				touched = append(touched, ev.ref)
 			}
-			if _, ok := d.state.get(id.ID); !ok {
+			if d.state.Get(id.ID) == nil {
 				continue
 			}
-			d.state.delete(id.ID)
+			d.state.Set(id.ID, nil)
 			if wantBatch {
 				if _, ok := added[id.ID]; ok {
 					delete(added, id.ID)
@@ -307,17 +179,15 @@ func (d *dispatcher) drain() int {
 			d.queue.table.apply(ev)
 		}
 	}
-	for s := range d.subs {
-		s.push(out...)
-	}
+	d.observers.Publish(out)
 	d.queue.table.touchAll(touched)
 	clear(touched)
 	d.touched = nil
-	if reusable(cap(touched), len(touched)) {
+	if tablewriter.Reusable(cap(touched), len(touched)) {
 		d.touched = touched[:0]
 	}
 	d.mu.Unlock()
-	d.queue.recycle(chunks)
+	d.queue.q.Recycle(chunks)
 
 	if len(added) > 0 || len(deleted) > 0 {
 		for _, h := range d.handlers {
@@ -327,21 +197,11 @@ func (d *dispatcher) drain() int {
 	return taken
 }
 
-func (d *dispatcher) close() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.closed = true
-	for s := range d.subs {
-		s.finish()
-	}
-	clear(d.subs)
-}
-
 func (d *dispatcher) snapshot() []*identity.Identity {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	out := make([]*identity.Identity, 0, d.state.len())
-	d.state.each(func(id *identity.Identity) { out = append(out, id) })
+	out := make([]*identity.Identity, 0, d.state.Len())
+	d.state.Each(func(id *identity.Identity) { out = append(out, id) })
 	return out
 }
 
@@ -349,99 +209,27 @@ func (d *dispatcher) snapshot() []*identity.Identity {
 func (d *dispatcher) lookup(id identity.NumericIdentity) *identity.Identity {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	ident, _ := d.state.get(id)
-	return ident
+	return d.state.Get(id)
 }
 
 func (d *dispatcher) known(id identity.NumericIdentity) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	_, ok := d.state.get(id)
-	return ok
+	return d.state.Get(id) != nil
 }
 
-// Observe implements stream.Observable[Change].
+// Observe implements stream.Observable[Change]. The replay is built under
+// the lock under which drain publishes, so it ends where the live changes
+// begin.
 func (d *dispatcher) Observe(ctx context.Context, next func(Change), complete func(error)) {
-	s := &subscriber{wake: make(chan struct{}, 1)}
 	d.mu.Lock()
-	replay := make([]Change, 0, d.state.len()+1)
-	d.state.each(func(id *identity.Identity) {
+	defer d.mu.Unlock()
+	replay := make([]Change, 0, d.state.Len()+1)
+	d.state.Each(func(id *identity.Identity) {
 		replay = append(replay, Change{Kind: ChangeUpsert, ID: id.ID, Labels: id.Labels})
 	})
 	if d.synced {
 		replay = append(replay, Change{Kind: ChangeSync})
 	}
-	s.push(replay...)
-	if d.closed {
-		s.finish()
-	} else {
-		d.subs[s] = struct{}{}
-	}
-	d.mu.Unlock()
-
-	go func() {
-		err := s.run(ctx, next)
-		d.mu.Lock()
-		delete(d.subs, s)
-		d.mu.Unlock()
-		complete(err)
-	}()
-}
-
-// subscriber buffers changes for one observer, so that a slow observer
-// delays only itself.
-type subscriber struct {
-	mu    sync.Mutex
-	queue []Change
-	done  bool
-	wake  chan struct{}
-}
-
-func (s *subscriber) push(cs ...Change) {
-	if len(cs) == 0 {
-		return
-	}
-	s.mu.Lock()
-	s.queue = append(s.queue, cs...)
-	s.mu.Unlock()
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (s *subscriber) finish() {
-	s.mu.Lock()
-	s.done = true
-	s.mu.Unlock()
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (s *subscriber) run(ctx context.Context, next func(Change)) error {
-	for {
-		s.mu.Lock()
-		batch, done := s.queue, s.done
-		s.queue = nil
-		s.mu.Unlock()
-		for _, c := range batch {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			next(c)
-		}
-		if done && len(batch) == 0 {
-			return nil
-		}
-		if len(batch) > 0 {
-			continue
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-s.wake:
-		}
-	}
+	d.observers.Subscribe(ctx, replay, next, complete)
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idtable"
+	"github.com/identityd/identityd/internal/labelindex"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -84,7 +85,7 @@ type localScope struct {
 	events   *eventQueue
 
 	mu      sync.RWMutex
-	byLabel labelIndex
+	byLabel labelindex.Index
 	byID    idTable
 	// version counts changes of byLabel, so that an allocation that found
 	// nothing under the read lock need not look again under the write
@@ -106,7 +107,6 @@ func newLocalScope(scope identity.Scope, log *slog.Logger, events *eventQueue, m
 		next:     identity.MinLocalIdentity,
 		withheld: map[identity.NumericIdentity]struct{}{},
 	}
-	s.byLabel.byID = &s.byID
 	return s
 }
 
@@ -118,9 +118,16 @@ func hashLabels(seed maphash.Seed, ls labels.Labels) uint64 {
 	return maphash.Bytes(seed, ls.AppendCanonical(buf[:0]))
 }
 
-// find returns the entry of lbls; the caller holds a lock.
+// find returns the entry of lbls; the caller holds a lock. The index
+// yields the IDs stored under the same 32 bits of the hash; their labels
+// tell them apart.
 func (s *localScope) find(h uint64, lbls labels.Labels) *refEntry {
-	return s.byLabel.find(h, lbls)
+	for id := range s.byLabel.Candidates(h) {
+		if e := s.byID.Get(id); e.ident.Labels.Equal(lbls) {
+			return e
+		}
+	}
+	return nil
 }
 
 // acquire returns the identity of lbls with one more reference, allocating
@@ -165,7 +172,7 @@ func (s *localScope) acquire(lbls labels.Labels, o *allocateOptions) (*identity.
 		e.flags.Store(entryRestored)
 	}
 	s.byID.Set(id, e)
-	s.byLabel.insert(h, e)
+	s.byLabel.Insert(h, id)
 	s.version++
 	// The dispatcher passes the entry on to the identities table.
 	s.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: e})
@@ -252,7 +259,7 @@ func (s *localScope) release(id identity.NumericIdentity) (bool, error) {
 		s.events.touch(e)
 		return false, nil
 	}
-	s.byLabel.remove(e.hash, e)
+	s.byLabel.Remove(e.hash, id)
 	s.byID.Set(id, nil)
 	s.version++
 	s.events.pushEvent(event{kind: ChangeDelete, ident: &e.ident, ref: e})

@@ -1,15 +1,14 @@
 package allocator
 
 import (
-	"context"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/tablewriter"
 )
 
 // TableName is the name of the identities table.
@@ -76,7 +75,10 @@ func scopeName(id identity.NumericIdentity) string {
 const tableWriterInterval = 10 * time.Millisecond
 
 // tableWriterRestFactor bounds the table writer's share of a core to
-// 1/(1+tableWriterRestFactor).
+// 1/(1+tableWriterRestFactor): under a sustained burst the table lags
+// further behind (and catches up after it) instead of taking more than a
+// quarter of a core from the allocations it mirrors. A row costs about a
+// microsecond of statedb writes, several times an allocation.
 const tableWriterRestFactor = 3
 
 // tableWriterChunk is the most rows one write transaction of the table
@@ -97,39 +99,29 @@ const tableWriterSkipFactor = 16
 // identities reach it as dirty entries (their current count is written),
 // the others (reserved, other nodes' global ones) as events.
 type tableWriter struct {
-	db       *statedb.DB
-	table    statedb.RWTable[Entry]
-	interval time.Duration
+	*tablewriter.Writer[event, *refEntry]
+	table statedb.RWTable[Entry]
 	// known reports whether an identity still exists, for global
 	// identities this node stopped holding.
 	known func(identity.NumericIdentity) bool
-
-	mu    sync.Mutex
-	dirty []*refEntry
-	evs   []event
-	wake  chan struct{}
-
-	// writeMu serializes writing; it guards the backlog: what the
-	// writer took from dirty and evs and has not written yet.
-	writeMu      sync.Mutex
-	backlogEvs   []event
-	backlogDirty []*refEntry
-	// written is how many of backlogDirty were written.
-	written int
 }
 
 func newTableWriter(db *statedb.DB, table statedb.RWTable[Entry]) *tableWriter {
-	return &tableWriter{db: db, table: table, interval: tableWriterInterval, wake: make(chan struct{}, 1)}
+	w := &tableWriter{table: table}
+	w.Writer = tablewriter.New(db, statedb.TableMeta(table), w, tablewriter.Pace{
+		Interval:   tableWriterInterval,
+		ChunkRows:  tableWriterChunk,
+		SkipFactor: tableWriterSkipFactor,
+		RestFactor: tableWriterRestFactor,
+	})
+	return w
 }
 
 func (w *tableWriter) touch(e *refEntry) {
 	if w.table == nil || !e.markDirty() {
 		return
 	}
-	w.mu.Lock()
-	w.dirty = append(w.dirty, e)
-	w.mu.Unlock()
-	w.signal()
+	w.AddDirty(e)
 }
 
 // touchAll is touch for the entries of a dispatcher drain, with one lock.
@@ -137,155 +129,18 @@ func (w *tableWriter) touchAll(es []*refEntry) {
 	if w.table == nil || len(es) == 0 {
 		return
 	}
-	w.mu.Lock()
-	for _, e := range es {
-		if e.markDirty() {
-			w.dirty = append(w.dirty, e)
-		}
-	}
-	w.mu.Unlock()
-	w.signal()
+	w.AddDirtyFunc(es, (*refEntry).markDirty)
 }
 
 func (w *tableWriter) apply(ev event) {
 	if w.table == nil {
 		return
 	}
-	w.mu.Lock()
-	w.evs = append(w.evs, ev)
-	w.mu.Unlock()
-	w.signal()
+	w.AddEvent(ev)
 }
 
-func (w *tableWriter) signal() {
-	select {
-	case w.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (w *tableWriter) run(ctx context.Context) {
-	for {
-		select {
-		case <-ctx.Done():
-			w.flush()
-			return
-		case <-w.wake:
-		}
-		for more := true; more; {
-			start := time.Now()
-			more = w.writeChunk(tableWriterChunk, true)
-			// Rest three times as long as the chunk took: under a
-			// sustained burst the mirror lags further behind (and
-			// catches up after it) instead of taking more than a
-			// quarter of a core from the allocations it mirrors. A
-			// row costs about a microsecond of statedb writes,
-			// several times an allocation. With nothing left, rest
-			// at least the interval, so that changes coalesce.
-			rest := tableWriterRestFactor * time.Since(start)
-			if !more {
-				rest = max(w.interval, rest)
-			}
-			select {
-			case <-ctx.Done():
-				w.flush()
-				return
-			case <-time.After(rest):
-			}
-		}
-	}
-}
-
-// flush writes the rest of the backlog, then takes what is queued once
-// and writes it, without resting. Changes queued while it writes that
-// wait for the next flush, so that allocations that go on during a stop
-// cannot keep it writing.
-func (w *tableWriter) flush() {
-	for w.writeChunk(tableWriterChunk, false) {
-	}
-	if w.writeChunk(tableWriterChunk, true) {
-		for w.writeChunk(tableWriterChunk, false) {
-		}
-	}
-}
-
-// writeChunk writes up to limit rows of the backlog in one transaction;
-// when the backlog is empty and take is set, it takes what is queued
-// first. It reports whether rows are left in the backlog.
-func (w *tableWriter) writeChunk(limit int, take bool) bool {
-	w.writeMu.Lock()
-	defer w.writeMu.Unlock()
-	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
-		if !take {
-			return false
-		}
-		w.takeBacklog()
-	}
-	if len(w.backlogEvs) == 0 && w.written == len(w.backlogDirty) {
-		return false
-	}
-	// The transaction is opened for the first row: a chunk of entries
-	// that came and went before the writer saw them writes nothing.
-	var txn statedb.WriteTxn
-	n := min(limit, len(w.backlogEvs))
-	if n > 0 {
-		txn = w.db.WriteTxn(w.table)
-	}
-	for _, ev := range w.backlogEvs[:n] {
-		w.writeEvent(txn, ev)
-	}
-	clear(w.backlogEvs[:n])
-	w.backlogEvs = w.backlogEvs[n:]
-	dirty := w.backlogDirty[w.written:]
-	dirty = dirty[:min(tableWriterSkipFactor*limit, len(dirty))]
-	rows := n
-	for i, e := range dirty {
-		if rows == limit {
-			dirty = dirty[:i]
-			break
-		}
-		if w.rowless(e) {
-			continue
-		}
-		if txn == nil {
-			txn = w.db.WriteTxn(w.table)
-		}
-		w.writeEntry(txn, e)
-		rows++
-	}
-	clear(dirty)
-	w.written += len(dirty)
-	if txn != nil {
-		txn.Commit()
-	}
-	if len(w.backlogEvs) > 0 || w.written < len(w.backlogDirty) {
-		return true
-	}
-	// Written: the lists are let go now rather than at the next take,
-	// which may be long after a burst. The dirty list goes back for
-	// the next one unless it is much bigger than the work needs.
-	w.backlogEvs = nil
-	if !reusable(cap(w.backlogDirty), len(w.backlogDirty)) {
-		w.backlogDirty = nil
-	}
-	w.backlogDirty, w.written = w.backlogDirty[:0], 0
-	return false
-}
-
-// takeBacklog moves what is queued to the backlog; the caller holds
-// writeMu and has written the previous backlog.
-func (w *tableWriter) takeBacklog() {
-	// The list goes back for the next burst (its references cleared as
-	// they were written, and dropped if too big when it was written).
-	done := w.backlogDirty[:0]
-	w.mu.Lock()
-	w.backlogDirty, w.backlogEvs = w.dirty, w.evs
-	w.dirty, w.evs = done, nil
-	w.mu.Unlock()
-	w.written = 0
-}
-
-func (w *tableWriter) writeEvent(txn statedb.WriteTxn, ev event) {
+// WriteEvent implements tablewriter.Rows.
+func (w *tableWriter) WriteEvent(txn statedb.WriteTxn, ev event) {
 	switch ev.kind {
 	case ChangeUpsert:
 		// A held identity's row is written from its entry.
@@ -298,12 +153,13 @@ func (w *tableWriter) writeEvent(txn statedb.WriteTxn, ev event) {
 	}
 }
 
-// rowless reports whether e needs no write: a local entry released before
-// any row was written from it. Under churn most entries are, and each
-// would otherwise cost a lookup in a write transaction, which kept the
-// writer so far behind that released entries piled up in its backlog.
-// A released entry is never taken again, so the answer cannot change.
-func (w *tableWriter) rowless(e *refEntry) bool {
+// Rowless implements tablewriter.Rows. It reports whether e needs no
+// write: a local entry released before any row was written from it. Under
+// churn most entries are, and each would otherwise cost a lookup in a
+// write transaction, which kept the writer so far behind that released
+// entries piled up in its backlog. A released entry is never taken again,
+// so the answer cannot change.
+func (w *tableWriter) Rowless(e *refEntry) bool {
 	f := e.flags.Load()
 	if f&(entryGlobal|entryInTable) != 0 || e.refs.Load() > 0 {
 		return false
@@ -312,7 +168,8 @@ func (w *tableWriter) rowless(e *refEntry) bool {
 	return true
 }
 
-func (w *tableWriter) writeEntry(txn statedb.WriteTxn, e *refEntry) {
+// WriteDirty implements tablewriter.Rows.
+func (w *tableWriter) WriteDirty(txn statedb.WriteTxn, e *refEntry) {
 	e.flags.And(^entryDirty)
 	if e.refs.Load() > 0 {
 		// A held entry's row is its current state; it also replaces

@@ -18,7 +18,7 @@ var standalone sync.Map // *identityAllocator -> func()
 func (a *identityAllocator) startStandalone(ctx context.Context) error {
 	loopCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
-	jobs := []func(context.Context){a.table.run, a.disp.run}
+	jobs := []func(context.Context){a.table.Run, a.disp.run}
 	for _, run := range jobs {
 		wg.Go(func() { run(loopCtx) })
 	}

@@ -1,6 +1,7 @@
 // Package idtable is the table of the allocator's local scopes: a map from
 // the 24-bit counter of a node-local or remote-node identity to a value,
-// whose memory follows the values it holds.
+// whose memory follows the values it holds. Map, the dispatcher's record of
+// delivered identities, adds the identities of the other scopes.
 package idtable
 
 import (

@@ -1,4 +1,4 @@
-package allocator
+package idtable
 
 import (
 	"math/rand/v2"
@@ -8,12 +8,12 @@ import (
 	"github.com/identityd/identityd/identity"
 )
 
-// TestIdentityStateAgainstMap checks the dispatcher's state, whose local
-// scopes live in paged tables, against a map: the same lookups, the same
-// length, and every identity in numeric order, as Observe replays them.
-func TestIdentityStateAgainstMap(t *testing.T) {
+// TestMapAgainstGoMap checks a Map, whose local scopes live in paged
+// tables, against a Go map: the same lookups, the same length, and every
+// identity in numeric order, as the allocator's Observe replays them.
+func TestMapAgainstGoMap(t *testing.T) {
 	r := rand.New(rand.NewPCG(7, 7))
-	st := newIdentityState()
+	var st Map[identity.Identity]
 	want := map[identity.NumericIdentity]*identity.Identity{}
 	randomID := func() identity.NumericIdentity {
 		switch r.IntN(4) {
@@ -30,24 +30,25 @@ func TestIdentityStateAgainstMap(t *testing.T) {
 	for step := range 20_000 {
 		id := randomID()
 		if _, ok := want[id]; ok && r.IntN(2) == 0 {
-			st.delete(id)
+			st.Set(id, nil)
 			delete(want, id)
 		} else {
 			ident := &identity.Identity{ID: id}
-			st.set(ident)
+			st.Set(id, ident)
 			want[id] = ident
 		}
 		probe := randomID()
-		got, ok := st.get(probe)
+		got := st.Get(probe)
+		ok := got != nil
 		if w, wok := want[probe]; ok != wok || got != w {
 			t.Fatalf("step %d: get(%d) = %v %v, want %v %v", step, probe, got, ok, w, wok)
 		}
 	}
-	if st.len() != len(want) {
-		t.Fatalf("len = %d, want %d", st.len(), len(want))
+	if st.Len() != len(want) {
+		t.Fatalf("len = %d, want %d", st.Len(), len(want))
 	}
 	var order []identity.NumericIdentity
-	st.each(func(id *identity.Identity) {
+	st.Each(func(id *identity.Identity) {
 		if want[id.ID] != id {
 			t.Fatalf("each yields %d, which is not in the state", id.ID)
 		}
