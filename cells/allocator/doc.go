@@ -44,9 +44,9 @@
 //     EntryIDIndex and EntryLabelsIndex), with the reference count and the
 //     source (reserved, local, global, restored) of every identity. The
 //     table is written at most every 10ms and with at most a quarter of a
-//     core: a row costs about a microsecond of statedb writes, several
-//     times an allocation, so during a burst of new identities the table
-//     lags further behind and catches up after the burst. A burst is
+//     core: a row costs more statedb work than an allocation does, so during
+//     a burst of new identities the table lags further behind and catches
+//     up after the burst. A burst is
 //     written in transactions of at most 1,024 rows with rests between
 //     them, so that the writer never holds a processor for long.
 //
@@ -60,7 +60,8 @@
 //	--cluster-id                   this cluster's ID (0)
 //	--cluster-name                 this cluster's name ("default")
 //	--max-connected-clusters       255 or 511 (255)
-//	--identity-allocation-timeout  bound on every call that waits for the kvstore (2m)
+//	--identity-allocation-mode     where global identities live: kvstore or crd (kvstore)
+//	--identity-allocation-timeout  bound on every call that waits for the store (2m)
 //
 // # Shell commands
 //
