@@ -212,4 +212,3 @@ func TestStartRefusedWithinTimeout(t *testing.T) {
 		t.Errorf("start took %s, want about 2s", took)
 	}
 }
-

@@ -134,4 +134,3 @@ func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
 	c.client.stateMu.Unlock()
 	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up))
 }
-
