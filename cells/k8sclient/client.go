@@ -76,6 +76,8 @@ type Client struct {
 	stateMu sync.Mutex
 	state   serverState
 	lastErr string
+	// stateNow is state, readable without stateMu.
+	stateNow atomic.Int32
 }
 
 // serverState is what the last request said of the API server.
@@ -470,6 +472,10 @@ func (c *Client) record(code int, err error) {
 	}
 	if failure == "" {
 		c.lastAnswer.Store(time.Now().UnixNano())
+		if serverState(c.stateNow.Load()) == stateAnswering {
+			// The common case, without the lock: nothing changes.
+			return
+		}
 	}
 	c.stateMu.Lock()
 	defer c.stateMu.Unlock()
@@ -479,6 +485,7 @@ func (c *Client) record(code int, err error) {
 	} else {
 		c.state, c.lastErr = stateFailing, failure
 	}
+	c.stateNow.Store(int32(c.state))
 	if prev != c.state {
 		c.reportHealthLocked()
 	}
@@ -490,6 +497,7 @@ func (c *Client) reportHealth() {
 	defer c.stateMu.Unlock()
 	if c.state == stateUnknown {
 		c.state = stateAnswering
+		c.stateNow.Store(int32(c.state))
 	}
 	c.reportHealthLocked()
 }

@@ -212,3 +212,45 @@ func TestStartRefusedWithinTimeout(t *testing.T) {
 		t.Errorf("start took %s, want about 2s", took)
 	}
 }
+
+// TestStartHungServerWithinTimeout: a server that accepts connections and
+// never answers fails the start after --k8s-request-timeout, not never.
+func TestStartHungServerWithinTimeout(t *testing.T) {
+	noCluster(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conns sync.WaitGroup
+	done := make(chan struct{})
+	conns.Go(func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			// Hold the connection open without answering, until the test ends.
+			conns.Go(func() { <-done; c.Close() })
+		}
+	})
+	defer func() { l.Close(); close(done); conns.Wait() }()
+	n := newNode(t, identity.AllocationModeCRD, func(c *k8sclient.Config) {
+		c.K8sAPIServer = "http://" + l.Addr().String()
+		c.K8sRequestTimeout = 2 * time.Second
+	})
+	began := time.Now()
+	err = n.start()
+	took := time.Since(began)
+	if err == nil {
+		t.Fatal("start succeeded against a server that never answers")
+	}
+	t.Logf("after %s: %v", took, err)
+	for _, want := range []string{l.Addr().String(), "not ready within 2s", "no answer in time"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("start error %q does not say %q", err, want)
+		}
+	}
+	if took > 20*time.Second {
+		t.Errorf("start took %s, want about 2s", took)
+	}
+}

@@ -129,8 +129,6 @@ func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
 	m.requests.Collect(ch)
 	m.duration.Collect(ch)
 	m.errors.Collect(ch)
-	c.client.stateMu.Lock()
-	up := c.client.state == stateAnswering
-	c.client.stateMu.Unlock()
+	up := serverState(c.client.stateNow.Load()) == stateAnswering
 	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up))
 }
