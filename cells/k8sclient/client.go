@@ -195,8 +195,9 @@ func (c *Client) Server() string {
 func (c *Client) RequestTimeout() time.Duration { return c.cfg.K8sRequestTimeout }
 
 // Start resolves the connection settings (kubeconfig and/or API server
-// flag, else the in-cluster config) and checks that the API server answers
-// /readyz, within --k8s-request-timeout and the hook's deadline.
+// flag, else the in-cluster config) and checks that the API server is
+// ready and lets the credentials in (/readyz, then /version), within
+// --k8s-request-timeout and the hook's deadline.
 func (c *Client) Start(ctx cell.HookContext) error {
 	base, source, err := c.resolve()
 	if err != nil {
@@ -226,12 +227,13 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	c.prefix = strings.TrimSuffix(serverURL.Path, "/")
 	c.mu.Unlock()
 
-	if err := c.checkReachable(ctx, serverURL); err != nil {
+	version, err := c.checkReachable(ctx, serverURL)
+	if err != nil {
 		c.closeIdle()
 		return err
 	}
-	c.log.Info("Connected to the Kubernetes API server", "server", base.Host, "config", source,
-		"qps", c.cfg.K8sClientQPS, "burst", base.Burst)
+	c.log.Info("Connected to the Kubernetes API server", "server", base.Host, "version", version,
+		"config", source, "qps", c.cfg.K8sClientQPS, "burst", base.Burst)
 	c.reportHealth()
 	return nil
 }
@@ -311,31 +313,51 @@ func inCluster() bool {
 // while the API server refuses connections or is not ready yet.
 const reachabilityRetry = 500 * time.Millisecond
 
-// checkReachable asks /readyz until the API server answers "ok", within
-// --k8s-request-timeout. Answers that waiting cannot change (TLS
+// checkReachable asks /readyz until the API server answers "ok", then
+// /version, within --k8s-request-timeout. /readyz is open to everyone who
+// authenticates (or no one, on some servers): /version is the request that
+// shows whether the server lets these credentials in, and it names the
+// server's version in the log. Answers that waiting cannot change (TLS
 // failures, 401, 403) fail at once; the others are retried, and the last
-// one says why the start failed.
-func (c *Client) checkReachable(ctx context.Context, serverURL *url.URL) error {
+// one says why the start failed. It returns the server's gitVersion.
+func (c *Client) checkReachable(ctx context.Context, serverURL *url.URL) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.K8sRequestTimeout)
 	defer cancel()
 	readyz := serverURL.JoinPath("readyz").String()
+	version := serverURL.JoinPath("version").String()
 	where := serverURL.Redacted()
 	for {
 		_, err := c.get(ctx, readyz)
+		var body []byte
 		if err == nil {
-			return nil
+			body, err = c.get(ctx, version)
+		}
+		if err == nil {
+			return gitVersion(body), nil
 		}
 		var final finalError
 		if errors.As(err, &final) {
-			return fmt.Errorf("k8sclient: API server at %s (%s): %w", where, c.source, err)
+			return "", fmt.Errorf("k8sclient: API server at %s (%s): %w", where, c.source, err)
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("k8sclient: API server at %s (%s) not ready within %s: %w",
+			return "", fmt.Errorf("k8sclient: API server at %s (%s) not ready within %s: %w",
 				where, c.source, c.cfg.K8sRequestTimeout, err)
 		case <-time.After(reachabilityRetry):
 		}
 	}
+}
+
+// gitVersion is the server's version in a /version answer; empty when the
+// answer does not say.
+func gitVersion(body []byte) string {
+	var info struct {
+		GitVersion string `json:"gitVersion"`
+	}
+	if json.Unmarshal(body, &info) != nil {
+		return ""
+	}
+	return info.GitVersion
 }
 
 // finalError marks a failure that a retry would not change.

@@ -40,11 +40,16 @@
 //  3. else the in-cluster config (the pod's service account).
 //  4. else the start fails with ErrNoAPIServer, which names the flags.
 //
-// The start then asks /readyz until it answers ok, for at most
-// --k8s-request-timeout (and the hook's deadline). A TLS failure, 401
-// (credentials refused) or 403 (access denied) fails the start at once, a
-// refused connection or a server not ready yet only when the time is up;
-// the error names the server, where its settings came from, and the cause.
+// The start then asks /readyz until it answers ok, and /version, for at
+// most --k8s-request-timeout (and the hook's deadline). /readyz is open to
+// every client; /version needs credentials the server accepts (a 401
+// otherwise) and, on a server that authorizes it, the right to read it (a
+// 403 otherwise; Kubernetes grants it to every user through the
+// system:public-info-viewer role). A TLS failure, a 401 or a 403 fails the
+// start at once, a refused connection or a server not ready yet only when
+// the time is up; the error names the server, where its settings came
+// from, and the cause. Whether the user may use the resources of the cells
+// built on the client is for those cells to check.
 //
 // # Health
 //

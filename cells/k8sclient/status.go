@@ -2,7 +2,6 @@ package k8sclient
 
 import (
 	"context"
-	"encoding/json"
 	"time"
 )
 
@@ -60,13 +59,7 @@ func (c *Client) Status(ctx context.Context) Status {
 		st.LastError = c.LastError()
 		return st
 	}
-	var info struct {
-		GitVersion string `json:"gitVersion"`
-	}
-	if err := json.Unmarshal(body, &info); err != nil {
-		st.Error = "/version: " + err.Error()
-	}
-	st.Connected, st.Version = true, info.GitVersion
+	st.Connected, st.Version = true, gitVersion(body)
 	st.LastError = c.LastError()
 	return st
 }
