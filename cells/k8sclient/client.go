@@ -159,7 +159,9 @@ func (unlimited) Wait(context.Context) error { return nil }
 // RESTConfig returns a copy of the connection settings for building
 // clients (typed, dynamic, informers), with the node's rate limiter and a
 // transport wrapper that counts, times and bounds every request
-// (--k8s-request-timeout, watches excepted). nil before the start hook ran.
+// (--k8s-request-timeout, watches excepted). Its QPS and Burst are the
+// limiter's; with --k8s-client-qps 0 QPS is -1, client-go's "no limit".
+// nil before the start hook ran, or after it failed.
 func (c *Client) RESTConfig() *rest.Config {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -230,6 +232,10 @@ func (c *Client) Start(ctx cell.HookContext) error {
 	version, err := c.checkReachable(ctx, serverURL)
 	if err != nil {
 		c.closeIdle()
+		// A client whose start failed hands out no settings.
+		c.mu.Lock()
+		c.base, c.httpClient, c.serverURL = nil, nil, nil
+		c.mu.Unlock()
 		return err
 	}
 	c.log.Info("Connected to the Kubernetes API server", "server", base.Host, "version", version,

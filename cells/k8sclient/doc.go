@@ -22,7 +22,8 @@
 //     limiter never waits: client-go's own default for a zero QPS (5 per
 //     second) would throttle the allocator far below the API server's
 //     speed, and the API server's flow control (priority and fairness)
-//     protects it anyway. RESTConfig is nil before the start hook ran.
+//     protects it anyway. RESTConfig is nil before the start hook ran
+//     and after it failed.
 //   - Status(ctx) asks /version and reports the server, where its settings
 //     came from, the rate limit, the server's version and the last error.
 //

@@ -61,6 +61,10 @@ func TestKubeconfigFlag(t *testing.T) {
 	if _, err := dynamicClient(t, n).Resource(crds).List(t.Context(), metav1.ListOptions{}); err != nil {
 		t.Fatalf("list through RESTConfig: %v", err)
 	}
+	// qps 0: client-go's "no limit" and a limiter that never waits.
+	if cfg := n.client.RESTConfig(); cfg.QPS != -1 || cfg.RateLimiter == nil || cfg.RateLimiter.QPS() != 0 || cfg.UserAgent != "identityd" {
+		t.Errorf("RESTConfig() QPS %v, RateLimiter %v, UserAgent %q; want -1, one that never waits, identityd", cfg.QPS, cfg.RateLimiter, cfg.UserAgent)
+	}
 	st := n.client.Status(t.Context())
 	if !st.Connected || !strings.HasPrefix(st.Version, "v") || st.Source != "kubeconfig "+srv.Kubeconfig() {
 		t.Errorf("Status() = %+v, want connected with a version, from the kubeconfig", st)
@@ -144,6 +148,9 @@ func TestStoppedServerFailsStart(t *testing.T) {
 	took := time.Since(began)
 	if err == nil {
 		t.Fatal("start succeeded with the server stopped")
+	}
+	if cfg := n.client.RESTConfig(); cfg != nil {
+		t.Errorf("RESTConfig() after a failed start = %+v, want nil", cfg)
 	}
 	t.Logf("after %s: %v", took, err)
 	for _, want := range []string{srv.URL(), "not ready within 3s", "connection refused"} {
@@ -338,6 +345,9 @@ func TestQPSZeroDoesNotThrottle(t *testing.T) {
 		c.K8sKubeconfigPath = srv.Kubeconfig()
 		c.K8sClientQPS = 5
 	})
+	if cfg := limited.client.RESTConfig(); cfg.QPS != 5 || cfg.Burst != 5 || cfg.RateLimiter.QPS() != 5 {
+		t.Errorf("qps 5: RESTConfig() QPS %v, Burst %d, limiter %v; want 5, 5 (ceil(qps)), 5", cfg.QPS, cfg.Burst, cfg.RateLimiter.QPS())
+	}
 	const m = 15
 	took = parallelGets(t, limited, m)
 	t.Logf("qps 5: %d parallel requests in %s", m, took)
