@@ -150,7 +150,7 @@ func TestStoppedServerFailsStart(t *testing.T) {
 		t.Fatal("start succeeded with the server stopped")
 	}
 	if cfg := n.client.RESTConfig(); cfg != nil {
-		t.Errorf("RESTConfig() after a failed start = %+v, want nil", cfg)
+		t.Errorf("RESTConfig() after a failed start is for %s, want nil", cfg.Host)
 	}
 	t.Logf("after %s: %v", took, err)
 	for _, want := range []string{srv.URL(), "not ready within 3s", "connection refused"} {
