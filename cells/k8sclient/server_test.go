@@ -2,6 +2,8 @@ package k8sclient_test
 
 import (
 	"context"
+	"net"
+	"net/url"
 
 	"path/filepath"
 	"strings"
@@ -354,5 +356,148 @@ func TestQPSZeroDoesNotThrottle(t *testing.T) {
 	// A burst of 5, then 10 more at 5/s: at least 2s.
 	if took < 1900*time.Millisecond {
 		t.Errorf("qps 5: %d requests took %s, faster than the limit allows", m, took)
+	}
+}
+
+// pausableProxy forwards TCP connections to a server until paused; then
+// it forwards nothing more, on open connections or new ones, as a server
+// that hangs with its connections open.
+type pausableProxy struct {
+	l      net.Listener
+	target string
+	wg     sync.WaitGroup
+	done   chan struct{}
+
+	mu     sync.Mutex
+	paused bool
+	conns  []net.Conn
+}
+
+func startProxy(t *testing.T, target string) *pausableProxy {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &pausableProxy{l: l, target: target, done: make(chan struct{})}
+	p.wg.Go(p.serve)
+	t.Cleanup(func() {
+		l.Close()
+		close(p.done)
+		p.mu.Lock()
+		for _, c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *pausableProxy) URL() string { return "https://" + p.l.Addr().String() }
+
+func (p *pausableProxy) isPaused() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.paused
+}
+
+func (p *pausableProxy) track(c net.Conn) {
+	p.mu.Lock()
+	p.conns = append(p.conns, c)
+	p.mu.Unlock()
+}
+
+func (p *pausableProxy) serve() {
+	for {
+		c, err := p.l.Accept()
+		if err != nil {
+			return
+		}
+		p.track(c)
+		up, err := net.Dial("tcp", p.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.track(up)
+		p.wg.Go(func() { p.pipe(up, c) })
+		p.wg.Go(func() { p.pipe(c, up) })
+	}
+}
+
+// pipe copies src to dst until an error, or until paused: then it holds
+// what it read until the test ends.
+func (p *pausableProxy) pipe(dst, src net.Conn) {
+	defer dst.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if p.isPaused() {
+				<-p.done
+				return
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (p *pausableProxy) pause() {
+	p.mu.Lock()
+	p.paused = true
+	p.mu.Unlock()
+}
+
+// TestRequestTimeoutBoundsRequestsNotWatches: a request to a server that
+// hangs ends after --k8s-request-timeout as a timeout error, while a watch
+// lives longer than the timeout.
+func TestRequestTimeoutBoundsRequestsNotWatches(t *testing.T) {
+	srv := k8stest.Start(t)
+	u, err := url.Parse(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := startProxy(t, u.Host)
+	const timeout = 2 * time.Second
+	n := startNodeOn(t, func(c *k8sclient.Config) {
+		c.K8sKubeconfigPath = srv.Kubeconfig()
+		c.K8sAPIServer = proxy.URL()
+		c.K8sRequestTimeout = timeout
+	})
+	dc := dynamicClient(t, n).Resource(crds)
+
+	w, err := dc.Watch(t.Context(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	select {
+	case ev, ok := <-w.ResultChan():
+		t.Fatalf("watch delivered %v (open: %v) within twice the request timeout, want it idle and open", ev.Type, ok)
+	case <-time.After(2 * timeout):
+	}
+
+	proxy.pause()
+	began := time.Now()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	_, err = dc.List(ctx, metav1.ListOptions{})
+	took := time.Since(began)
+	t.Logf("list against a hung server: after %s: %v", took, err)
+	if err == nil {
+		t.Fatal("list against a hung server succeeded")
+	}
+	// Without the bound the list would wait for HTTP/2's health check of
+	// the connection (30s idle, then a 15s ping).
+	if took > 8*time.Second {
+		t.Errorf("list took %s with a %s request timeout", took, timeout)
+	}
+	if got := metricValue(t, n, "identityd_k8s_errors_total", map[string]string{"verb": "list", "resource": crdsResource, "reason": "timeout"}); got < 1 {
+		t.Errorf("errors_total{reason=timeout} = %v after the hung list, want at least 1", got)
 	}
 }
