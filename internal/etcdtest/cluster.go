@@ -6,8 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/testproc"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 )
@@ -146,7 +145,7 @@ func StartCluster(tb testing.TB, n int, opts ...Option) *Cluster {
 }
 
 func (c *Cluster) start(n, attempt int) error {
-	ports, err := freePorts(2 * n)
+	ports, err := testproc.FreePorts(2 * n)
 	if err != nil {
 		return err
 	}
@@ -357,7 +356,7 @@ func (c *Cluster) cleanup() {
 		return
 	}
 	for _, m := range c.members {
-		c.tb.Logf("etcdtest: log of member %s (%s):\n%s", m.name, m.clientURL, tailFile(m.logPath, 32<<10))
+		c.tb.Logf("etcdtest: log of member %s (%s):\n%s", m.name, m.clientURL, testproc.TailFile(m.logPath, 32<<10))
 	}
 }
 
@@ -430,7 +429,7 @@ func (m *Member) Pause() {
 	defer m.mu.Unlock()
 	if m.cmd != nil && !m.exited() {
 		m.cmd.Process.Signal(syscall.SIGSTOP)
-		waitStopped(m.cmd.Process.Pid)
+		testproc.WaitStopped(m.cmd.Process.Pid)
 		m.paused = true
 	}
 }
@@ -484,7 +483,7 @@ func (m *Member) spawn() error {
 	fmt.Fprintf(logf, "=== etcdtest: starting %s at %s\n", m.name, time.Now().Format(time.RFC3339Nano))
 	cmd := exec.Command(m.c.bin, m.args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	setDeathSignal(cmd)
+	testproc.SetDeathSignal(cmd)
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", m.name, err)
 	}
@@ -535,10 +534,10 @@ func (m *Member) waitReady(ctx context.Context, needLeader bool) error {
 	for {
 		select {
 		case <-done:
-			if strings.Contains(readFrom(m.logPath, logStart), "address already in use") {
+			if strings.Contains(testproc.ReadFrom(m.logPath, logStart), "address already in use") {
 				return fmt.Errorf("member %s: %w", m.name, errPortClash)
 			}
-			return fmt.Errorf("member %s exited before serving (%v); log:\n%s", m.name, *exit, tailFile(m.logPath, 4<<10))
+			return fmt.Errorf("member %s exited before serving (%v); log:\n%s", m.name, *exit, testproc.TailFile(m.logPath, 4<<10))
 		default:
 		}
 		if cli == nil {
@@ -563,50 +562,4 @@ func (m *Member) waitReady(ctx context.Context, needLeader bool) error {
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
-}
-
-// freePorts returns n distinct ports that were free on 127.0.0.1 a moment
-// ago. All listeners are held until every port is picked, so no port is
-// returned twice.
-func freePorts(n int) ([]int, error) {
-	ports := make([]int, 0, n)
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("picking a free port: %w", err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
-
-func tailFile(path string, n int64) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return fmt.Sprintf("(%v)", err)
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Size() > n {
-		f.Seek(fi.Size()-n, io.SeekStart)
-	}
-	b, _ := io.ReadAll(f)
-	return string(b)
-}
-
-func readFrom(path string, offset int64) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	f.Seek(offset, io.SeekStart)
-	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
-	return string(b)
 }

@@ -1,4 +1,4 @@
-package etcdtest
+package testproc
 
 import (
 	"bytes"
@@ -9,17 +9,17 @@ import (
 	"time"
 )
 
-// setDeathSignal makes the kernel kill the server when the test binary dies
-// without running its cleanups (timeout panic, SIGKILL), so no etcd is left
+// SetDeathSignal makes the kernel kill the server when the test binary dies
+// without running its cleanups (timeout panic, SIGKILL), so no server is left
 // behind holding ports and CPU.
-func setDeathSignal(cmd *exec.Cmd) {
+func SetDeathSignal(cmd *exec.Cmd) {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }
 
-// waitStopped waits until the kernel reports the process stopped: SIGSTOP
+// WaitStopped waits until the kernel reports the process stopped: SIGSTOP
 // takes effect asynchronously, and a test that pauses a member must not
 // have it serve one more request after Pause returns.
-func waitStopped(pid int) {
+func WaitStopped(pid int) {
 	deadline := time.Now().Add(2 * time.Second)
 	for time.Now().Before(deadline) {
 		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))

@@ -1,9 +1,0 @@
-//go:build !linux
-
-package etcdtest
-
-import "os/exec"
-
-func setDeathSignal(*exec.Cmd) {}
-
-func waitStopped(int) {}

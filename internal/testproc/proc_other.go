@@ -1,0 +1,9 @@
+//go:build !linux
+
+package testproc
+
+import "os/exec"
+
+func SetDeathSignal(*exec.Cmd) {}
+
+func WaitStopped(int) {}
