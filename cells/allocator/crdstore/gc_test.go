@@ -22,6 +22,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
+	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -249,7 +250,7 @@ func mustLabels(t *testing.T, s ...string) labels.Labels {
 // mark (RFC 3339 with nanoseconds), stays while the mark is younger than
 // the timeout, and is deleted after it.
 func TestGCMarksThenDeletesUnused(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=unused"))
 	a.release(t, id)
@@ -290,7 +291,7 @@ func TestGCMarksThenDeletesUnused(t *testing.T) {
 // marked by another node's collection, and a mark someone else set on it
 // does not get it deleted.
 func TestGCKeepsUsed(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=used"))
@@ -313,7 +314,7 @@ func TestGCKeepsUsed(t *testing.T) {
 // by rewriting renewTime, as a node that stopped renewing leaves it) the
 // collection marks and deletes them, and a lease later deletes the record.
 func TestGCExpiredNodeStopsProtecting(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=killed"))
@@ -367,7 +368,7 @@ func TestGCExpiredNodeStopsProtecting(t *testing.T) {
 // (UID and resourceVersion) refuse it and the identity stays. Deleting
 // without them makes this test fail (checked).
 func TestGCDeleteLosesToUnmark(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	lbls := mustLabels(t, "k8s:app=adopted-late")
@@ -409,7 +410,7 @@ func TestGCDeleteLosesToUnmark(t *testing.T) {
 // while that identity lives, though nobody uses it, and goes once the
 // later one is gone. Without the fence rule this test fails (checked).
 func TestGCFence(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	later := mustLabels(t, "k8s:app=later")
 	p := newProbe(later.Canonical(), gcCluster)
@@ -477,7 +478,7 @@ func TestGCFence(t *testing.T) {
 // TestGCRateLimit: deletions are paced at --identity-gc-rate-limit per
 // --identity-gc-rate-interval.
 func TestGCRateLimit(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	cfg := gcTestConfig
 	cfg.RateLimit, cfg.RateInterval = 2, time.Second
 	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
@@ -502,7 +503,7 @@ func TestGCRateLimit(t *testing.T) {
 // TestGCNotBeforeListing: a store whose caches have not listed the objects
 // yet does not collect: nothing is marked.
 func TestGCNotBeforeListing(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	id := identity.NumericIdentity(2000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=unlisted"), "")
@@ -522,7 +523,7 @@ func TestGCNotBeforeListing(t *testing.T) {
 // TestGCJob: with an interval, the collection runs as the store's timer
 // job and frees an unused identity on its own.
 func TestGCJob(t *testing.T) {
-	srv := startGCTestServer(t)
+	srv := k8stest.Start(t)
 	cfg := gcTestConfig
 	cfg.Interval, cfg.HeartbeatTimeout = 200*time.Millisecond, 300*time.Millisecond
 	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
