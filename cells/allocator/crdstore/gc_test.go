@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/k8stest"
@@ -92,7 +93,7 @@ func testJobs(t *testing.T) job.Group {
 	t.Helper()
 	var g job.Group
 	h := hive.New(job.Cell, cell.Module("gc-test", "Jobs of a test store",
-		cell.Invoke(func(r job.Registry, hl cell.Health) { g = r.NewGroup(hl) })))
+		cell.Invoke(func(r job.Registry) { g = r.NewGroup(health.OrDetached(nil)) })))
 	log := hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))
 	if err := h.Start(log, t.Context()); err != nil {
 		t.Fatal(err)
