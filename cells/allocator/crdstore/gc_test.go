@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,6 +15,8 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -549,5 +552,198 @@ func TestGCConfigValidate(t *testing.T) {
 		if c.Validate() == nil {
 			t.Errorf("%+v: no error", c)
 		}
+	}
+}
+
+// fencedByWalk is the fence rule computed the slow way, slot by slot.
+func fencedByWalk(s *Store, objs []gcObject) map[identity.NumericIdentity]bool {
+	held := map[identity.NumericIdentity]bool{}
+	for _, o := range objs {
+		held[o.id] = true
+	}
+	out := map[identity.NumericIdentity]bool{}
+	for _, o := range objs {
+		if o.e == nil {
+			continue
+		}
+		p := newProbe(o.e.key, s.cluster)
+		k, _ := p.position(o.id)
+		all := true
+		for i := uint64(0); i < k; i++ {
+			if !held[p.slot(i)] {
+				all = false
+				break
+			}
+		}
+		if all {
+			for i := uint64(0); i < k; i++ {
+				out[p.slot(i)] = true
+			}
+		}
+	}
+	return out
+}
+
+// TestGCFenceSweep: the sweep over the range finds what walking each
+// object's probe sequence finds, for runs of held IDs that wrap past the
+// range's end, runs with a gap, and objects placed anywhere.
+func TestGCFenceSweep(t *testing.T) {
+	s := &Store{cluster: gcCluster}
+	s.ids = newIdentityCache(hivetest.Logger(t), gcCluster, cacheHooks{})
+	lo, hi := gcCluster.MinID(), gcCluster.MaxID()
+	object := func(id identity.NumericIdentity, lbls labels.Labels) gcObject {
+		obj := CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String()}, SecurityLabels: securityLabels(lbls)}
+		e, err := s.ids.parse(&obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return gcObject{id: id, e: e, obj: obj}
+	}
+	check := func(name string, objs []gcObject) {
+		t.Helper()
+		slices.SortFunc(objs, func(a, b gcObject) int { return int(a.id) - int(b.id) })
+		got, want := s.fenced(objs), fencedByWalk(s, objs)
+		if len(got) != len(want) {
+			t.Errorf("%s: %d fenced, want %d", name, len(got), len(want))
+		}
+		for id := range want {
+			if !got[id] {
+				t.Errorf("%s: %d not fenced", name, id)
+			}
+		}
+		for id := range got {
+			if !want[id] {
+				t.Errorf("%s: %d fenced, should not be", name, id)
+			}
+		}
+	}
+
+	// A label set whose sequence starts at most 4 IDs before the range's
+	// end and whose object sits at position 5 (wrapped past the end), with
+	// positions 0..4 held by others: all five fenced.
+	var wrap labels.Labels
+	for i := 0; ; i++ {
+		l := mustLabels(t, fmt.Sprintf("k8s:app=wrap-%d", i))
+		if newProbe(l.Canonical(), gcCluster).slot(0) >= hi-4 {
+			wrap = l
+			break
+		}
+		if i > 1<<20 {
+			t.Fatal("no label set starts its sequence at the range's end")
+		}
+	}
+	p := newProbe(wrap.Canonical(), gcCluster)
+	var objs []gcObject
+	for i := uint64(0); i < 5; i++ {
+		objs = append(objs, object(p.slot(i), mustLabels(t, fmt.Sprintf("k8s:app=filler-%d", i))))
+	}
+	objs = append(objs, object(p.slot(5), wrap))
+	if p.slot(5) >= p.slot(0) {
+		t.Fatalf("slot 5 is %d, slot 0 %d: not wrapped", p.slot(5), p.slot(0))
+	}
+	check("wrapping run", slices.Clone(objs))
+	if got := s.fenced(objs); len(got) < 5 || !got[hi] || !got[p.slot(0)] {
+		t.Fatalf("wrapping run: fenced %v", got)
+	}
+	// A gap before the object: it is not where the walk finds its label
+	// set, and fences nothing.
+	gapped := slices.Delete(slices.Clone(objs), 2, 3)
+	check("gap", gapped)
+	if got := s.fenced(gapped); got[p.slot(0)] {
+		t.Fatalf("gap: fenced %v", got)
+	}
+	// Many label sets, each at the first free slot of its sequence in a
+	// crowded corner of the range, then some removed: the two ways agree.
+	var crowd []gcObject
+	held := map[identity.NumericIdentity]bool{}
+	for i := 0; len(crowd) < 300; i++ {
+		l := mustLabels(t, fmt.Sprintf("k8s:app=crowd-%d", i))
+		q := newProbe(l.Canonical(), gcCluster)
+		if q.slot(0) < hi-200 && q.slot(0) > lo+50 {
+			continue
+		}
+		for j := uint64(0); ; j++ {
+			if id := q.slot(j); !held[id] {
+				held[id] = true
+				crowd = append(crowd, object(id, l))
+				break
+			}
+		}
+	}
+	check("crowd", slices.Clone(crowd))
+	var thinned []gcObject
+	for i, o := range crowd {
+		if i%7 != 3 {
+			thinned = append(thinned, o)
+		}
+	}
+	check("thinned crowd", thinned)
+}
+
+// TestGCLeavesForeignObjects: objects outside this cluster's range, and
+// objects of the range whose labels do not parse, are never marked or
+// deleted.
+func TestGCLeavesForeignObjects(t *testing.T) {
+	srv := k8stest.Start(t)
+	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
+	old := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
+	other := gcCluster.MaxID() + 1 // cluster 1's first ID
+	createIdentity(t, a.Store, other, mustLabels(t, "k8s:app=other-cluster"), old)
+	createIdentity(t, a.Store, 5, mustLabels(t, "reserved:unknown"), "")
+	bad := &CiliumIdentity{
+		TypeMeta:       metav1.TypeMeta{APIVersion: CiliumGroup + "/" + CiliumVersion, Kind: "CiliumIdentity"},
+		ObjectMeta:     metav1.ObjectMeta{Name: "4000", Annotations: map[string]string{HeartbeatAnnotation: old}},
+		SecurityLabels: map[string]string{"no-source": "x"},
+	}
+	if err := a.ciliumClient.Post().Resource("ciliumidentities").Body(bad).Do(t.Context()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if res := runGC(t, a.Store); res != (GCResult{}) {
+			t.Fatalf("run: %+v, want nothing done", res)
+		}
+	}
+	for _, id := range []identity.NumericIdentity{other, 5, 4000} {
+		obj := readIdentity(t, a.Store, id)
+		if obj == nil {
+			t.Fatalf("identity %d was deleted", id)
+		}
+		if _, ok := obj.Annotations[HeartbeatAnnotation]; ok != (id != 5) {
+			t.Fatalf("identity %d: mark changed: %v", id, obj.Annotations)
+		}
+	}
+}
+
+// TestGCMetrics: the collector describes and reports the series of
+// docs/operations.md, with the store's counts.
+func TestGCMetrics(t *testing.T) {
+	s := &Store{gc: newGCState(DefaultGCConfig)}
+	s.gc.runs.Store(3)
+	s.gc.failed.Store(1)
+	s.gc.marked.Store(4)
+	s.gc.deleted.Store(2)
+	s.gc.keptFenced.Store(7)
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(newGCCollector(s))
+	want := `
+# HELP identityd_crd_identity_gc_runs Number of CRD identity garbage collection runs since the agent started, by outcome (a run in progress counts as success)
+# TYPE identityd_crd_identity_gc_runs gauge
+identityd_crd_identity_gc_runs{outcome="failure"} 1
+identityd_crd_identity_gc_runs{outcome="success"} 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "identityd_crd_identity_gc_runs"); err != nil {
+		t.Fatal(err)
+	}
+	want = `
+# HELP identityd_crd_identity_gc_kept Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it) or fenced (a later identity's probe sequence needs it)
+# TYPE identityd_crd_identity_gc_kept gauge
+identityd_crd_identity_gc_kept{reason="fenced"} 7
+identityd_crd_identity_gc_kept{reason="used"} 0
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "identityd_crd_identity_gc_kept"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 9 {
+		t.Fatalf("%d series (%v), want 9", n, err)
 	}
 }
