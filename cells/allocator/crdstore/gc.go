@@ -49,8 +49,28 @@ var DefaultGCConfig = GCConfig{
 	HeartbeatTimeout: 30 * time.Minute,
 }
 
+// MinHeartbeatTimeout is the shortest HeartbeatTimeout. The fence's
+// safety rests on it: a creator that saw a slot held and unmarked creates
+// its object within maxWalkAge of its look, so a mark at least this old
+// was set before any walk that still relies on the slot began, or that
+// walk's cache lagged by more than the rest of the timeout
+// (docs/crd-store.md).
+const MinHeartbeatTimeout = 2 * maxWalkAge
+
 // Validate checks the configuration.
 func (c GCConfig) Validate() error {
+	if err := c.validateBasic(); err != nil {
+		return err
+	}
+	if c.HeartbeatTimeout < MinHeartbeatTimeout {
+		return fmt.Errorf("--identity-heartbeat-timeout must be at least %s in crd mode, not %s", MinHeartbeatTimeout, c.HeartbeatTimeout)
+	}
+	return nil
+}
+
+// validateBasic checks what every configuration needs, whatever its
+// durations.
+func (c GCConfig) validateBasic() error {
 	switch {
 	case c.Interval < 0:
 		return errors.New("--identity-gc-interval must not be negative")
@@ -121,7 +141,9 @@ func (s *Store) startGC(life context.Context) {
 		return
 	}
 	s.jobs.Add(job.Timer("identity-gc", func(ctx context.Context) error {
-		if s.stopped.Load() {
+		if s.stopped.Load() || !s.ids.isSynced() || !closed(s.nodes.synced) {
+			// Nothing to collect before the first listings, and
+			// nothing once the store stopped.
 			return nil
 		}
 		ctx, cancel := context.WithCancel(ctx)

@@ -119,9 +119,11 @@ func newGCStore(t *testing.T, cfg *rest.Config, node string, gc GCConfig) *Store
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.SetGCConfig(gc); err != nil {
+	// Tests shorten the heartbeat timeout below what Validate allows.
+	if err := gc.validateBasic(); err != nil {
 		t.Fatal(err)
 	}
+	s.gc = newGCState(gc)
 	return s
 }
 
@@ -534,7 +536,8 @@ func TestGCJob(t *testing.T) {
 	id := identity.NumericIdentity(3000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=job"), "")
 	eventually.True(t, "the job deletes the unused identity", func() bool { return readIdentity(t, a.Store, id) == nil })
-	if st := a.GCStats(); st.Marked == 0 || st.Deleted != 1 {
+	eventually.True(t, "the job counts its deletion", func() bool { return a.GCStats().Deleted == 1 })
+	if st := a.GCStats(); st.Marked != 1 || st.Failed != 0 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -548,6 +551,7 @@ func TestGCConfigValidate(t *testing.T) {
 		{RateLimit: 0, RateInterval: 1, HeartbeatTimeout: 1},
 		{RateLimit: 1, RateInterval: 0, HeartbeatTimeout: 1},
 		{RateLimit: 1, RateInterval: 1, HeartbeatTimeout: 0},
+		{RateLimit: 1, RateInterval: 1, HeartbeatTimeout: MinHeartbeatTimeout - 1},
 	} {
 		if c.Validate() == nil {
 			t.Errorf("%+v: no error", c)
@@ -745,5 +749,53 @@ identityd_crd_identity_gc_kept{reason="used"} 0
 	}
 	if n, err := testutil.GatherAndCount(reg); err != nil || n != 9 {
 		t.Fatalf("%d series (%v), want 9", n, err)
+	}
+}
+
+// TestGCRemarksUndatedMark: a mark that is not an RFC 3339 time is
+// replaced by the run's time, and the identity is deleted a timeout after
+// that, not at once.
+func TestGCRemarksUndatedMark(t *testing.T) {
+	srv := k8stest.Start(t)
+	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
+	id := identity.NumericIdentity(5000)
+	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=undated"), "yesterday")
+	if res := runGC(t, a.Store); res.Marked != 1 || res.Deleted != 0 {
+		t.Fatalf("first run: %+v, want the mark replaced", res)
+	}
+	mark, _ := markOf(t, a.Store, id)
+	if _, err := time.Parse(time.RFC3339Nano, mark); err != nil {
+		t.Fatalf("mark %q: %v", mark, err)
+	}
+	waitTimeout(gcTestConfig)
+	if res := runGC(t, a.Store); res.Deleted != 1 {
+		t.Fatalf("run after the timeout: %+v, want it deleted", res)
+	}
+}
+
+// TestGCNodeLease: a record counts until renewTime + its lease, and is
+// deleted once a further lease has passed; a record without a lease counts
+// as one of the shortest lease.
+func TestGCNodeLease(t *testing.T) {
+	now := time.Now()
+	node := func(renewedAgo time.Duration, lease int32) *IdentityNode {
+		return &IdentityNode{Spec: IdentityNodeSpec{RenewTime: metav1.NewMicroTime(now.Add(-renewedAgo)), LeaseDurationSeconds: lease}}
+	}
+	for _, c := range []struct {
+		n          *IdentityNode
+		live, gone bool
+	}{
+		{node(10*time.Second, 30), true, false},
+		{node(31*time.Second, 30), false, false},
+		{node(61*time.Second, 30), false, true},
+		{node(-time.Hour, 30), true, false}, // a writer's clock ahead
+		{node(20*time.Second, 0), true, false},
+		{node(26*time.Second, 0), false, false},
+		{node(51*time.Second, -5), false, true},
+	} {
+		if live, gone := nodeLive(c.n, now), nodeGone(c.n, now); live != c.live || gone != c.gone {
+			t.Errorf("renewed %s ago, lease %ds: live %v gone %v, want %v %v",
+				now.Sub(c.n.Spec.RenewTime.Time), c.n.Spec.LeaseDurationSeconds, live, gone, c.live, c.gone)
+		}
 	}
 }
