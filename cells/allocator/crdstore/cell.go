@@ -25,7 +25,7 @@ var Cell = cell.Module(
 	"Global identities in Kubernetes CRD objects",
 
 	cell.Config(DefaultConfig),
-	cell.Provide(newBackend, newStoreMetrics),
+	cell.Provide(newBackend, newStoreMetrics, newGCMetrics),
 )
 
 type params struct {
@@ -35,9 +35,12 @@ type params struct {
 	Cluster    identity.ClusterInfo
 	Node       identity.NodeName `optional:"true"`
 	Config     Config
-	Log        *slog.Logger
-	Jobs       job.Registry
-	Health     cell.Health `optional:"true"`
+	// GC is the garbage collection's configuration; DefaultGCConfig
+	// when the hive provides none.
+	GC     GCConfig `optional:"true"`
+	Log    *slog.Logger
+	Jobs   job.Registry
+	Health cell.Health `optional:"true"`
 }
 
 // newBackend provides the store when the hive has a REST config, and a nil
@@ -53,6 +56,11 @@ func newBackend(p params) (globalstore.Backend, error) {
 	s, err := New(p.Log, p.RESTConfig, p.Cluster, p.Node, p.Config, p.Jobs.NewGroup(h))
 	if err != nil {
 		return nil, err
+	}
+	if p.GC != (GCConfig{}) {
+		if err := s.SetGCConfig(p.GC); err != nil {
+			return nil, err
+		}
 	}
 	return s, nil
 }

@@ -27,8 +27,9 @@
 // Each loop is a hive job of the module, with its own health scope:
 // global-identities-watch and identity-nodes-watch (the caches),
 // identity-node-writer (this node's IdentityNode), identity-node-renew (a
-// timer at a third of the lease) and identity-unmark (removes the
-// heartbeat mark from identities this node uses).
+// timer at a third of the lease), identity-unmark (removes the
+// heartbeat mark from identities this node uses) and identity-gc (the
+// garbage collection's timer, unless its interval is 0).
 //
 // # Flags
 //
@@ -42,11 +43,18 @@
 //	identityd_crd_split_label_sets                label sets with two objects now
 //	identityd_crd_heartbeat_marks_removed_total   marks removed by this node
 //	identityd_crd_identity_node_writes_total{outcome}
+//	identityd_crd_identity_gc_entries{status}     marked, deleted, skipped, unmarked
+//	identityd_crd_identity_gc_runs{outcome}       success, failure
+//	identityd_crd_identity_gc_kept{reason}        used, fenced (last run)
+//	identityd_crd_identity_gc_nodes_deleted_total
 //
 // # Garbage collection
 //
-// The collector (gc.go) reads the cache: Objects (every identity with its
-// UID, resourceVersion and annotations, and the resourceVersion the cache
-// reflects), Position (an object's place in its label set's probe
-// sequence, for the fence rule) and Nodes (the IdentityNode objects).
+// The collector (gc.go) decides on its own consistent listing of both
+// kinds of objects, made after the time it measures marks against: it
+// marks identities no live IdentityNode lists and no fence needs, deletes
+// those marked a heartbeat timeout earlier with their UID and
+// resourceVersion as preconditions, paced by a rate limit, and deletes
+// IdentityNode objects a lease after their lease ended. Its settings are
+// a GCConfig (DefaultGCConfig unless the hive provides one).
 package crdstore

@@ -78,6 +78,9 @@ type Store struct {
 	stopped atomic.Bool
 	// health scopes, set by the cell (nil outside a hive).
 	health cell.Health
+
+	// gc is the garbage collection's configuration and counters.
+	gc *gcState
 }
 
 var _ globalstore.Backend = (*Store)(nil)
@@ -119,6 +122,7 @@ func New(log *slog.Logger, cfg *rest.Config, cluster identity.ClusterInfo, node 
 		nodes:        newNodeCache(),
 		writer:       newNodeWriter(),
 		unmarks:      newUnmarkQueue(),
+		gc:           newGCState(DefaultGCConfig),
 	}
 	s.ids = newIdentityCache(log, cluster, cacheHooks{
 		emit:   s.emit,
@@ -173,6 +177,7 @@ func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	s.jobs.Add(job.Timer("identity-node-renew", func(context.Context) error {
 		return s.renewTick()
 	}, s.cfg.IdentityNodeLeaseTTL/3))
+	s.startGC(life)
 	select {
 	case <-s.ids.synced:
 	case <-ctx.Done():
