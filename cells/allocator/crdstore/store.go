@@ -122,15 +122,15 @@ func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identit
 		return nil, errors.New("the CRD store needs a node name (--node-name)")
 	}
 	s := &Store{
-		log:          log,
-		cfg:          c,
-		cluster:      cluster,
-		node:         string(node),
-		jobs:         jobs,
-		nodes:        newNodeCache(),
-		writer:       newNodeWriter(),
-		unmarks:      newUnmarkQueue(),
-		gc:           newGCState(DefaultGCConfig),
+		log:     log,
+		cfg:     c,
+		cluster: cluster,
+		node:    string(node),
+		jobs:    jobs,
+		nodes:   newNodeCache(),
+		writer:  newNodeWriter(),
+		unmarks: newUnmarkQueue(),
+		gc:      newGCState(DefaultGCConfig),
 	}
 	s.ids = newIdentityCache(log, cluster, cacheHooks{
 		emit:   s.emit,
