@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
@@ -163,7 +164,7 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 			s.writer.failures.Add(1)
 			s.log.Warn("Writing this node's IdentityNode failed; retrying", "node", s.node, "error", err, "attempt", failures)
 			if h != nil {
-				h.Degraded("Writing IdentityNode "+s.node+" failed", err)
+				h.Degraded("Writing IdentityNode "+s.node+" failed", health.External(err))
 			}
 			// Try again with whatever is held by then.
 			s.writer.request(renew)
@@ -222,7 +223,7 @@ func (s *Store) renewTick() error {
 		return nil
 	}
 	if age := time.Since(time.Unix(0, last)); age > s.cfg.IdentityNodeLeaseTTL/2 {
-		return fmt.Errorf("IdentityNode %s last renewed %s ago, lease %s", s.node, age.Round(time.Second), s.cfg.IdentityNodeLeaseTTL)
+		return health.External(fmt.Errorf("IdentityNode %s last renewed %s ago, lease %s", s.node, age.Round(time.Second), s.cfg.IdentityNodeLeaseTTL))
 	}
 	return nil
 }
@@ -303,7 +304,7 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 			failures++
 			s.log.Warn("Removing the heartbeat mark of a global identity this node uses failed; retrying", "error", failed)
 			if h != nil {
-				h.Degraded("Removing heartbeat marks failed", failed)
+				h.Degraded("Removing heartbeat marks failed", health.External(failed))
 			}
 			sleep(ctx, backoff(failures))
 			continue

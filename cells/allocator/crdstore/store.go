@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
@@ -254,7 +255,9 @@ func (s *Store) runReflector(ctx context.Context, h cell.Health, resource string
 		}
 		broken.Store(true)
 		if h != nil {
-			h.Degraded(what+" of "+resource+" failed", err)
+			// The API server failed or is unreachable: readiness,
+			// not liveness (a restart would not bring it back).
+			h.Degraded(what+" of "+resource+" failed", health.External(err))
 		}
 	}
 	ok := func(what string) {
