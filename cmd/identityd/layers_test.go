@@ -38,6 +38,7 @@ var layers = []layer{
 	{"drivers", 4, []string{"cells/allocator/etcdstore", "cells/allocator/clustermesh"}},
 	{"allocator", 4, []string{"cells/allocator"}},
 	{"kvstore", 2, []string{"cells/kvstore"}},
+	{"k8sclient", 2, []string{"cells/k8sclient"}},
 	{"infrastructure", 1, []string{"cells/metrics", "cells/health", "cells/statedir", "cells/shell"}},
 	// The domain model and the shared plumbing every layer may use.
 	{"domain", 0, []string{"identity", "labels", "internal"}},
