@@ -1,5 +1,6 @@
 # identityd — build, run and test. Only Go is needed; everything else
-# (etcd servers for the tests, staticcheck) is built from Go modules.
+# (etcd servers and a Kubernetes API server for the tests, staticcheck) is
+# built from Go modules.
 
 GO        ?= go
 BIN       := bin/identityd

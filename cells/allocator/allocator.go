@@ -32,6 +32,11 @@ type params struct {
 	Metrics   *allocationMetrics
 	Jobs      job.Registry
 	Health    cell.Health `optional:"true"`
+
+	// The store drivers the configured mode picks from (Backend, when
+	// provided on its own, wins), and their shared configuration.
+	Drivers []globalstore.Driver `group:"globalstore-drivers"`
+	Stores  globalstore.Config
 }
 
 // allocatorOut is the Allocator, and the sink through which
@@ -97,10 +102,14 @@ type identityAllocator struct {
 var _ Allocator = (*identityAllocator)(nil)
 
 func newAllocator(p params) (allocatorOut, error) {
-	if err := p.Config.Validate(); err != nil {
+	if err := errors.Join(p.Config.Validate(), p.Stores.Validate()); err != nil {
 		return allocatorOut{}, err
 	}
-	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, p.Backend, nil, identity.MaxLocalIdentity)
+	backend, err := driverBackend(p)
+	if err != nil {
+		return allocatorOut{}, err
+	}
+	a := newIdentityAllocator(p.Config, p.Log, p.DB, p.Table, backend, nil, identity.MaxLocalIdentity)
 	a.metrics = p.Metrics
 	if p.Remote != nil {
 		a.mesh = p.Remote
@@ -112,6 +121,32 @@ func newAllocator(p params) (allocatorOut, error) {
 	p.Jobs.NewGroup(health.OrDetached(p.Health)).Add(a.jobs()...)
 	p.Lifecycle.Append(a)
 	return allocatorOut{Allocator: a, Sink: &handlerSink{disp: a.disp, contracts: &a.contracts}}, nil
+}
+
+// driverBackend returns the Backend of the driver of the configured mode. In
+// kvstore mode a hive without the etcd store serves local identities only,
+// as it always has; crd mode asks for the CRD store explicitly, so its
+// absence is an error rather than a silent loss of global identities.
+func driverBackend(p params) (globalstore.Backend, error) {
+	if p.Backend != nil {
+		return p.Backend, nil
+	}
+	mode := p.Config.IdentityAllocationMode
+	var found []globalstore.Driver
+	for _, d := range p.Drivers {
+		if d.Mode == mode {
+			found = append(found, d)
+		}
+	}
+	switch {
+	case len(found) > 1:
+		return nil, fmt.Errorf("--identity-allocation-mode=%s: %d store cells in the hive serve it, want one", mode, len(found))
+	case len(found) == 0 && mode == identity.AllocationModeCRD:
+		return nil, fmt.Errorf("--identity-allocation-mode=%s needs the CRD store of global identities in the hive (crdstore.Cell), which it does not have", mode)
+	case len(found) == 0:
+		return nil, nil
+	}
+	return found[0].Backend, nil
 }
 
 func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table statedb.RWTable[Entry], backend globalstore.Backend, handlers []Handler, maxLocal identity.NumericIdentity) *identityAllocator {

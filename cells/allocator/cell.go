@@ -4,17 +4,22 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 )
 
 // Cell provides the Allocator, the read-only identities table
 // (statedb.Table[Entry]), the identity/* shell commands and the cluster's
 // identity.ClusterInfo (--cluster-id, --cluster-name,
-// --max-connected-clusters) that the stores take their ID range from. A
-// globalstore.Backend in the hive (etcdstore.Cell's) enables global
-// identities; without one, allocating a global label set fails with
-// ErrNoGlobalBackend. A globalstore.Remote (clustermesh.Cell's) adds
-// remote clusters' identities to lookups and Observe.
+// --max-connected-clusters) that the stores take their ID range from, the
+// configured identity.AllocationMode (--identity-allocation-mode) and the
+// stores' shared globalstore.Config. Global identities go to the Backend of
+// the globalstore.Driver of that mode (etcdstore.Cell's for kvstore,
+// crdstore.Cell's for crd); a globalstore.Backend provided on its own
+// (tests) is used instead. Without a backend, allocating a global label set
+// fails with ErrNoGlobalBackend; crd mode without a crd driver fails the
+// hive's start. A globalstore.Remote (clustermesh.Cell's) adds remote
+// clusters' identities to lookups and Observe.
 //
 // Other cells register with it: identity handlers (NewHandler), the
 // restoration that local allocations wait for (NewRestoration) and the
@@ -24,6 +29,8 @@ var Cell = cell.Module(
 	"Security identity allocator",
 
 	cell.Config(DefaultConfig),
+	// The stores' shared flags, registered once for every driver.
+	cell.Config(globalstore.DefaultConfig),
 	cell.ProvidePrivate(NewTable),
 	// Public so that its collector reaches the metrics registry.
 	cell.Provide(newAllocationMetrics),
@@ -32,6 +39,7 @@ var Cell = cell.Module(
 		newAllocator,
 		newCellCommands,
 		clusterInfo,
+		allocationMode,
 		newIdentityMetrics,
 	),
 	cell.Invoke(registerHandlers, registerContracts),
@@ -44,4 +52,13 @@ func clusterInfo(c Config) (identity.ClusterInfo, error) {
 		return identity.ClusterInfo{}, err
 	}
 	return c.ClusterInfo(), nil
+}
+
+// allocationMode gives the stores and the kvstore cell the configured mode,
+// refusing an invalid configuration.
+func allocationMode(c Config) (identity.AllocationMode, error) {
+	if err := c.Validate(); err != nil {
+		return "", err
+	}
+	return c.IdentityAllocationMode, nil
 }

@@ -34,6 +34,10 @@ type Config struct {
 	// identities instead of the reserved 6 and 7 (Cilium's
 	// --policy-cidr-match-mode).
 	PolicyCIDRMatchMode []string
+	// IdentityAllocationMode is the store of global identities: the etcd
+	// of the kvstore cell, or CiliumIdentity objects in a Kubernetes API
+	// server (Cilium's --identity-allocation-mode).
+	IdentityAllocationMode identity.AllocationMode
 }
 
 // PolicyCIDRMatchNodes is the --policy-cidr-match-mode value under which
@@ -50,6 +54,7 @@ var DefaultConfig = Config{
 	// although the agent's own flag defaults to on.
 	EnableWellKnownIdentities: false,
 	K8sNamespace:              identity.DefaultCiliumNamespace,
+	IdentityAllocationMode:    identity.AllocationModeKVStore,
 }
 
 // Flags registers the allocator's flags.
@@ -61,6 +66,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Bool("enable-well-known-identities", def.EnableWellKnownIdentities, "Give kube-dns, CoreDNS, cilium-operator and Cilium's etcd their fixed identities 100..115, as Cilium's option of that name (Cilium's Helm chart turns it off)")
 	flags.String("k8s-namespace", def.K8sNamespace, "Namespace Cilium runs in, as Cilium's option of that name; part of the well-known label sets of Cilium's components")
 	flags.StringSlice("policy-cidr-match-mode", def.PolicyCIDRMatchMode, "What CIDR policies may select besides world, as Cilium's option of that name: \"nodes\" gives remote nodes' label sets remote-node-scope identities instead of the reserved 6 and 7")
+	flags.String("identity-allocation-mode", string(def.IdentityAllocationMode), "Store of global identities, as Cilium's option of that name: \"kvstore\" (etcd, embedded unless --kvstore-endpoints is set) or \"crd\" (CiliumIdentity objects in a Kubernetes API server)")
 }
 
 // ReservedConfig returns the options that decide which label sets are
@@ -86,6 +92,9 @@ func (c Config) Validate() error {
 	}
 	if c.IdentityAllocationTimeout <= 0 {
 		return errors.New("--identity-allocation-timeout must be positive")
+	}
+	if err := c.IdentityAllocationMode.Validate(); err != nil {
+		return err
 	}
 	for _, mode := range c.PolicyCIDRMatchMode {
 		if mode != PolicyCIDRMatchNodes {

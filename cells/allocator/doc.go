@@ -14,9 +14,9 @@
 //     the set's scope and free, even if withheld; withheld IDs are skipped
 //     otherwise; when every other ID is taken a withheld-but-free one is
 //     handed out with a warning, and only then ErrLocalSpaceExhausted.
-//   - Global label sets go to a globalstore.Backend (the etcd store of
-//     cells/allocator/etcdstore when its cell and the kvstore cell are in
-//     the hive). The allocator counts this node's
+//   - Global label sets go to the globalstore.Backend of the store driver
+//     of --identity-allocation-mode (kvstore: cells/allocator/etcdstore,
+//     with the kvstore cell; crd: cells/allocator/crdstore). The allocator counts this node's
 //     references itself: only a label set's first reference and last
 //     release reach the backend, and a set this node holds costs no
 //     request. Without a backend, a global label set fails with
@@ -90,7 +90,8 @@
 // # Stores and remote clusters
 //
 // The allocator imports no store: it consumes the contract of
-// cells/allocator/globalstore. A globalstore.Backend in the hive serves
+// cells/allocator/globalstore. The Backend of the globalstore.Driver of the
+// configured mode (or a globalstore.Backend provided on its own) serves
 // global label sets, a globalstore.Remote (cells/allocator/clustermesh)
 // adds other clusters' identities, source "remote", to lookups, Observe
 // and handlers. The allocator's start hook starts both with its own

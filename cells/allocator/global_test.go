@@ -3,6 +3,7 @@ package allocator_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +19,7 @@ import (
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
 	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/globalstore"
@@ -266,6 +268,122 @@ func TestScript(t *testing.T) {
 			scriptengine.ParseFlags(t, h, args)
 			return scriptengine.New(t, h)
 		}, nil, "testdata/*.txtar")
+}
+
+// modeNode starts a hive of the allocator with the given drivers (and
+// other cells) and --identity-allocation-mode set from the command line.
+func modeNode(t *testing.T, mode string, cells ...cell.Cell) (allocator.Allocator, identity.AllocationMode, error) {
+	t.Helper()
+	var a allocator.Allocator
+	var m identity.AllocationMode
+	h := hive.New(append([]cell.Cell{job.Cell, statedb.Cell, allocator.Cell,
+		cell.Invoke(func(x allocator.Allocator, y identity.AllocationMode) { a, m = x, y })}, cells...)...)
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse([]string{"--identity-allocation-mode=" + mode}); err != nil {
+		t.Fatal(err)
+	}
+	log := hivetest.Logger(t)
+	if err := h.Start(log, t.Context()); err != nil {
+		return nil, "", err
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return a, m, nil
+}
+
+// TestAllocationModeSelectsDriver: the allocator sends global label sets
+// to the driver of the configured mode, and a Backend provided on its own
+// wins over every driver.
+func TestAllocationModeSelectsDriver(t *testing.T) {
+	cluster := identity.ClusterInfo{Name: "default"}
+	web := labels.MustParse("k8s:app=web")
+	for _, tc := range []struct {
+		mode     identity.AllocationMode
+		explicit bool
+		want     string
+	}{
+		{identity.AllocationModeKVStore, false, "kvstore"},
+		{identity.AllocationModeCRD, false, "crd"},
+		{identity.AllocationModeCRD, true, "explicit"},
+		{identity.AllocationModeKVStore, true, "explicit"},
+	} {
+		t.Run(fmt.Sprintf("%s/explicit=%v", tc.mode, tc.explicit), func(t *testing.T) {
+			stores := map[string]*allocatortest.Store{}
+			for _, name := range []string{"kvstore", "crd", "explicit"} {
+				stores[name] = allocatortest.NewStore(cluster)
+			}
+			cells := []cell.Cell{
+				allocatortest.DriverCell(identity.AllocationModeKVStore, stores["kvstore"].NewBackend("n")),
+				allocatortest.DriverCell(identity.AllocationModeCRD, stores["crd"].NewBackend("n")),
+			}
+			if tc.explicit {
+				explicit := stores["explicit"].NewBackend("n")
+				cells = append(cells, cell.Provide(func() globalstore.Backend { return explicit }))
+			}
+			a, mode, err := modeNode(t, string(tc.mode), cells...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if mode != tc.mode {
+				t.Fatalf("the hive's identity.AllocationMode is %q, want %q", mode, tc.mode)
+			}
+			if _, _, err := a.Allocate(t.Context(), web); err != nil {
+				t.Fatal(err)
+			}
+			for name, s := range stores {
+				if want := map[bool]int{true: 1}[name == tc.want]; s.Len() != want {
+					t.Errorf("store %s holds %d identities, want %d", name, s.Len(), want)
+				}
+			}
+		})
+	}
+}
+
+// TestAllocationModeCRDNeedsDriver: crd mode in a hive without the CRD
+// store fails at start, naming the mode and the missing cell, instead of
+// serving local identities only; kvstore mode without a store does serve
+// them, as it always has.
+func TestAllocationModeCRDNeedsDriver(t *testing.T) {
+	kv := allocatortest.DriverCell(identity.AllocationModeKVStore, allocatortest.NewStore(identity.ClusterInfo{Name: "default"}).NewBackend("n"))
+	_, _, err := modeNode(t, "crd", kv)
+	const want = "--identity-allocation-mode=crd needs the CRD store of global identities in the hive (crdstore.Cell)"
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("crd mode without a crd driver: %v, want an error containing %q", err, want)
+	}
+	a, _, err := modeNode(t, "kvstore")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.Allocate(t.Context(), labels.MustParse("k8s:app=web")); !errors.Is(err, allocator.ErrNoGlobalBackend) {
+		t.Fatalf("kvstore mode without a store: %v, want ErrNoGlobalBackend", err)
+	}
+	// A driver of the mode with a nil backend: no global identities.
+	nilCRD := cell.Provide(func() globalstore.DriverOut { return globalstore.NewDriver(identity.AllocationModeCRD, nil) })
+	if a, _, err = modeNode(t, "crd", nilCRD); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.Allocate(t.Context(), labels.MustParse("k8s:app=web")); !errors.Is(err, allocator.ErrNoGlobalBackend) {
+		t.Fatalf("crd driver without a backend: %v, want ErrNoGlobalBackend", err)
+	}
+	// Two cells claiming one mode are refused.
+	crd := func() cell.Cell {
+		return allocatortest.DriverCell(identity.AllocationModeCRD, allocatortest.NewStore(identity.ClusterInfo{Name: "default"}).NewBackend("n"))
+	}
+	if _, _, err := modeNode(t, "crd", crd(), crd()); err == nil || !strings.Contains(err.Error(), "2 store cells in the hive serve it") {
+		t.Fatalf("two crd drivers: %v", err)
+	}
+}
+
+// TestAllocationModeFlag: an unknown --identity-allocation-mode is refused
+// with the valid values.
+func TestAllocationModeFlag(t *testing.T) {
+	for _, mode := range []string{"etcd", "", "CRD"} {
+		_, _, err := modeNode(t, mode)
+		want := `invalid --identity-allocation-mode "` + mode + `": must be one of "kvstore", "crd"`
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("--identity-allocation-mode=%q: %v, want %s", mode, err, want)
+		}
+	}
 }
 
 // globalBenchSets returns n distinct label sets of global identities.

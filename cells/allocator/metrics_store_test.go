@@ -34,15 +34,18 @@ func TestScrapeGC(t *testing.T) {
 	h := hive.New(
 		health.Cell, metrics.Cell, job.Cell, statedb.Cell, statedir.Cell,
 		kvstore.Cell, allocator.Cell, etcdstore.Cell,
-		cell.Invoke(func(a allocator.Allocator, b globalstore.Backend, s *metrics.Server) {
-			alloc, backend, server = a, b, s
+		cell.Invoke(func(a allocator.Allocator, b *etcdstore.Store, s *metrics.Server) {
+			alloc, server = a, s
+			if b != nil {
+				backend = b
+			}
 		}),
 	)
 	dir := t.TempDir()
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	// The test runs the GC itself, so that the counts are exact.
-	hive.AddConfigOverride(h, func(c *etcdstore.Config) { c.IdentityGCInterval = 0 })
+	hive.AddConfigOverride(h, func(c *globalstore.Config) { c.IdentityGCInterval = 0 })
 	log := hivetest.Logger(t)
 	if err := h.Start(log, t.Context()); err != nil {
 		t.Fatal(err)
@@ -101,8 +104,11 @@ func TestScrapeNodeChecks(t *testing.T) {
 	h := hive.New(
 		health.Cell, metrics.Cell, job.Cell, statedb.Cell, statedir.Cell,
 		kvstore.Cell, allocator.Cell, etcdstore.Cell,
-		cell.Invoke(func(a allocator.Allocator, b globalstore.Backend, k *kvstore.Client, s *metrics.Server) {
-			alloc, backend, kv, server = a, b, k, s
+		cell.Invoke(func(a allocator.Allocator, b *etcdstore.Store, k *kvstore.Client, s *metrics.Server) {
+			alloc, kv, server = a, k, s
+			if b != nil {
+				backend = b
+			}
 		}),
 	)
 	dir := t.TempDir()

@@ -1,10 +1,18 @@
 package kvstore
 
-import "github.com/cilium/hive/cell"
+import (
+	"fmt"
+
+	"github.com/cilium/hive/cell"
+
+	"github.com/identityd/identityd/identity"
+)
 
 // Cell provides *Client: the etcd client, connected to --kvstore-endpoints
-// or to an embedded etcd in <state-dir>/etcd, and the kvstore/status
-// command.
+// or to an embedded etcd in <state-dir>/etcd, the kvstore/status command and
+// this node's validated --node-name as an identity.NodeName. With
+// --identity-allocation-mode=crd and no --kvstore-endpoints the *Client is
+// nil: no embedded etcd, nothing in <state-dir>/etcd, nothing listening.
 var Cell = cell.Module(
 	"kvstore",
 	"etcd client and embedded etcd",
@@ -12,7 +20,17 @@ var Cell = cell.Module(
 	cell.Config(DefaultConfig),
 	cell.Provide(
 		newClient,
+		nodeName,
 		scriptCommands,
 		newClientMetrics,
 	),
 )
+
+// nodeName gives the stores this node's name without their importing this
+// cell.
+func nodeName(c Config) (identity.NodeName, error) {
+	if err := ValidateNodeName(c.NodeName); err != nil {
+		return "", fmt.Errorf("kvstore: %w", err)
+	}
+	return identity.NodeName(c.NodeName), nil
+}

@@ -25,6 +25,7 @@ import (
 
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
 )
 
 var (
@@ -155,14 +156,29 @@ type params struct {
 	Lifecycle cell.Lifecycle
 	Log       *slog.Logger
 	Config    Config
-	Dir       *statedir.Dir `optional:"true"`
-	Health    cell.Health   `optional:"true"`
+	// Mode is the configured --identity-allocation-mode (the allocator
+	// cell provides it); a hive without it runs in kvstore mode.
+	Mode   identity.AllocationMode `optional:"true"`
+	Dir    *statedir.Dir           `optional:"true"`
+	Health cell.Health             `optional:"true"`
 	// Jobs runs the connectivity check that keeps Health in step with
 	// etcd; without a registry (or without Health) there is no check.
 	Jobs job.Registry `optional:"true"`
 }
 
 func newClient(p params) (*Client, error) {
+	if p.Mode == identity.AllocationModeCRD && p.Config.Embedded() {
+		// Identities live in the Kubernetes API server: an embedded etcd
+		// would hold nothing anyone reads.
+		if err := p.Config.Validate(); err != nil {
+			return nil, fmt.Errorf("kvstore: %w", err)
+		}
+		p.Log.Info("No etcd client and no embedded etcd: --identity-allocation-mode=crd keeps global identities in the Kubernetes API server, and --kvstore-endpoints is empty")
+		if p.Health != nil {
+			p.Health.OK("Not used: crd mode without --kvstore-endpoints")
+		}
+		return nil, nil
+	}
 	c, err := New(p.Log, p.Config, p.Dir)
 	if err != nil {
 		return nil, err

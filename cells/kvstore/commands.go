@@ -2,6 +2,7 @@ package kvstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -20,6 +21,10 @@ func scriptCommands(c *Client) hive.ScriptCmdsOut {
 	})
 }
 
+// errNoClient is kvstore/status's answer in a hive whose kvstore cell made
+// no client.
+var errNoClient = errors.New("no etcd client: --identity-allocation-mode=crd without --kvstore-endpoints")
+
 func statusCmd(c *Client) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
@@ -34,6 +39,9 @@ func statusCmd(c *Client) script.Cmd {
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			if len(args) > 0 {
 				return nil, script.ErrUsage
+			}
+			if c == nil {
+				return nil, errNoClient
 			}
 			format, err := shellfmt.Format(s.Flags)
 			if err != nil {

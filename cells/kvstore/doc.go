@@ -1,6 +1,8 @@
 // Package kvstore is the etcd client cell. It knows nothing of identities:
 // it connects, keeps this node's data lease, counts and paces requests, and
-// reports its state. The allocator's etcd backend builds on it.
+// reports its state. The allocator's etcd backend builds on it. Of the
+// allocator's settings it reads only --identity-allocation-mode: in crd
+// mode without --kvstore-endpoints it makes no client at all (below).
 //
 // # What it provides
 //
@@ -51,6 +53,17 @@
 // At start the client checks within --kvstore-dial-timeout that an endpoint
 // answers, so an unreachable etcd fails the start with one line naming the
 // endpoints instead of hanging.
+//
+// # crd mode
+//
+// With --identity-allocation-mode=crd the global identities are
+// CiliumIdentity objects in a Kubernetes API server, and nothing in
+// identityd needs etcd for them. Without --kvstore-endpoints the cell then
+// makes no client (the *Client it provides is nil), starts no embedded etcd,
+// creates no <state-dir>/etcd and listens on nothing; it logs why, reports
+// health OK, contributes no metrics, and kvstore/status says there is no
+// client. The flags are still validated. With endpoints given it connects
+// as in kvstore mode.
 //
 // # Health
 //

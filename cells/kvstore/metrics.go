@@ -141,6 +141,10 @@ func keyScope(req any) []byte {
 // histogram and quorum errors it records as requests happen, and the
 // request counts and connectivity it reads at scrape time.
 func newClientMetrics(lc cell.Lifecycle, c *Client) metrics.CollectorOut {
+	if c == nil {
+		// crd mode without endpoints: there is no client to report on.
+		return metrics.CollectorOut{}
+	}
 	col := newClientCollector(c)
 	// Appended after the client's hook (this needs the client), so the
 	// scrapes' status requests begin once the client runs.

@@ -20,6 +20,7 @@ import (
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
 )
 
 // agentCells are the cells of the identityd agent, in the order of
@@ -39,10 +40,12 @@ var agentCells = []cell.Cell{
 	ipcache.Cell,
 	restoration.Cell,
 	// Restored state waits longer for its users when they get it from
-	// external kvstore endpoints. The client, not only its config, keeps
-	// the kvstore constructed before restoration, as it has always been.
-	cell.Provide(func(c *kvstore.Client) restoration.AutomaticGracePeriod {
-		return restoration.AutomaticGracePeriodFor(!c.Embedded())
+	// external kvstore endpoints, or from a Kubernetes API server in crd
+	// mode (where the client may be nil). The client, not only its config,
+	// keeps the kvstore constructed before restoration, as it has always
+	// been.
+	cell.Provide(func(mode identity.AllocationMode, c *kvstore.Client) restoration.AutomaticGracePeriod {
+		return restoration.AutomaticGracePeriodFor(mode == identity.AllocationModeCRD || !c.Embedded())
 	}),
 
 	// The agent exists to serve its cells; force the ones nothing else

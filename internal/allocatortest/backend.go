@@ -10,6 +10,8 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/cilium/hive/cell"
+
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idpool"
@@ -208,4 +210,11 @@ func (b *Backend) Stop(ctx context.Context) error {
 	b.events = nil
 	b.mu.Unlock()
 	return nil
+}
+
+// DriverCell stands in for a store cell: it offers b to the allocator as
+// the globalstore.Driver of mode, as etcdstore.Cell does for kvstore mode
+// and crdstore.Cell for crd mode.
+func DriverCell(mode identity.AllocationMode, b *Backend) cell.Cell {
+	return cell.Provide(func() globalstore.DriverOut { return globalstore.NewDriver(mode, b) })
 }

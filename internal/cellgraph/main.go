@@ -108,6 +108,11 @@ func run(in io.Reader, out io.Writer) error {
 			if p, ok := byShort[short]; ok {
 				return p
 			}
+			// The config of a package without constructors of its own
+			// (globalstore.Config, which the allocator cell registers):
+			// the graph does not say which cell registered it, so it is
+			// left out like hive's own types.
+			return hivePackage
 		}
 		return pkg
 	}

@@ -6,7 +6,8 @@ import (
 )
 
 // A cut-down 'hive dot-graph': a cell with a config, one that needs it
-// (and, optionally, the first), a value group, and hive's own lifecycle.
+// (and, optionally, the first), a value group, hive's own lifecycle, and
+// a config of a package without a cell (as globalstore.Config).
 const sample = `digraph {
 	"[type=prometheus.Collector group=g]" [shape=diamond];
 		"[type=prometheus.Collector group=g]" -> "prometheus.Collector[group=g]0";
@@ -19,6 +20,7 @@ const sample = `digraph {
 			label = "github.com/cilium/hive/cell";
 			constructor_1 [shape=plaintext label="(*config[...].func2"];
 			"kvstore.Config" [label=<kvstore.Config>];
+			"globalstore.Config" [label=<globalstore.Config>];
 		}
 		subgraph cluster_2 {
 			label = "github.com/identityd/identityd/cells/kvstore";
@@ -27,6 +29,7 @@ const sample = `digraph {
 		}
 			constructor_2 -> "kvstore.Config" [ltail=cluster_2];
 			constructor_2 -> "cell.Lifecycle" [ltail=cluster_2];
+			constructor_2 -> "globalstore.Config" [ltail=cluster_2];
 		subgraph cluster_3 {
 			label = "github.com/identityd/identityd/cells/metrics/scrape";
 			constructor_3 [shape=plaintext label="out"];

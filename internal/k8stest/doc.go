@@ -14,9 +14,12 @@
 // the same port with the same certificates, so clients made before keep
 // working, to test what clients do when the API server goes away.
 //
-// The standalone server has no core API (no namespaces, leases, /api or
-// /apis group list; the discovery of each CRD's group and version is
-// served), and runs no admission webhooks or priority and fairness.
+// The standalone server has no core API (no namespaces, leases or other
+// built-in resources; /api lists no versions), and runs no admission
+// webhooks or priority and fairness. Discovery works: /apis lists
+// apiextensions.k8s.io and the groups of the established CRDs. The admin can
+// read the server's /metrics, which count requests by verb, resource and
+// code (apiserver_request_total).
 //
 //	s := k8stest.Start(t)
 //	k8stest.InstallCRD(t, s.RESTConfig(), crd)

@@ -3,7 +3,9 @@ package k8stest_test
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,11 +14,14 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/k8stest"
 )
 
@@ -54,6 +59,15 @@ func widget(name, color string) *unstructured.Unstructured {
 	}}
 }
 
+// startWithWidgets starts a server with the widget CRD installed, and
+// returns an admin client of widgets.
+func startWithWidgets(t testing.TB) (*k8stest.Server, dynamic.ResourceInterface) {
+	t.Helper()
+	s := k8stest.Start(t)
+	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
+	return s, widgetClient(t, s.RESTConfig())
+}
+
 func widgetClient(t testing.TB, cfg *rest.Config) dynamic.ResourceInterface {
 	t.Helper()
 	dyn, err := dynamic.NewForConfig(cfg)
@@ -70,21 +84,22 @@ func createWidget(t testing.TB, cli dynamic.ResourceInterface, name, color strin
 	}
 }
 
-func getColor(t testing.TB, cli dynamic.ResourceInterface, name string) string {
+// wantColor checks the color of widget name, read through cli; what says
+// which read it is.
+func wantColor(t testing.TB, cli dynamic.ResourceInterface, name, want, what string) {
 	t.Helper()
 	got, err := cli.Get(t.Context(), name, metav1.GetOptions{})
 	if err != nil {
-		t.Fatalf("getting widget %s: %v", name, err)
+		t.Fatalf("%s: getting widget %s: %v", what, name, err)
 	}
-	color, _, _ := unstructured.NestedString(got.Object, "color")
-	return color
+	if color, _, _ := unstructured.NestedString(got.Object, "color"); color != want {
+		t.Errorf("%s: widget %s has color %q, want %q", what, name, color, want)
+	}
 }
 
 func TestCreateAndGet(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	cli := widgetClient(t, s.RESTConfig())
+	s, cli := startWithWidgets(t)
 
 	// InstallCRD waits out the server's delay of creates on a CRD that
 	// was just established (2s), so the first create is fast.
@@ -93,14 +108,38 @@ func TestCreateAndGet(t *testing.T) {
 	if d := time.Since(start); d >= 2*time.Second {
 		t.Errorf("first create took %s, the server's delay on a new CRD was not waited out", d)
 	}
-	if got := getColor(t, cli, "w1"); got != "red" {
-		t.Errorf("color = %q, want red", got)
-	}
+	wantColor(t, cli, "w1", "red", "after create")
 	// The server validates objects against the CRD's schema.
 	bad := widget("w2", "red")
 	bad.Object["color"] = 42
 	if _, err := cli.Create(t.Context(), bad, metav1.CreateOptions{}); !apierrors.IsInvalid(err) {
 		t.Errorf("creating a widget with a number for color: err = %v, want Invalid", err)
+	}
+	// Discovery clients find the CRD's resource, from /api and /apis on.
+	disco, err := discovery.NewDiscoveryClientForConfig(s.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, resources, err := disco.ServerGroupsAndResources()
+	if err != nil {
+		t.Fatalf("discovery: %v", err)
+	}
+	found := false
+	for _, list := range resources {
+		for _, r := range list.APIResources {
+			found = found || list.GroupVersion == widgets.GroupVersion().String() && r.Name == widgets.Resource
+		}
+	}
+	if !found {
+		t.Errorf("discovery did not find %s in %v", widgets, resources)
+	}
+	// The server's metrics count requests, for tests that count them.
+	metrics, err := disco.RESTClient().Get().AbsPath("/metrics").DoRaw(t.Context())
+	if err != nil {
+		t.Fatalf("metrics: %v", err)
+	}
+	if !strings.Contains(string(metrics), `apiserver_request_total{code="201",component="apiserver",dry_run="",group="test.identityd.io"`) {
+		t.Errorf("metrics do not count the create of a widget:\n%.2000s", metrics)
 	}
 	// Installing the same CRD again is a no-op.
 	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
@@ -108,9 +147,7 @@ func TestCreateAndGet(t *testing.T) {
 
 func TestRestartKeepsClientsAndData(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	cli := widgetClient(t, s.RESTConfig())
+	s, cli := startWithWidgets(t)
 	createWidget(t, cli, "before", "blue")
 	url := s.URL()
 
@@ -118,23 +155,17 @@ func TestRestartKeepsClientsAndData(t *testing.T) {
 	if s.URL() != url {
 		t.Fatalf("URL changed on restart: %s -> %s", url, s.URL())
 	}
-	if got := getColor(t, cli, "before"); got != "blue" {
-		t.Errorf("after restart: color = %q, want blue", got)
-	}
+	wantColor(t, cli, "before", "blue", "after restart")
 	createWidget(t, cli, "after", "green")
 
 	// A kubeconfig written before the restart still works.
 	fromFile := kubeconfigClient(t, s.Kubeconfig())
-	if got := getColor(t, fromFile, "after"); got != "green" {
-		t.Errorf("through the kubeconfig: color = %q, want green", got)
-	}
+	wantColor(t, fromFile, "after", "green", "through the kubeconfig")
 }
 
 func TestKill(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	cli := widgetClient(t, s.RESTConfig())
+	s, cli := startWithWidgets(t)
 	createWidget(t, cli, "w", "red")
 
 	s.Kill(t)
@@ -146,16 +177,29 @@ func TestKill(t *testing.T) {
 	}
 	// Killed, it comes back with its data, which is in etcd.
 	s.Restart(t)
-	if got := getColor(t, cli, "w"); got != "red" {
-		t.Errorf("after kill and restart: color = %q, want red", got)
-	}
+	wantColor(t, cli, "w", "red", "after kill and restart")
+}
+
+func TestEtcdKilledUnderServer(t *testing.T) {
+	t.Parallel()
+	s, cli := startWithWidgets(t)
+	createWidget(t, cli, "before", "red")
+	// Killed rather than stopped: etcd's graceful stop waits seconds for
+	// the server's open streams.
+	s.EtcdCluster().Member(0).Kill()
+	s.EtcdCluster().Member(0).Restart()
+	// The server reconnects to etcd; requests in between may fail.
+	eventually.True(t, "a create after etcd restarted", func() bool {
+		_, err := cli.Create(t.Context(), widget("after", "blue"), metav1.CreateOptions{})
+		return err == nil
+	})
+	wantColor(t, cli, "before", "red", "after etcd restarted")
 }
 
 func TestOtherUserForbidden(t *testing.T) {
 	t.Parallel()
-	s := k8stest.Start(t)
-	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
-	createWidget(t, widgetClient(t, s.RESTConfig()), "w", "red")
+	s, cli := startWithWidgets(t)
+	createWidget(t, cli, "w", "red")
 
 	for _, path := range []string{s.Kubeconfig(), s.UserKubeconfig(t, "alice", "developers")} {
 		fi, err := os.Stat(path)
@@ -167,9 +211,7 @@ func TestOtherUserForbidden(t *testing.T) {
 		}
 	}
 	admin := kubeconfigClient(t, s.Kubeconfig())
-	if got := getColor(t, admin, "w"); got != "red" {
-		t.Errorf("admin: color = %q, want red", got)
-	}
+	wantColor(t, admin, "w", "red", "admin")
 	alice := kubeconfigClient(t, s.UserKubeconfig(t, "alice", "developers"))
 	_, err := alice.Get(t.Context(), "w", metav1.GetOptions{})
 	if !apierrors.IsForbidden(err) {
@@ -180,9 +222,7 @@ func TestOtherUserForbidden(t *testing.T) {
 	}
 	// The group is what the server authorizes.
 	root := kubeconfigClient(t, s.UserKubeconfig(t, "root", "system:masters"))
-	if got := getColor(t, root, "w"); got != "red" {
-		t.Errorf("user in system:masters: color = %q, want red", got)
-	}
+	wantColor(t, root, "w", "red", "user in system:masters")
 }
 
 func TestTwoServersOneEtcd(t *testing.T) {
@@ -202,11 +242,64 @@ func TestTwoServersOneEtcd(t *testing.T) {
 	ca, cb := widgetClient(t, a.RESTConfig()), widgetClient(t, b.RESTConfig())
 	createWidget(t, ca, "w", "red")
 	createWidget(t, cb, "w", "blue")
-	if got := getColor(t, ca, "w"); got != "red" {
-		t.Errorf("server a: color = %q, want red", got)
+	wantColor(t, ca, "w", "red", "server a")
+	wantColor(t, cb, "w", "blue", "server b")
+}
+
+// fatalTB records the first fatal error of what it is passed to instead of
+// failing the test.
+type fatalTB struct {
+	testing.TB
+	msg string
+}
+
+func (f *fatalTB) Fatal(args ...any) { f.msg = fmt.Sprint(args...); runtime.Goexit() }
+func (f *fatalTB) Fatalf(format string, args ...any) {
+	f.msg = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+
+func TestStartFailureShowsLog(t *testing.T) {
+	t.Parallel()
+	tb := &fatalTB{TB: t}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		k8stest.Start(tb, k8stest.WithServerArgs("--no-such-flag"))
+		t.Error("Start returned for a server that cannot start")
+	}()
+	<-done
+	if !strings.Contains(tb.msg, "exited before serving") || !strings.Contains(tb.msg, "unknown flag: --no-such-flag") {
+		t.Errorf("Start failed with %q, want the server's exit and its log", tb.msg)
 	}
-	if got := getColor(t, cb, "w"); got != "blue" {
-		t.Errorf("server b: color = %q, want blue", got)
+}
+
+func TestStopEndsWatches(t *testing.T) {
+	t.Parallel()
+	s, cli := startWithWidgets(t)
+	w, err := cli.Watch(t.Context(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	createWidget(t, cli, "w", "red")
+	if ev := <-w.ResultChan(); ev.Type != watch.Added {
+		t.Fatalf("first event %v, want Added", ev.Type)
+	}
+	// The server ends open watches when it stops instead of waiting for
+	// them (up to a minute) or being killed by Stop after its grace period.
+	start := time.Now()
+	s.Restart(t)
+	if d := time.Since(start); d > 20*time.Second {
+		t.Errorf("restart with a watch open took %s", d)
+	}
+	select {
+	case _, ok := <-w.ResultChan():
+		for ok {
+			_, ok = <-w.ResultChan()
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watch did not end when the server restarted")
 	}
 }
 

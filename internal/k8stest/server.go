@@ -72,7 +72,9 @@ type Server struct {
 	bin      string
 	dir      string
 	opts     options
+	args     []string // the server's flags but the port
 	etcd     []string
+	ownEtcd  *etcdtest.Cluster
 	prefix   string
 	certs    *etcdtest.Certs
 	admin    clientCert
@@ -107,7 +109,8 @@ func Start(tb testing.TB, opts ...Option) *Server {
 	}
 	s.etcd = s.opts.etcd
 	if len(s.etcd) == 0 {
-		s.etcd = etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync()).Endpoints()
+		s.ownEtcd = etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync())
+		s.etcd = s.ownEtcd.Endpoints()
 	}
 	token := make([]byte, 8)
 	rand.Read(token)
@@ -168,7 +171,7 @@ func (s *Server) prepareFiles() error {
 	if err := clientcmd.WriteToFile(*core, corePath); err != nil {
 		return fmt.Errorf("k8stest: writing kubeconfig: %w", err)
 	}
-	s.opts.extraArgs = append([]string{
+	s.args = append([]string{
 		"--etcd-servers", strings.Join(s.etcd, ","),
 		"--etcd-prefix", s.prefix,
 		"--bind-address", "127.0.0.1",
@@ -181,6 +184,9 @@ func (s *Server) prepareFiles() error {
 		// need objects of a core API server.
 		"--enable-priority-and-fairness=false",
 		"--disable-admission-plugins", "NamespaceLifecycle,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ValidatingAdmissionPolicy,MutatingAdmissionPolicy",
+		// A graceful stop ends open watches at once instead of waiting up to
+		// a minute for them, as clients see when a server goes away.
+		"--shutdown-watch-termination-grace-period=5s",
 		"--profiling=false",
 	}, s.opts.extraArgs...)
 	return nil
@@ -197,7 +203,7 @@ func (s *Server) startOnFreePort() error {
 }
 
 func (s *Server) spawnAndWait() error {
-	args := append([]string{"--secure-port", strconv.Itoa(s.port)}, s.opts.extraArgs...)
+	args := append([]string{"--secure-port", strconv.Itoa(s.port)}, s.args...)
 	p, err := startProcess(s.bin, args, s.logPath)
 	if err != nil {
 		return err
@@ -250,6 +256,10 @@ func (s *Server) URL() string { return s.url }
 
 // Etcd returns the endpoints of the etcd the server stores its objects in.
 func (s *Server) Etcd() []string { return append([]string(nil), s.etcd...) }
+
+// EtcdCluster returns the etcd the server started for itself, to restart
+// or kill it under the server, or nil if it was given one (WithEtcd).
+func (s *Server) EtcdCluster() *etcdtest.Cluster { return s.ownEtcd }
 
 // EtcdPrefix is the key prefix under which the server stores its objects.
 func (s *Server) EtcdPrefix() string { return s.prefix }

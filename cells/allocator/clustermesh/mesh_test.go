@@ -22,6 +22,7 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -114,7 +115,7 @@ func startMeshNode(tb testing.TB, c *etcdtest.Cluster, id uint32, name, meshDir 
 		cfg.KVStoreDialTimeout = 10 * time.Second
 		cfg.KVStoreRequestTimeout = 5 * time.Second
 	})
-	hive.AddConfigOverride(n.h, func(cfg *etcdstore.Config) { cfg.IdentityGCInterval = 0 })
+	hive.AddConfigOverride(n.h, func(cfg *globalstore.Config) { cfg.IdentityGCInterval = 0 })
 	hive.AddConfigOverride(n.h, func(cfg *allocator.Config) { cfg.ClusterID, cfg.ClusterName = id, name })
 	hive.AddConfigOverride(n.h, func(cfg *Config) {
 		cfg.ClusterMeshConfig = meshDir

@@ -27,11 +27,23 @@
 //
 // # Flags
 //
+// Its own:
+//
+//	--kvstore-periodic-sync         interval between checks of this node's keys (5m; 0 disables)
+//
+// Shared with the other stores (globalstore.Config, registered by the
+// allocator cell); --identity-heartbeat-timeout is the CRD store's only:
+//
 //	--allocator-list-timeout        bound on waiting for the first listing at start (3m)
 //	--identity-gc-interval          interval between GC runs (15m; 0 disables)
 //	--identity-gc-rate-interval     window of the GC's deletion rate limit (1m)
 //	--identity-gc-rate-limit        deletions per window (2500)
-//	--kvstore-periodic-sync         interval between checks of this node's keys (5m; 0 disables)
+//
+// # Modes
+//
+// The store serves --identity-allocation-mode=kvstore (the default). In
+// crd mode its cell builds no store, starts nothing and reports health OK,
+// even when the kvstore cell has an etcd client.
 //
 // # Stopping
 //

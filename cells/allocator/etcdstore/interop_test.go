@@ -21,6 +21,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
@@ -374,7 +375,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
 	// The periodic sync must not be what writes the reference here.
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = time.Hour })
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = time.Hour })
 	n2 := startEtcdNode(t, c, "node2")
 	ctx := testCtx(t, time.Minute)
 	l := labels.MustParse("k8s:app=twice-named")
@@ -414,7 +415,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 func TestEtcdPeriodicSyncRestoresReferences(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	sync := func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = 300 * time.Millisecond }
+	sync := func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 300 * time.Millisecond }
 	n1 := startEtcdNode(t, c, "node1", sync)
 	n2 := startEtcdNode(t, c, "node2", sync)
 	ctx := testCtx(t, time.Minute)
@@ -473,7 +474,7 @@ func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string, cluster func(*
 	if cluster != nil {
 		hive.AddConfigOverride(h, cluster)
 	}
-	hive.AddConfigOverride(h, func(cfg *Config) { cfg.IdentityGCInterval = 0 })
+	hive.AddConfigOverride(h, func(cfg *globalstore.Config) { cfg.IdentityGCInterval = 0 })
 	err := h.Start(hivetest.Logger(t), testCtx(t, time.Minute))
 	// A failed start leaves the hooks that ran started, as hive.Run's
 	// caller would stop them.
@@ -568,7 +569,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = 0 })
+	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
 	prov := health.NewProvider()
 	n.backend.health = prov.Root().NewScope("node-name")
 	ctx := testCtx(t, time.Minute)
@@ -744,7 +745,7 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) { e.KVStorePeriodicSync = 0 })
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
 	prov := health.NewProvider()
 	n1.backend.health = prov.Root().NewScope("node-name")
 	ctx := testCtx(t, time.Minute)

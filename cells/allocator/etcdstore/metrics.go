@@ -3,7 +3,6 @@ package etcdstore
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/metrics"
 )
 
@@ -14,11 +13,10 @@ import (
 const gcStatusSkipped = "skipped"
 
 // newStoreMetrics contributes the collector of the store's garbage
-// collection and node checks, when the hive's backend is this store (none
-// without a kvstore).
-func newStoreMetrics(b globalstore.Backend) metrics.CollectorOut {
-	s, ok := b.(*Store)
-	if !ok || s == nil {
+// collection and node checks, when the hive has the store (none without a
+// kvstore, or in crd mode).
+func newStoreMetrics(s *Store) metrics.CollectorOut {
+	if s == nil {
 		return metrics.CollectorOut{}
 	}
 	return metrics.NewCollector(newStoreCollector(s))

@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -72,7 +73,7 @@ func testEtcdStop(t *testing.T, c *etcdtest.Cluster, killEtcd bool) {
 			t.Fatalf("request timeout %s, want the default", cfg.KVStoreRequestTimeout)
 		}
 	})
-	hive.AddConfigOverride(h, func(cfg *Config) { cfg.IdentityGCInterval = 100 * time.Millisecond })
+	hive.AddConfigOverride(h, func(cfg *globalstore.Config) { cfg.IdentityGCInterval = 100 * time.Millisecond })
 	log := nodeLogger(t)
 	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
 		t.Fatal(err)

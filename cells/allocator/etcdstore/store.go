@@ -60,33 +60,51 @@ const (
 type params struct {
 	cell.In
 
-	Client  *kvstore.Client `optional:"true"`
+	Client *kvstore.Client `optional:"true"`
+	// Mode is the configured --identity-allocation-mode (the allocator
+	// cell provides it); a hive without it runs in kvstore mode.
+	Mode    identity.AllocationMode `optional:"true"`
 	Cluster identity.ClusterInfo
+	Stores  globalstore.Config
 	Config  Config
 	Log     *slog.Logger
 	Jobs    job.Registry
 	Health  cell.Health `optional:"true"`
 }
 
-// newBackend provides the globalstore.Backend when the hive has a kvstore
-// client. Without one it provides a nil interface, which the allocator
-// treats as "no global backend" (allocator.ErrNoGlobalBackend).
-func newBackend(p params) (globalstore.Backend, error) {
-	if p.Client == nil {
+// newStore provides the *Store when the hive has a kvstore client and runs
+// in kvstore mode. Otherwise it provides nil and builds and starts nothing:
+// the store's driver then offers no backend.
+func newStore(p params) (*Store, error) {
+	if p.Mode == identity.AllocationModeCRD || p.Client == nil {
 		if p.Health != nil {
 			// Nothing else reports to the module then; a scope that
 			// never reports reads as unknown.
-			p.Health.OK("No kvstore in the hive: no global identities")
+			if p.Mode == identity.AllocationModeCRD {
+				p.Health.OK("Not used in crd mode: global identities are CiliumIdentity objects")
+			} else {
+				p.Health.OK("No kvstore in the hive: no global identities")
+			}
 		}
 		return nil, nil
 	}
-	if err := p.Config.Validate(); err != nil {
+	if err := errors.Join(p.Stores.Validate(), p.Config.Validate()); err != nil {
 		return nil, err
 	}
 	h := health.OrDetached(p.Health)
-	b := New(p.Log, p.Client, p.Cluster, p.Config, p.Jobs.NewGroup(h))
+	b := New(p.Log, p.Client, p.Cluster, p.Stores, p.Config, p.Jobs.NewGroup(h))
 	b.health = h.NewScope("node-name")
 	return b, nil
+}
+
+// newDriver offers the store to the allocator as the driver of kvstore
+// mode; without a store its backend is a nil interface, which the
+// allocator treats as "no global backend" (allocator.ErrNoGlobalBackend).
+func newDriver(s *Store) globalstore.DriverOut {
+	if s == nil {
+		return globalstore.NewDriver(identity.AllocationModeKVStore, nil)
+	}
+	return globalstore.NewDriver(identity.AllocationModeKVStore, s)
 }
 
 // Store is the globalstore.Backend that keeps global identities in etcd
@@ -98,6 +116,7 @@ func newBackend(p params) (globalstore.Backend, error) {
 type Store struct {
 	log     *slog.Logger
 	kv      *kvstore.Client
+	shared  globalstore.Config
 	cfg     Config
 	cluster identity.ClusterInfo
 	node    string
@@ -163,12 +182,13 @@ var _ globalstore.Backend = (*Store)(nil)
 // New returns the store for the cluster's ID range, writing through kv
 // (which must be started before Start is called) and running its loops as
 // jobs of jobs.
-func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, cfg Config, jobs job.Group) *Store {
-	perDeletion := cfg.IdentityGCRateInterval / time.Duration(max(cfg.IdentityGCRateLimit, 1))
+func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, shared globalstore.Config, cfg Config, jobs job.Group) *Store {
+	perDeletion := shared.IdentityGCRateInterval / time.Duration(max(shared.IdentityGCRateLimit, 1))
 	b := &Store{
 		log:         log,
 		kv:          kv,
 		jobs:        jobs,
+		shared:      shared,
 		cfg:         cfg,
 		cluster:     cluster,
 		node:        kv.NodeName(),
@@ -259,13 +279,13 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	b.creates.start(life)
 	b.jobs.Add(b.oneShot(life, "global-identities-watch", b.cacheLoop))
 	b.jobs.Add(b.oneShot(life, "lease-repair", b.repairLoop))
-	if b.cfg.IdentityGCInterval > 0 {
-		b.jobs.Add(job.Timer("identity-gc", b.gcTick(life), b.cfg.IdentityGCInterval))
+	if b.shared.IdentityGCInterval > 0 {
+		b.jobs.Add(job.Timer("identity-gc", b.gcTick(life), b.shared.IdentityGCInterval))
 	}
 	if b.cfg.KVStorePeriodicSync > 0 {
 		b.jobs.Add(job.Timer("kvstore-periodic-sync", b.syncTick(life), b.cfg.KVStorePeriodicSync))
 	}
-	timer := time.NewTimer(b.cfg.AllocatorListTimeout)
+	timer := time.NewTimer(b.shared.AllocatorListTimeout)
 	defer timer.Stop()
 	select {
 	case <-b.synced:
@@ -278,7 +298,7 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 		return nil
 	case <-timer.C:
 		b.log.Warn("Global identities not listed within --allocator-list-timeout; listing continues in the background",
-			"timeout", b.cfg.AllocatorListTimeout)
+			"timeout", b.shared.AllocatorListTimeout)
 	case <-ctx.Done():
 		b.log.Warn("Start ended before global identities were listed; listing continues in the background", "error", ctx.Err())
 	}

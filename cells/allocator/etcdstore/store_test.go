@@ -25,9 +25,11 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/allocatortest"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
 )
@@ -44,16 +46,24 @@ type etcdNode struct {
 	once    sync.Once
 }
 
-type nodeOpt func(kv *kvstore.Config, e *Config)
+type nodeOpt func(kv *kvstore.Config, e *storeConfig)
+
+// storeConfig is what a nodeOpt sets of the store: the stores' shared
+// configuration and the etcd store's own.
+type storeConfig struct {
+	sharedConfig
+	Config
+}
+
+type sharedConfig = globalstore.Config
 
 func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...nodeOpt) *etcdNode {
 	tb.Helper()
 	n := &etcdNode{t: tb, name: name}
 	n.h = hive.New(
 		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
-		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b globalstore.Backend) {
-			n.alloc, n.kv = a, kv
-			n.backend, _ = b.(*Store)
+		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b *Store) {
+			n.alloc, n.kv, n.backend = a, kv, b
 		}),
 	)
 	configureNode(tb, n.h, c, name, opts...)
@@ -80,15 +90,24 @@ func configureNode(tb testing.TB, h *hive.Hive, c *etcdtest.Cluster, name string
 		cfg.KVStoreDialTimeout = 10 * time.Second
 		cfg.KVStoreRequestTimeout = 5 * time.Second
 		for _, o := range opts {
-			o(cfg, new(Config))
+			o(cfg, new(storeConfig))
 		}
 	})
 	hive.AddConfigOverride(h, func(cfg *Config) {
-		// Tests run the GC themselves unless they ask for the job.
-		cfg.IdentityGCInterval = 0
+		e := storeConfig{Config: *cfg}
 		for _, o := range opts {
-			o(new(kvstore.Config), cfg)
+			o(new(kvstore.Config), &e)
 		}
+		*cfg = e.Config
+	})
+	hive.AddConfigOverride(h, func(cfg *globalstore.Config) {
+		// Tests run the GC themselves unless they ask for the job.
+		e := storeConfig{sharedConfig: *cfg}
+		e.IdentityGCInterval = 0
+		for _, o := range opts {
+			o(new(kvstore.Config), &e)
+		}
+		*cfg = e.sharedConfig
 	})
 }
 
@@ -297,7 +316,7 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 func TestEtcdGCRace(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *Config) {
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) {
 		e.IdentityGCInterval = 50 * time.Millisecond
 		e.IdentityGCRateLimit = 1_000_000
 	})
@@ -342,7 +361,7 @@ func TestEtcdRelistAfterCompaction(t *testing.T) {
 	// falls behind: changes happen and etcd compacts them away before its
 	// watch starts.
 	rec := &recorder{}
-	b := New(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, DefaultConfig, nil)
+	b := New(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, globalstore.DefaultConfig, DefaultConfig, nil)
 	b.events = rec
 	rev, err := b.list(ctx)
 	if err != nil {
@@ -441,7 +460,7 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 	cli := c.Client(t)
 	// The shortest TTL makes the keepalive notice a revocation within
 	// seconds.
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *Config) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *storeConfig) { kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL })
 	ctx := testCtx(t, 2*time.Minute)
 
 	var sets []labels.Labels
@@ -549,9 +568,10 @@ func startBareStore(t *testing.T, c *etcdtest.Cluster, name string, leaseTTL tim
 	h := hive.New(
 		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
 		cell.Provide(func() identity.ClusterInfo { return identity.ClusterInfo{Name: "default"} }),
-		cell.Invoke(func(backend globalstore.Backend) { b, _ = backend.(*Store) }),
+		cell.Config(globalstore.DefaultConfig),
+		cell.Invoke(func(backend *Store) { b = backend }),
 	)
-	configureNode(t, h, c, name, func(kv *kvstore.Config, _ *Config) { kv.KVStoreLeaseTTL = leaseTTL })
+	configureNode(t, h, c, name, func(kv *kvstore.Config, _ *storeConfig) { kv.KVStoreLeaseTTL = leaseTTL })
 	log := nodeLogger(t)
 	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
 		t.Fatal(err)
@@ -797,7 +817,7 @@ func TestEtcdCiliumLock(t *testing.T) {
 func TestEtcdTLS(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithTLS(nil), etcdtest.WithUnsafeNoFsync())
 	certs := c.Certs()
-	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *Config) {
+	n1 := startEtcdNode(t, c, "node1", func(kv *kvstore.Config, _ *storeConfig) {
 		kv.KVStoreCAFile = certs.CAFile
 		kv.KVStoreCertFile = certs.ClientCertFile
 		kv.KVStoreKeyFile = certs.ClientKeyFile
@@ -819,7 +839,7 @@ func startAuthNode(t *testing.T, c *etcdtest.Cluster, name, user, password strin
 	if err := os.WriteFile(file, []byte(password+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *Config) {
+	return startEtcdNode(t, c, name, func(kv *kvstore.Config, _ *storeConfig) {
 		kv.KVStoreUsername = user
 		kv.KVStorePasswordFile = file
 	})
@@ -922,10 +942,70 @@ func TestEtcdAuthPrefixRole(t *testing.T) {
 	}
 }
 
+// TestEtcdNotUsedInCRDMode: with --identity-allocation-mode=crd the store
+// is not built even though the kvstore cell has an etcd client: global
+// identities go to the crd driver, nothing is written to etcd (not even
+// the node-name claim), and the module reports that it is not used.
+func TestEtcdNotUsedInCRDMode(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	crd := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	var (
+		a    allocator.Allocator
+		b    *Store
+		kv   *kvstore.Client
+		prov *health.Provider
+	)
+	opts := hive.DefaultOptions()
+	opts.ModuleDecorators = health.ModuleDecorators
+	h := hive.NewWithOptions(opts,
+		health.Cell, statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
+		allocatortest.DriverCell(identity.AllocationModeCRD, crd.NewBackend("crd-node")),
+		cell.Invoke(func(x allocator.Allocator, y *Store, z *kvstore.Client, p *health.Provider) {
+			a, b, kv, prov = x, y, z, p
+		}),
+	)
+	configureNode(t, h, c, "crd-node")
+	hive.AddConfigOverride(h, func(cfg *allocator.Config) { cfg.IdentityAllocationMode = identity.AllocationModeCRD })
+	log := nodeLogger(t)
+	if err := h.Start(log, testCtx(t, time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(log, context.Background())
+	if b != nil {
+		t.Fatal("crd mode built the etcd store")
+	}
+	if kv == nil {
+		t.Fatal("crd mode with --kvstore-endpoints has no etcd client")
+	}
+	if _, _, err := a.Allocate(testCtx(t, time.Minute), labels.MustParse("k8s:app=crd")); err != nil {
+		t.Fatal(err)
+	}
+	if crd.Len() != 1 {
+		t.Fatalf("the crd driver's store holds %d identities, want 1", crd.Len())
+	}
+	resp, err := c.Client(t).Get(testCtx(t, time.Minute), IdentitiesPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Count != 0 {
+		t.Fatalf("%d keys under %s in crd mode, want none", resp.Count, IdentitiesPrefix)
+	}
+	const want = "Not used in crd mode: global identities are CiliumIdentity objects"
+	for _, st := range prov.All() {
+		if st.Name == "etcdstore" {
+			if st.Message != want || !st.OK() {
+				t.Fatalf("etcdstore health %+v, want OK %q", st, want)
+			}
+			return
+		}
+	}
+	t.Fatalf("no etcdstore health scope in %+v", prov.All())
+}
+
 func TestEtcdNoKVStore(t *testing.T) {
 	var a allocator.Allocator
-	var b globalstore.Backend
-	h := hive.New(job.Cell, statedb.Cell, allocator.Cell, Cell, cell.Invoke(func(x allocator.Allocator, y globalstore.Backend) { a, b = x, y }))
+	var b *Store
+	h := hive.New(job.Cell, statedb.Cell, allocator.Cell, Cell, cell.Invoke(func(x allocator.Allocator, y *Store) { a, b = x, y }))
 	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
 		t.Fatal(err)
 	}

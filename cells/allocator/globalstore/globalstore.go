@@ -14,12 +14,19 @@
 // must write them again (after a lost lease, say) reads it through
 // References, and keeps what it needs of each (the revision it wrote the
 // reference at) in the Reference itself.
+//
+// Each driver cell offers its Backend as a Driver in the DriverGroup value
+// group, named by the identity.AllocationMode it serves; the allocator uses
+// the one of the configured --identity-allocation-mode. The flags every
+// store shares are Config's, which the allocator cell registers.
 package globalstore
 
 import (
 	"context"
 	"errors"
 	"sync/atomic"
+
+	"github.com/cilium/hive/cell"
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
@@ -60,6 +67,34 @@ type Backend interface {
 	// calls Start from its start hook and Stop from its stop hook.
 	Start(ctx context.Context, events Events, refs References) error
 	Stop(ctx context.Context) error
+}
+
+// DriverGroup is the hive value group of the Drivers the allocator picks
+// its Backend from.
+const DriverGroup = "globalstore-drivers"
+
+// Driver is a store of global identities as its cell offers it to the
+// allocator: the Backend serving Mode. A nil Backend means the store cannot
+// serve (the etcd store without an etcd client, or a store of another mode
+// than the configured one): the allocator then serves local identities
+// only, as without any store.
+type Driver struct {
+	Mode    identity.AllocationMode
+	Backend Backend
+}
+
+// DriverOut adds a Driver to DriverGroup. Return it from a constructor
+// given to cell.Provide.
+type DriverOut struct {
+	cell.Out
+
+	Driver Driver `group:"globalstore-drivers"`
+}
+
+// NewDriver returns the DriverOut of backend for mode. A store that cannot
+// serve passes a nil interface, not a nil pointer of its type.
+func NewDriver(mode identity.AllocationMode, backend Backend) DriverOut {
+	return DriverOut{Driver: Driver{Mode: mode, Backend: backend}}
 }
 
 // Reference is one label set this node references in the global store, as

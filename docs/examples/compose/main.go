@@ -118,9 +118,10 @@ func main() {
 		myAgent,
 		// Restoration's automatic grace period follows the kvstore mode,
 		// as in the identityd binary; without this provider it is
-		// restoration.EmbeddedGracePeriod.
-		cell.Provide(func(c *kvstore.Client) restoration.AutomaticGracePeriod {
-			return restoration.AutomaticGracePeriodFor(!c.Embedded())
+		// restoration.EmbeddedGracePeriod. In crd mode the store is
+		// shared and the client may be nil.
+		cell.Provide(func(mode identity.AllocationMode, c *kvstore.Client) restoration.AutomaticGracePeriod {
+			return restoration.AutomaticGracePeriodFor(mode == identity.AllocationModeCRD || !c.Embedded())
 		}),
 		cell.Invoke(func(a api) { cells = a }),
 	)

@@ -8,11 +8,14 @@
 // authorization work without one (client certificates of --client-ca-file
 // authenticate; the group system:masters is allowed everything and every
 // other user is forbidden), and it starts no informers of core resources,
-// which could never sync and would keep /readyz failing.
+// which could never sync and would keep /readyz failing. It serves the lists
+// of API groups (/apis) and of core versions (/api, empty), which a
+// kube-apiserver serves and discovery clients start from.
 package main
 
 import (
 	"context"
+	"net/http"
 	"os"
 
 	"github.com/spf13/cobra"
@@ -62,9 +65,18 @@ func run(ctx context.Context, o *options.CustomResourceDefinitionsServerOptions)
 	// would list from the core API server given by --kubeconfig, which tests
 	// do not have: not starting them keeps /readyz truthful.
 	config.GenericConfig.SharedInformerFactory = nil
+	// The group list goes behind authentication and authorization, like
+	// every other path.
+	groups := &groupList{}
+	config.GenericConfig.BuildHandlerChainFunc = func(h http.Handler, c *genericapiserver.Config) http.Handler {
+		groups.next = h
+		return genericapiserver.DefaultBuildHandlerChain(groups, c)
+	}
 	server, err := config.Complete().New(genericapiserver.NewEmptyDelegate())
 	if err != nil {
 		return err
 	}
+	lister := server.Informers.Apiextensions().V1().CustomResourceDefinitions().Lister()
+	groups.crds.Store(&lister)
 	return server.GenericAPIServer.PrepareRun().RunWithContext(ctx)
 }
