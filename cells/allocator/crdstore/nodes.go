@@ -115,6 +115,11 @@ type nodeWriter struct {
 	writes, failures atomic.Uint64
 }
 
+// nodeWriteWindow is the time a write waits for more changes to carry.
+// It is far below the heartbeat timeout that a use not yet written relies
+// on (a marked identity this node uses is unmarked by the watch anyway).
+const nodeWriteWindow = 500 * time.Millisecond
+
 func newNodeWriter() nodeWriter { return nodeWriter{wake: make(chan struct{}, 1)} }
 
 // request asks for a write; renew forces it when nothing changed.
@@ -149,6 +154,13 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		case <-ctx.Done():
 			return
 		case <-s.writer.wake:
+		}
+		// Let the changes of the next moment join this write: the
+		// record must follow allocations within seconds, not at
+		// once (docs/crd-store.md), and one write per allocation
+		// would double the API server's work for a new identity.
+		if written {
+			sleep(ctx, nodeWriteWindow)
 		}
 		ids := s.heldIDs()
 		renew := s.writer.renew.Swap(false)

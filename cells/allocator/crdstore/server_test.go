@@ -20,7 +20,7 @@ func (s *tmpServer) RESTConfig() *rest.Config { return rest.CopyConfig(s.cfg) }
 
 func startServer(tb testing.TB) *tmpServer {
 	tb.Helper()
-	etcd := etcdtest.StartSingle(tb)
+	etcd := etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync())
 	o := options.NewCustomResourceDefinitionsServerOptions(nil, nil)
 	o.RecommendedOptions.Authentication.RemoteKubeConfigFileOptional = true
 	o.RecommendedOptions.Authorization.RemoteKubeConfigFileOptional = true
@@ -85,5 +85,10 @@ func startServer(tb testing.TB) *tmpServer {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	// Past the API server's delay of creates on a just established CRD.
+	if err := RegisterCRDs(ctx, cfg); err != nil {
+		tb.Fatal(err)
+	}
+	time.Sleep(2100 * time.Millisecond)
 	return &tmpServer{cfg: cfg}
 }

@@ -85,7 +85,7 @@ var _ globalstore.Backend = (*Store)(nil)
 // allocStats counts allocations by outcome.
 type allocStats struct {
 	created, adopted, conflict, exhausted, failed atomic.Uint64
-	unmarked                                      atomic.Uint64
+	unmarked, reads                               atomic.Uint64
 }
 
 // New returns the store of the cluster's ID range on the API server of cfg,
@@ -440,6 +440,7 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 			// The cache was behind: take the object from the watch
 			// once it arrives, else read it.
 			if e = s.ids.waitFor(ctx, id, cacheWait); e == nil {
+				s.stats.reads.Add(1)
 				if e, err = a.read(ctx, id); err != nil {
 					return false, false, err
 				}
