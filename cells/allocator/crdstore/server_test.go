@@ -18,7 +18,20 @@ type tmpServer struct{ cfg *rest.Config }
 
 func (s *tmpServer) RESTConfig() *rest.Config { return rest.CopyConfig(s.cfg) }
 
+// startServer starts an API server with the store's CRDs installed, past
+// the server's delay of creates on a just established CRD.
 func startServer(tb testing.TB) *tmpServer {
+	tb.Helper()
+	srv := startBareServer(tb)
+	if err := RegisterCRDs(context.Background(), srv.cfg); err != nil {
+		tb.Fatal(err)
+	}
+	time.Sleep(2100 * time.Millisecond)
+	return srv
+}
+
+// startBareServer starts an API server without CRDs.
+func startBareServer(tb testing.TB) *tmpServer {
 	tb.Helper()
 	etcd := etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync())
 	o := options.NewCustomResourceDefinitionsServerOptions(nil, nil)
@@ -85,10 +98,5 @@ func startServer(tb testing.TB) *tmpServer {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	// Past the API server's delay of creates on a just established CRD.
-	if err := RegisterCRDs(ctx, cfg); err != nil {
-		tb.Fatal(err)
-	}
-	time.Sleep(2100 * time.Millisecond)
 	return &tmpServer{cfg: cfg}
 }

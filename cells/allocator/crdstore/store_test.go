@@ -344,6 +344,15 @@ func TestAllocateAdoptRelease(t *testing.T) {
 		return nil
 	})
 
+	expectSamples(t, samples(t, a.store), map[string]float64{
+		"identityd_crd_allocations_total{outcome=created}": 1,
+		"identityd_crd_allocations_total{outcome=adopted}": 0,
+		"identityd_crd_split_label_sets_total":             0,
+	})
+	expectSamples(t, samples(t, b.store), map[string]float64{
+		"identityd_crd_allocations_total{outcome=adopted}": 1,
+	})
+
 	a.release(t, id)
 	cli.nodeLists(t, "node-a")
 	cli.nodeLists(t, "node-b", id)
@@ -436,6 +445,9 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 	if !created || id != p.slot(1) {
 		t.Errorf("got %d (created %v), want %d, the slot after the unparsable object", id, created, p.slot(1))
 	}
+	expectSamples(t, samples(t, a.store), map[string]float64{
+		"identityd_crd_ignored_objects_total": float64(len(bad)),
+	})
 	// A node started after them ignores them too.
 	b := startNode(t, srv.RESTConfig(), "node-b")
 	if got := b.store.ids.ignoredTotal.Load(); got != uint64(len(bad)) {
