@@ -280,13 +280,19 @@ func (r *reportingStore) Bookmark(rv string) error {
 	return nil
 }
 
-// emit reports the cache's changes to the allocator.
+// emit reports the cache's changes to the allocator, and queues the
+// re-creation of deleted identities this node still uses.
 func (s *Store) emit(changes []change) {
 	for _, c := range changes {
 		if c.upsert {
 			s.events.Upsert(c.id, c.lbls)
-		} else {
-			s.events.Delete(c.id, c.lbls)
+			continue
+		}
+		s.events.Delete(c.id, c.lbls)
+		if !s.stopped.Load() && s.refs != nil {
+			if r := s.refs.ByID(c.id); r != nil && r.Labels.Equal(c.lbls) {
+				s.unmarks.lost(c.id)
+			}
 		}
 	}
 }

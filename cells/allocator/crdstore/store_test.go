@@ -513,6 +513,28 @@ func TestHeartbeatMarks(t *testing.T) {
 	}
 }
 
+// TestDeletedIdentityInUseIsRecreated: an object deleted by someone who
+// does not follow the collector's rules comes back while a node uses it.
+func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	id, _ := a.allocate(t, web(1))
+	if err := cli.cilium.Delete().Resource("ciliumidentities").Name(id.String()).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	require(t, 20*time.Second, func() error {
+		obj, err := cli.identity(t, id)
+		if err != nil {
+			return err
+		}
+		if back, err := parseSecurityLabels(obj.SecurityLabels); err != nil || !back.Equal(web(1)) {
+			return fmt.Errorf("%d holds %v", id, obj.SecurityLabels)
+		}
+		return nil
+	})
+}
+
 func TestSpaceExhausted(t *testing.T) {
 	cluster := identity.ClusterInfo{ID: 3, Name: "c3", MaxConnectedClusters: 511}
 	s, err := New(hivetest.Logger(t), &rest.Config{Host: "https://127.0.0.1:1"}, cluster, "node-a", DefaultConfig, nil)
