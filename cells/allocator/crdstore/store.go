@@ -394,7 +394,27 @@ func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (i
 			if !errors.Is(err, errRestart) {
 				return 0, false, err
 			}
-			continue
+			// The object changed under the update, or is gone; the
+			// cache may not show it yet: settle its slot from a read.
+			fresh, err := a.read(ctx, e.id)
+			if err != nil {
+				return 0, false, err
+			}
+			if fresh != nil {
+				// Adopt it as it is now, or skip it if another
+				// label set holds the ID.
+				done, created, err := a.trySlot(ctx, e.id, fresh)
+				if err != nil || done {
+					return e.id, created, err
+				}
+			}
+			// Gone (a new object goes where the walk places it, not
+			// where the old one was), or another label set's: walk.
+			id, created, err := a.walk(ctx, p)
+			if errors.Is(err, errRestart) {
+				continue
+			}
+			return id, created, err
 		}
 		id, created, err := a.walk(ctx, p)
 		if errors.Is(err, errRestart) {
