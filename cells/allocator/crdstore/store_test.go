@@ -601,3 +601,41 @@ func TestCreateCostsOneRequest(t *testing.T) {
 	}
 	_ = apierrors.IsNotFound
 }
+
+// TestAdoptFromStaleCache: the cache shows a marked object of the label
+// set at an older resourceVersion than the server's; the adoption's
+// unmark conflicts, and must read the object rather than send the stale
+// version again until the conflicts run out. (The store is not started,
+// so its cache stays as the test sets it.)
+func TestAdoptFromStaleCache(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	cluster := identity.ClusterInfo{Name: "default"}
+	lbls := web(1)
+	id := newProbe(lbls.Canonical(), cluster).slot(0)
+	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String()}, SecurityLabels: securityLabels(lbls)})
+	cli.mark(t, id)
+	stale, err := cli.identity(t, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli.mark(t, id) // a newer version
+	s, err := New(hivetest.Logger(t), srv.RESTConfig(), cluster, "node-a", DefaultConfig, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.events = newEventLog()
+	if err := s.ids.Replace([]any{stale}, stale.ResourceVersion); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	refs := newRefSet()
+	got, created, err := s.Allocate(ctx, lbls, refs.record)
+	if err != nil || got != id || created {
+		t.Fatalf("Allocate = %d, %v, %v; want %d adopted", got, created, err, id)
+	}
+	if cli.marked(t, id) {
+		t.Error("the adopted identity is still marked")
+	}
+}
