@@ -17,7 +17,9 @@
 // The standalone server has no core API (no namespaces, leases or other
 // built-in resources; /api lists no versions), and runs no admission
 // webhooks or priority and fairness. Discovery works: /apis lists
-// apiextensions.k8s.io and the groups of the established CRDs.
+// apiextensions.k8s.io and the groups of the established CRDs. The admin can
+// read the server's /metrics, which count requests by verb, resource and
+// code (apiserver_request_total).
 //
 //	s := k8stest.Start(t)
 //	k8stest.InstallCRD(t, s.RESTConfig(), crd)

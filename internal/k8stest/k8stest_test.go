@@ -133,6 +133,14 @@ func TestCreateAndGet(t *testing.T) {
 	if !found {
 		t.Errorf("discovery did not find %s in %v", widgets, resources)
 	}
+	// The server's metrics count requests, for tests that count them.
+	metrics, err := disco.RESTClient().Get().AbsPath("/metrics").DoRaw(t.Context())
+	if err != nil {
+		t.Fatalf("metrics: %v", err)
+	}
+	if !strings.Contains(string(metrics), `apiserver_request_total{code="201",component="apiserver",dry_run="",group="test.identityd.io"`) {
+		t.Errorf("metrics do not count the create of a widget:\n%.2000s", metrics)
+	}
 	// Installing the same CRD again is a no-op.
 	k8stest.InstallCRD(t, s.RESTConfig(), widgetCRD())
 }

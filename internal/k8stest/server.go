@@ -72,6 +72,7 @@ type Server struct {
 	bin      string
 	dir      string
 	opts     options
+	args     []string // the server's flags but the port
 	etcd     []string
 	ownEtcd  *etcdtest.Cluster
 	prefix   string
@@ -170,7 +171,7 @@ func (s *Server) prepareFiles() error {
 	if err := clientcmd.WriteToFile(*core, corePath); err != nil {
 		return fmt.Errorf("k8stest: writing kubeconfig: %w", err)
 	}
-	s.opts.extraArgs = append([]string{
+	s.args = append([]string{
 		"--etcd-servers", strings.Join(s.etcd, ","),
 		"--etcd-prefix", s.prefix,
 		"--bind-address", "127.0.0.1",
@@ -202,7 +203,7 @@ func (s *Server) startOnFreePort() error {
 }
 
 func (s *Server) spawnAndWait() error {
-	args := append([]string{"--secure-port", strconv.Itoa(s.port)}, s.opts.extraArgs...)
+	args := append([]string{"--secure-port", strconv.Itoa(s.port)}, s.args...)
 	p, err := startProcess(s.bin, args, s.logPath)
 	if err != nil {
 		return err
