@@ -61,7 +61,7 @@
 //	--cluster-name                 this cluster's name ("default")
 //	--max-connected-clusters       255 or 511 (255)
 //	--identity-allocation-mode     where global identities live: kvstore or crd (kvstore)
-//	--identity-allocation-timeout  bound on every call that waits for the store (2m)
+//	--identity-allocation-timeout  bound on every call that waits for the global store (2m)
 //
 // # Shell commands
 //

@@ -96,6 +96,15 @@
 //     unreachable.
 //   - identityd_kvstore_lease_held gauge: 1 while this node holds a lease.
 //
+// Kubernetes client (cells/k8sclient, from the *k8sclient.Client; only
+// when the client runs):
+//
+//   - identityd_k8s_requests_total{verb,resource,code} counter.
+//   - identityd_k8s_operations_duration_seconds{verb,resource,outcome}
+//     histogram.
+//   - identityd_k8s_errors_total{verb,resource,reason} counter.
+//   - identityd_k8s_connected gauge.
+//
 // ipcache (cells/ipcache, from its statedb table):
 //
 //   - identityd_ipcache_entries gauge: prefixes in the table.

@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/statedir"
 )
@@ -26,7 +27,7 @@ var (
 	descName   = regexp.MustCompile(`fqName: "([^"]+)"`)
 	descLabels = regexp.MustCompile(`variableLabels: \{([^}]*)\}`)
 	// A row of the metric table: | `name` | type | labels | meaning |
-	docMetricRow = regexp.MustCompile("(?m)^\\| `(identityd_[a-z_]+)` \\| [a-z]+ \\| ([^|]*) \\|")
+	docMetricRow = regexp.MustCompile("(?m)^\\| `(identityd_[a-z0-9_]+)` \\| [a-z]+ \\| ([^|]*) \\|")
 )
 
 // agentMetricLabels returns every metric the agent's cells describe, with
@@ -34,7 +35,11 @@ var (
 func agentMetricLabels(t *testing.T) map[string][]string {
 	t.Helper()
 	out := map[string][]string{}
-	h := hive.New(append(slices.Clone(agentCells), cell.Invoke(func(in agentCollectors) {
+	cells := slices.Clone(agentCells)
+	if !slices.Contains(cells, k8sclient.Cell) {
+		cells = append(cells, k8sclient.Cell)
+	}
+	h := hive.New(append(cells, cell.Invoke(func(in agentCollectors) {
 		for _, c := range in.Collectors {
 			if c == nil {
 				continue
@@ -59,6 +64,9 @@ func agentMetricLabels(t *testing.T) map[string][]string {
 	dir := t.TempDir()
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
+	// The Kubernetes client and its metrics exist only when a server is
+	// named or the mode is crd; Populate does not connect.
+	hive.AddConfigOverride(h, func(c *k8sclient.Config) { c.K8sAPIServer = "https://127.0.0.1:6443" })
 	if err := h.Populate(hivetest.Logger(t)); err != nil {
 		t.Fatal(err)
 	}

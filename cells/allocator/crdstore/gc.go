@@ -1,0 +1,604 @@
+package crdstore
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/job"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/time/rate"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/identity"
+)
+
+// GCConfig configures the garbage collection of CiliumIdentity and
+// IdentityNode objects. The flags that set it belong to the stores' shared
+// configuration; the cell takes a GCConfig from the hive when one is
+// provided, and DefaultGCConfig otherwise.
+type GCConfig struct {
+	// Interval is the period of the collection; 0 disables it.
+	Interval time.Duration
+	// RateLimit is the most identities deleted per RateInterval.
+	RateLimit int64
+	// RateInterval is the window of RateLimit.
+	RateInterval time.Duration
+	// HeartbeatTimeout is how long an unused identity carries the
+	// heartbeat mark before it is deleted (Cilium operator's
+	// --identity-heartbeat-timeout).
+	HeartbeatTimeout time.Duration
+}
+
+// DefaultGCConfig is Cilium's: a run every 15 minutes, at most 2500
+// deletions a minute, deletion 30 minutes after the mark.
+var DefaultGCConfig = GCConfig{
+	Interval:         15 * time.Minute,
+	RateLimit:        2500,
+	RateInterval:     time.Minute,
+	HeartbeatTimeout: 30 * time.Minute,
+}
+
+// MinHeartbeatTimeout is the shortest HeartbeatTimeout. The fence's
+// safety rests on it: a creator that saw a slot held and unmarked creates
+// its object within maxWalkAge of its look, so a mark at least this old
+// was set before any walk that still relies on the slot began, or that
+// walk's cache lagged by more than the rest of the timeout
+// (docs/crd-store.md).
+const MinHeartbeatTimeout = 2 * maxWalkAge
+
+// Validate checks the configuration.
+func (c GCConfig) Validate() error {
+	if err := c.validateBasic(); err != nil {
+		return err
+	}
+	if c.HeartbeatTimeout < MinHeartbeatTimeout {
+		return fmt.Errorf("--identity-heartbeat-timeout must be at least %s in crd mode, not %s", MinHeartbeatTimeout, c.HeartbeatTimeout)
+	}
+	return nil
+}
+
+// validateBasic checks what every configuration needs, whatever its
+// durations.
+func (c GCConfig) validateBasic() error {
+	switch {
+	case c.Interval < 0:
+		return errors.New("--identity-gc-interval must not be negative")
+	case c.RateLimit <= 0:
+		return errors.New("--identity-gc-rate-limit must be positive")
+	case c.RateInterval <= 0:
+		return errors.New("--identity-gc-rate-interval must be positive")
+	case c.HeartbeatTimeout <= 0:
+		return errors.New("--identity-heartbeat-timeout must be positive")
+	}
+	return nil
+}
+
+// gcListPageSize is the page size of the collector's listings.
+const gcListPageSize = 500
+
+// gcState is the collector's configuration, pacing and counters.
+type gcState struct {
+	cfg     GCConfig
+	limiter *rate.Limiter
+
+	runs, failed             atomic.Uint64
+	marked, deleted, skipped atomic.Uint64
+	unmarked, nodesDeleted   atomic.Uint64
+	// keptUsed and keptFenced are the last run's counts.
+	keptUsed, keptFenced atomic.Uint64
+
+	// beforeDelete, when set (by tests), runs before each delete of an
+	// identity.
+	beforeDelete func(*gcObject)
+}
+
+func newGCState(cfg GCConfig) *gcState {
+	perDeletion := cfg.RateInterval / time.Duration(max(cfg.RateLimit, 1))
+	// A burst of one keeps every window of the interval within the limit.
+	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1)}
+}
+
+// SetGCConfig replaces the garbage collection's configuration; it takes
+// effect at Start.
+func (s *Store) SetGCConfig(c GCConfig) error {
+	if err := c.Validate(); err != nil {
+		return err
+	}
+	s.gc = newGCState(c)
+	return nil
+}
+
+// GCResult is what one collection did.
+type GCResult struct {
+	// Marked counts identities that got the heartbeat mark; Deleted those
+	// deleted; Skipped the deletes a precondition refused (the object
+	// changed or went since it was listed: a use won).
+	Marked, Deleted, Skipped int
+	// KeptUsed counts unreserved identities a live IdentityNode (or this
+	// node) uses; KeptFenced unused ones that the fence keeps.
+	KeptUsed, KeptFenced int
+	// Unmarked counts marks removed from fenced identities.
+	Unmarked int
+	// NodesDeleted counts IdentityNode objects deleted a lease after
+	// their lease ended.
+	NodesDeleted int
+}
+
+// startGC adds the collector's timer to the store's jobs.
+func (s *Store) startGC(life context.Context) {
+	if s.gc.cfg.Interval <= 0 {
+		return
+	}
+	s.jobs.Add(job.Timer("identity-gc", func(ctx context.Context) error {
+		if s.stopped.Load() || !s.ids.isSynced() || !closed(s.nodes.synced) {
+			// Nothing to collect before the first listings, and
+			// nothing once the store stopped.
+			return nil
+		}
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		defer context.AfterFunc(life, cancel)()
+		res, err := s.RunGC(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return health.External(fmt.Errorf("garbage collection of CiliumIdentity objects failed after %d deletions: %w", res.Deleted, err))
+		}
+		if res.Marked > 0 || res.Deleted > 0 || res.Skipped > 0 || res.NodesDeleted > 0 {
+			s.log.Info("Garbage collection of global identities",
+				"marked", res.Marked, "deleted", res.Deleted, "skipped", res.Skipped,
+				"keptUsed", res.KeptUsed, "keptFenced", res.KeptFenced, "identityNodesDeleted", res.NodesDeleted)
+		}
+		return nil
+	}, s.gc.cfg.Interval))
+}
+
+// gcObject is one listed CiliumIdentity of this cluster's range.
+type gcObject struct {
+	id  identity.NumericIdentity
+	e   *entry // nil: labels that do not parse; the object holds its ID all the same
+	obj CiliumIdentity
+}
+
+// RunGC is one collection. It decides on its own consistent listing of
+// CiliumIdentity and IdentityNode objects (made at the start of the run,
+// so it shows every write that happened before the run's time), never on
+// the watch caches, whose resourceVersion only moves with their own
+// resource's events or a bookmark. It runs only once the store's caches
+// have their first listing.
+//
+// An identity that no live IdentityNode lists, that this node does not
+// hold and that no fence keeps gets the heartbeat mark; one marked at
+// least HeartbeatTimeout before the run, and still unused and unfenced,
+// is deleted with its UID and resourceVersion as preconditions, so that a
+// node that removed the mark or changed the object in between wins.
+// Deletions are paced by the rate limit. IdentityNode objects whose lease
+// ended more than a lease ago are deleted, with their resourceVersion as
+// precondition.
+func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
+	gc := s.gc
+	gc.runs.Add(1)
+	defer func() {
+		if err != nil {
+			gc.failed.Add(1)
+		}
+	}()
+	if !s.ids.isSynced() || !closed(s.nodes.synced) {
+		return res, fmt.Errorf("%w: the CiliumIdentity and IdentityNode objects are not listed yet", globalstore.ErrUnavailable)
+	}
+	now := time.Now()
+	objs, err := s.listGCIdentities(ctx)
+	if err != nil {
+		return res, err
+	}
+	nodes, err := s.listGCNodes(ctx)
+	if err != nil {
+		return res, err
+	}
+
+	used := map[identity.NumericIdentity]struct{}{}
+	for i := range nodes {
+		n := &nodes[i]
+		if n.Name != s.node && !nodeLive(n, now) {
+			continue
+		}
+		for _, id := range n.Spec.Identities {
+			used[identity.NumericIdentity(id)] = struct{}{}
+		}
+	}
+	for _, id := range s.heldIDs() {
+		used[identity.NumericIdentity(id)] = struct{}{}
+	}
+	fenced := s.fenced(objs)
+
+	var keptUsed, keptFenced int
+	for i := range objs {
+		o := &objs[i]
+		if o.e == nil || o.id.IsReserved() {
+			continue
+		}
+		if _, ok := used[o.id]; ok {
+			keptUsed++
+			continue
+		}
+		mark, marked := o.obj.Annotations[HeartbeatAnnotation]
+		if fenced[o.id] {
+			keptFenced++
+			if marked {
+				// Another collector (a Cilium operator) may delete a
+				// marked identity; this one must stay while the fence
+				// needs it.
+				if err := s.gcUnmark(ctx, o); err == nil {
+					res.Unmarked++
+					gc.unmarked.Add(1)
+				} else if !apierrors.IsConflict(err) && !apierrors.IsNotFound(err) {
+					return res, fmt.Errorf("%w: removing the heartbeat mark of fenced identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+				}
+			}
+			continue
+		}
+		at, perr := time.Parse(time.RFC3339Nano, mark)
+		if !marked || perr != nil {
+			// Unmarked, or a mark this collector cannot date: marked
+			// now, deleted a timeout later.
+			switch err := s.markForGC(ctx, o); {
+			case err == nil:
+				res.Marked++
+				gc.marked.Add(1)
+			case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+				// Changed since the listing: the next run looks again.
+			default:
+				return res, fmt.Errorf("%w: marking identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+			}
+			continue
+		}
+		if now.Sub(at) < gc.cfg.HeartbeatTimeout {
+			continue
+		}
+		if err := gc.limiter.Wait(ctx); err != nil {
+			return res, err
+		}
+		if gc.beforeDelete != nil {
+			gc.beforeDelete(o)
+		}
+		switch err := s.deleteIdentity(ctx, o); {
+		case err == nil:
+			res.Deleted++
+			gc.deleted.Add(1)
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			res.Skipped++
+			gc.skipped.Add(1)
+		default:
+			return res, fmt.Errorf("%w: deleting identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+		}
+	}
+	res.KeptUsed, res.KeptFenced = keptUsed, keptFenced
+	gc.keptUsed.Store(uint64(keptUsed))
+	gc.keptFenced.Store(uint64(keptFenced))
+
+	for i := range nodes {
+		n := &nodes[i]
+		if n.Name == s.node || !nodeGone(n, now) {
+			continue
+		}
+		switch err := s.deleteNode(ctx, n); {
+		case err == nil:
+			res.NodesDeleted++
+			gc.nodesDeleted.Add(1)
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			// Renewed or deleted meanwhile.
+		default:
+			return res, fmt.Errorf("%w: deleting IdentityNode %s: %w", globalstore.ErrUnavailable, n.Name, err)
+		}
+	}
+	return res, nil
+}
+
+// nodeLease is a record's lease; a record that states none gets the
+// shortest this store writes, so that it protects its identities a while
+// and expires.
+func nodeLease(n *IdentityNode) time.Duration {
+	if n.Spec.LeaseDurationSeconds <= 0 {
+		return MinIdentityNodeLeaseTTL
+	}
+	return time.Duration(n.Spec.LeaseDurationSeconds) * time.Second
+}
+
+// nodeLive reports whether n's uses count at now: its lease has not ended.
+func nodeLive(n *IdentityNode, now time.Time) bool {
+	return n.Spec.RenewTime.Add(nodeLease(n)).After(now)
+}
+
+// nodeGone reports whether n's lease ended more than a lease before now.
+func nodeGone(n *IdentityNode, now time.Time) bool {
+	return n.Spec.RenewTime.Add(2 * nodeLease(n)).Before(now)
+}
+
+// fenced returns the IDs the fence rule keeps: for an object of label set
+// M at position k > 0 of M's probe sequence, positions 0..k-1, when every
+// one of them is held by an object now. (An object with a free slot before
+// it is not where a walk of M's sequence finds M, as Cilium agents' random
+// IDs are not; freeing more slots before it changes nothing for the walk.)
+//
+// Positions 0..k-1 of a sequence are the k IDs just before the object's
+// own, cyclically in the range, so an object fences the last k IDs of the
+// run of held IDs that ends at it; one backward sweep over the range finds
+// them all.
+func (s *Store) fenced(objs []gcObject) map[identity.NumericIdentity]bool {
+	lo := uint64(s.cluster.MinID())
+	n := uint64(s.cluster.MaxID()) - lo + 1
+	held := make([]bool, n)
+	reach := make([]uint64, n) // how many IDs before this one its object fences
+	for i := range objs {
+		held[uint64(objs[i].id)-lo] = true
+	}
+	// run[i]: held IDs just before offset i, cyclically (at most n-1).
+	run := make([]uint64, n)
+	for pass := 0; pass < 2; pass++ {
+		for i := uint64(0); i < n; i++ {
+			prev := (i + n - 1) % n
+			if held[prev] {
+				run[i] = min(run[prev]+1, n-1)
+			} else {
+				run[i] = 0
+			}
+		}
+	}
+	for i := range objs {
+		o := &objs[i]
+		if o.e == nil {
+			continue
+		}
+		k, ok := newProbe(o.e.key, s.cluster).position(o.id)
+		if !ok || k == 0 {
+			continue
+		}
+		off := uint64(o.id) - lo
+		if run[off] >= k {
+			reach[off] = max(reach[off], k)
+		}
+	}
+	out := map[identity.NumericIdentity]bool{}
+	// Backward, twice around, so that a run that wraps past the range's
+	// end is covered: cover is how many IDs from here back are fenced.
+	var cover uint64
+	for step := 2*n - 1; ; step-- {
+		i := step % n
+		if cover > 0 && step < n {
+			out[identity.NumericIdentity(lo+i)] = true
+		}
+		if cover > 0 {
+			cover--
+		}
+		cover = max(cover, reach[i])
+		if step == 0 {
+			break
+		}
+	}
+	return out
+}
+
+// listGCIdentities lists the CiliumIdentity objects of this cluster's
+// range: the first page without a resourceVersion (a consistent read),
+// the next ones from the same snapshot.
+func (s *Store) listGCIdentities(ctx context.Context) ([]gcObject, error) {
+	var out []gcObject
+	opts := metav1.ListOptions{Limit: gcListPageSize}
+	for {
+		var list CiliumIdentityList
+		err := s.ciliumClient.Get().Resource("ciliumidentities").VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(&list)
+		if apierrors.IsResourceExpired(err) && opts.Continue != "" {
+			// The snapshot is gone (compacted): list again from now.
+			out, opts = nil, metav1.ListOptions{Limit: gcListPageSize}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%w: listing CiliumIdentity objects: %w", globalstore.ErrUnavailable, err)
+		}
+		for i := range list.Items {
+			obj := list.Items[i]
+			id, err := parseName(obj.Name)
+			if err != nil || id < s.cluster.MinID() || id > s.cluster.MaxID() {
+				continue
+			}
+			o := gcObject{id: id, obj: obj}
+			if e, err := s.ids.parse(&o.obj); err == nil {
+				o.e = e
+			}
+			out = append(out, o)
+		}
+		if list.Continue == "" {
+			slices.SortFunc(out, func(a, b gcObject) int { return cmp.Compare(a.id, b.id) })
+			return out, nil
+		}
+		opts.Continue = list.Continue
+	}
+}
+
+// listGCNodes lists the IdentityNode objects, as listGCIdentities lists
+// identities.
+func (s *Store) listGCNodes(ctx context.Context) ([]IdentityNode, error) {
+	var out []IdentityNode
+	opts := metav1.ListOptions{Limit: gcListPageSize}
+	for {
+		var list IdentityNodeList
+		err := s.nodeClient.Get().Resource("identitynodes").VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(&list)
+		if apierrors.IsResourceExpired(err) && opts.Continue != "" {
+			out, opts = nil, metav1.ListOptions{Limit: gcListPageSize}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%w: listing IdentityNode objects: %w", globalstore.ErrUnavailable, err)
+		}
+		out = append(out, list.Items...)
+		if list.Continue == "" {
+			return out, nil
+		}
+		opts.Continue = list.Continue
+	}
+}
+
+// markForGC sets the heartbeat mark (the time, RFC 3339 with nanoseconds,
+// as Cilium's operator writes it) on o's object, if its resourceVersion is
+// still the listed one. The time is the write's, not the run's: the
+// timeout counts from when the mark can be seen.
+func (s *Store) markForGC(ctx context.Context, o *gcObject) error {
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"resourceVersion": o.obj.ResourceVersion,
+		"annotations":     map[string]string{HeartbeatAnnotation: time.Now().UTC().Format(time.RFC3339Nano)},
+	}})
+	if err != nil {
+		return err
+	}
+	return s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(o.obj.Name).Body(patch).Do(ctx).Error()
+}
+
+// gcUnmark removes the heartbeat mark of o's object, if its
+// resourceVersion is still the listed one.
+func (s *Store) gcUnmark(ctx context.Context, o *gcObject) error {
+	patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:null}}}`, o.obj.ResourceVersion, HeartbeatAnnotation)
+	return s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(o.obj.Name).Body(patch).Do(ctx).Error()
+}
+
+// closed reports whether ch is closed: a cache's first listing is done.
+func closed(ch chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// deleteIdentity deletes o's object if its UID and resourceVersion are
+// still the listed ones.
+func (s *Store) deleteIdentity(ctx context.Context, o *gcObject) error {
+	body, err := preconditions(o.obj.UID, o.obj.ResourceVersion)
+	if err != nil {
+		return err
+	}
+	return s.ciliumClient.Delete().Resource("ciliumidentities").Name(o.obj.Name).Body(body).Do(ctx).Error()
+}
+
+// deleteNode deletes n if its UID and resourceVersion are still the
+// listed ones: a renewal in between keeps it.
+func (s *Store) deleteNode(ctx context.Context, n *IdentityNode) error {
+	body, err := preconditions(n.UID, n.ResourceVersion)
+	if err != nil {
+		return err
+	}
+	return s.nodeClient.Delete().Resource("identitynodes").Name(n.Name).Body(body).Do(ctx).Error()
+}
+
+func preconditions(uid types.UID, rv string) ([]byte, error) {
+	return json.Marshal(&metav1.DeleteOptions{
+		TypeMeta:      metav1.TypeMeta{APIVersion: "v1", Kind: "DeleteOptions"},
+		Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
+	})
+}
+
+// GCStats counts the collector's work since the store was created.
+type GCStats struct {
+	Runs, Failed                       uint64
+	Marked, Deleted, Skipped, Unmarked uint64
+	NodesDeleted                       uint64
+	LastKeptUsed, LastKeptFenced       uint64
+}
+
+// GCStats returns the collector's counters.
+func (s *Store) GCStats() GCStats {
+	gc := s.gc
+	return GCStats{
+		Runs: gc.runs.Load(), Failed: gc.failed.Load(),
+		Marked: gc.marked.Load(), Deleted: gc.deleted.Load(), Skipped: gc.skipped.Load(), Unmarked: gc.unmarked.Load(),
+		NodesDeleted: gc.nodesDeleted.Load(),
+		LastKeptUsed: gc.keptUsed.Load(), LastKeptFenced: gc.keptFenced.Load(),
+	}
+}
+
+// Values of the status label of identityd_crd_identity_gc_entries, and of
+// the reason label of identityd_crd_identity_gc_kept.
+const (
+	gcStatusMarked   = "marked"
+	gcStatusSkipped  = "skipped"
+	gcStatusUnmarked = "unmarked"
+	gcKeptUsed       = "used"
+	gcKeptFenced     = "fenced"
+	labelReason      = "reason"
+)
+
+// newGCMetrics contributes the collector's metrics, when the hive's
+// backend is this store.
+func newGCMetrics(b globalstore.Backend) metrics.CollectorOut {
+	s, ok := b.(*Store)
+	if !ok || s == nil {
+		return metrics.CollectorOut{}
+	}
+	return metrics.NewCollector(newGCCollector(s))
+}
+
+// gcCollector reads the collector's counters at scrape time. Its names
+// are those of the etcd store's collection with crd_ in front; like them,
+// entries and runs are gauges holding totals since the agent started.
+type gcCollector struct {
+	store *Store
+
+	entries, runs, kept, nodes *prometheus.Desc
+}
+
+func newGCCollector(s *Store) *gcCollector {
+	ns := metrics.Namespace
+	return &gcCollector{
+		store: s,
+		entries: prometheus.NewDesc(ns+"_crd_identity_gc_entries",
+			"Number of CiliumIdentity objects the garbage collection marked, deleted, skipped (a precondition refused the delete: a use won) or unmarked (fenced) since the agent started, by status",
+			[]string{metrics.LabelStatus}, nil),
+		runs: prometheus.NewDesc(ns+"_crd_identity_gc_runs",
+			"Number of CRD identity garbage collection runs since the agent started, by outcome (a run in progress counts as success)",
+			[]string{metrics.LabelOutcome}, nil),
+		kept: prometheus.NewDesc(ns+"_crd_identity_gc_kept",
+			"Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it) or fenced (a later identity's probe sequence needs it)",
+			[]string{labelReason}, nil),
+		nodes: prometheus.NewDesc(ns+"_crd_identity_gc_nodes_deleted_total",
+			"Number of IdentityNode objects the garbage collection deleted a lease after their lease ended",
+			nil, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *gcCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.entries, c.runs, c.kept, c.nodes} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *gcCollector) Collect(ch chan<- prometheus.Metric) {
+	gc := c.store.gc
+	gauge := func(d *prometheus.Desc, v uint64, lv ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), lv...)
+	}
+	gauge(c.entries, gc.marked.Load(), gcStatusMarked)
+	gauge(c.entries, gc.deleted.Load(), metrics.GCStatusDeleted)
+	gauge(c.entries, gc.skipped.Load(), gcStatusSkipped)
+	gauge(c.entries, gc.unmarked.Load(), gcStatusUnmarked)
+	// failed is read first, so that the difference is never negative.
+	failed := gc.failed.Load()
+	gauge(c.runs, gc.runs.Load()-failed, metrics.OutcomeSuccess)
+	gauge(c.runs, failed, metrics.OutcomeFailure)
+	gauge(c.kept, gc.keptUsed.Load(), gcKeptUsed)
+	gauge(c.kept, gc.keptFenced.Load(), gcKeptFenced)
+	ch <- prometheus.MustNewConstMetric(c.nodes, prometheus.CounterValue, float64(gc.nodesDeleted.Load()))
+}
