@@ -483,18 +483,29 @@ func (fc finalCheck) etcd(f FinalState) []Violation {
 				out = append(out, Violation{Kind: ReferenceOrphaned, Ops: lastOps(node, lbls),
 					Msg: fmt.Sprintf("etcd has a reference key of %s to %d for %q but %s", node, id, lbls, notHeldWhy(live))})
 			}
-			if m, ok := f.Masters[id]; !ok || m != lbls {
-				msg := fmt.Sprintf("reference key of %s names %d for %q but master key %d ", node, id, lbls, id)
-				if ok {
-					msg += fmt.Sprintf("holds %q", m)
-				} else {
-					msg += "does not exist"
-				}
-				out = append(out, Violation{Kind: MasterMismatch, Msg: msg, Ops: lastOps(node, lbls)})
+			if v, bad := fc.masterMismatch(f, node, lbls, id,
+				fmt.Sprintf("reference key of %s names %d for %q but master key %d", node, id, lbls, id)); bad {
+				out = append(out, v)
 			}
 		}
 	}
 	return out
+}
+
+// masterMismatch reports whether the master of id (key or object) is
+// missing or holds another label set than lbls, and the violation that says
+// so, msg followed by what the master holds.
+func (fc finalCheck) masterMismatch(f FinalState, node, lbls string, id identity.NumericIdentity, msg string) (Violation, bool) {
+	m, ok := f.Masters[id]
+	switch {
+	case ok && m == lbls:
+		return Violation{}, false
+	case ok:
+		msg += fmt.Sprintf(" holds %q", m)
+	default:
+		msg += " does not exist"
+	}
+	return Violation{Kind: MasterMismatch, Msg: msg, Ops: fc.lastOps(node, lbls)}, true
 }
 
 func notHeldWhy(live bool) string {
@@ -514,14 +525,9 @@ func (fc finalCheck) crd(f FinalState) []Violation {
 				out = append(out, Violation{Kind: ReferenceMissing, Ops: fc.lastOps(node, lbls),
 					Msg: fmt.Sprintf("%s holds %d for %q but its IdentityNode object does not list it", node, id, lbls)})
 			}
-			if m, ok := f.Masters[id]; !ok || m != lbls {
-				msg := fmt.Sprintf("%s holds %d for %q but CiliumIdentity %d ", node, id, lbls, id)
-				if ok {
-					msg += fmt.Sprintf("holds %q", m)
-				} else {
-					msg += "does not exist"
-				}
-				out = append(out, Violation{Kind: MasterMismatch, Msg: msg, Ops: fc.lastOps(node, lbls)})
+			if v, bad := fc.masterMismatch(f, node, lbls, id,
+				fmt.Sprintf("%s holds %d for %q but CiliumIdentity %d", node, id, lbls, id)); bad {
+				out = append(out, v)
 			}
 		}
 	}
