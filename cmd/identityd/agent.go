@@ -11,10 +11,12 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/clustermesh"
+	"github.com/identityd/identityd/cells/allocator/crdstore"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
+	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/restoration"
@@ -33,8 +35,10 @@ var agentCells = []cell.Cell{
 	statedir.Cell,
 	shell.Cell,
 	kvstore.Cell,
+	k8sclient.Cell,
 	allocator.Cell,
 	etcdstore.Cell,
+	crdstore.Cell,
 	clustermesh.Cell,
 	checkpoint.Cell,
 	ipcache.Cell,

@@ -35,9 +35,9 @@ var layers = []layer{
 	{"checkpoint", 5, []string{"cells/checkpoint"}},
 	{"ipcache", 5, []string{"cells/ipcache"}},
 	{"contract", 3, []string{"cells/allocator/globalstore"}},
-	{"drivers", 4, []string{"cells/allocator/etcdstore", "cells/allocator/clustermesh"}},
+	{"drivers", 4, []string{"cells/allocator/etcdstore", "cells/allocator/crdstore", "cells/allocator/clustermesh"}},
 	{"allocator", 4, []string{"cells/allocator"}},
-	{"kvstore", 2, []string{"cells/kvstore"}},
+	{"kvstore", 2, []string{"cells/kvstore", "cells/k8sclient"}},
 	{"infrastructure", 1, []string{"cells/metrics", "cells/health", "cells/statedir", "cells/shell"}},
 	// The domain model and the shared plumbing every layer may use.
 	{"domain", 0, []string{"identity", "labels", "internal"}},
@@ -107,7 +107,7 @@ func listPackages(t *testing.T) []listedPackage {
 // imports a package of a higher layer, or of another layer of its rank.
 // The layers are those of docs/architecture.md: cmd → restoration →
 // {checkpoint, ipcache} → {allocator, drivers} → contract, drivers →
-// kvstore → infrastructure (metrics, health, statedir, shell) → domain
+// {kvstore, k8sclient} → infrastructure (metrics, health, statedir, shell) → domain
 // (identity, labels, internal). Test helpers are exempt: they are not in
 // the non-test build of the agent and the cells.
 func TestImportsPointOneWay(t *testing.T) {
@@ -160,6 +160,9 @@ func TestLayerRules(t *testing.T) {
 		{"cells/allocator", "cells/allocator/globalstore", true},
 		{"cells/allocator/etcdstore", "cells/allocator/globalstore", true},
 		{"cells/allocator/etcdstore", "cells/kvstore", true},
+		{"cells/allocator/crdstore", "cells/k8sclient", true},
+		{"cells/k8sclient", "cells/allocator/crdstore", false},
+		{"cells/allocator", "cells/allocator/crdstore", false},
 		{"cells/allocator/clustermesh", "cells/allocator/etcdstore", true},
 		{"cells/kvstore", "cells/metrics", true},
 		{"cells/metrics", "cells/health", true},

@@ -1,6 +1,8 @@
 package crdstore
 
 import (
+	"context"
+	"errors"
 	"log/slog"
 
 	"github.com/cilium/hive/cell"
@@ -9,58 +11,134 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/identity"
 )
 
-// Cell provides the globalstore.Backend that keeps global identities as
-// CiliumIdentity objects in a Kubernetes API server, when the hive has a
-// *rest.Config; without one it provides none. It takes the cluster's ID
-// range as an identity.ClusterInfo and this node's name as an
-// identity.NodeName, and registers --identity-node-lease-ttl. Its loops are
-// jobs of this module: the watches of CiliumIdentity and IdentityNode
-// objects, the IdentityNode writer and its renewal, and the removal of
-// heartbeat marks from identities this node uses.
+// Cell offers the allocator the store that keeps global identities as
+// CiliumIdentity objects in a Kubernetes API server, as the
+// globalstore.Driver of crd mode, and provides the *Store itself. It
+// talks to the API server of the *k8sclient.Client (or of a *rest.Config
+// provided on its own); with --identity-allocation-mode=kvstore, or
+// without either, the *Store is nil, the driver's backend is nil and
+// nothing starts. It takes the cluster's ID range as an
+// identity.ClusterInfo, this node's name as an identity.NodeName and the
+// stores' shared flags as a globalstore.Config (the first listing's
+// timeout and the garbage collection's settings), and registers
+// --identity-node-lease-ttl. Its loops are jobs of this module: the
+// watches of CiliumIdentity and IdentityNode objects, the IdentityNode
+// writer and its renewal, the removal of heartbeat marks from identities
+// this node uses, and the garbage collection.
 var Cell = cell.Module(
 	"crdstore",
 	"Global identities in Kubernetes CRD objects",
 
 	cell.Config(DefaultConfig),
-	cell.Provide(newBackend, newStoreMetrics, newGCMetrics),
+	cell.Provide(newStore, newDriver),
+	// The collectors read the store's counters; they take the store as
+	// a Backend.
+	cell.ProvidePrivate(func(s *Store) globalstore.Backend { return s }),
+	cell.Provide(newStoreMetrics, newGCMetrics),
 )
 
 type params struct {
 	cell.In
 
-	RESTConfig *rest.Config `optional:"true"`
-	Cluster    identity.ClusterInfo
-	Node       identity.NodeName `optional:"true"`
-	Config     Config
-	// GC is the garbage collection's configuration; DefaultGCConfig
-	// when the hive provides none.
+	// Client is the agent's Kubernetes client; RESTConfig, a config
+	// provided on its own, serves hives without one.
+	Client     *k8sclient.Client `optional:"true"`
+	RESTConfig *rest.Config      `optional:"true"`
+	// Mode is the configured allocation mode; absent, the store serves
+	// whenever it has an API server.
+	Mode    identity.AllocationMode `optional:"true"`
+	Cluster identity.ClusterInfo
+	Node    identity.NodeName `optional:"true"`
+	Config  Config
+	// Stores is the stores' shared configuration; without it, the
+	// defaults (DefaultGCConfig).
+	Stores globalstore.Config `optional:"true"`
+	// GC replaces the garbage collection's part of Stores.
 	GC     GCConfig `optional:"true"`
 	Log    *slog.Logger
 	Jobs   job.Registry
 	Health cell.Health `optional:"true"`
 }
 
-// newBackend provides the store when the hive has a REST config, and a nil
-// interface (no global backend) without one.
-func newBackend(p params) (globalstore.Backend, error) {
-	if p.RESTConfig == nil {
+// newStore builds the store. With the Kubernetes client, its clients of the
+// API server are made at Start: the client's settings exist once its start
+// hook ran.
+func newStore(p params) (*Store, error) {
+	noServer := p.Client == nil && p.RESTConfig == nil
+	if p.Mode == identity.AllocationModeCRD && noServer {
+		return nil, errors.New("--identity-allocation-mode=crd needs a Kubernetes client in the hive (k8sclient.Cell)")
+	}
+	if (p.Mode != "" && p.Mode != identity.AllocationModeCRD) || noServer {
 		if p.Health != nil {
-			p.Health.OK("No Kubernetes client in the hive: no CRD identities")
+			if noServer {
+				p.Health.OK("No Kubernetes client in the hive: no CRD identities")
+			} else {
+				p.Health.OK("Not used in " + string(p.Mode) + " mode")
+			}
 		}
 		return nil, nil
 	}
 	h := health.OrDetached(p.Health)
-	s, err := New(p.Log, p.RESTConfig, p.Cluster, p.Node, p.Config, p.Jobs.NewGroup(h))
+	s, err := newUnconnected(p.Log, p.Cluster, p.Node, p.Config, p.Jobs.NewGroup(h))
 	if err != nil {
 		return nil, err
 	}
-	if p.GC != (GCConfig{}) {
-		if err := s.SetGCConfig(p.GC); err != nil {
+	if p.Client != nil {
+		s.restSource = p.Client.RESTConfig
+	} else if err := s.connect(p.RESTConfig); err != nil {
+		return nil, err
+	}
+	gc := p.GC
+	if gc == (GCConfig{}) && p.Stores != (globalstore.Config{}) {
+		gc = GCConfig{
+			Interval:         p.Stores.IdentityGCInterval,
+			RateLimit:        p.Stores.IdentityGCRateLimit,
+			RateInterval:     p.Stores.IdentityGCRateInterval,
+			HeartbeatTimeout: p.Stores.IdentityHeartbeatTimeout,
+		}
+		s.listTimeout = p.Stores.AllocatorListTimeout
+	}
+	if gc != (GCConfig{}) {
+		if err := s.SetGCConfig(gc); err != nil {
 			return nil, err
 		}
 	}
 	return s, nil
+}
+
+// newDriver offers the store to the allocator as the driver of crd mode;
+// without a store its backend is a nil interface, which the allocator
+// reports as crd mode's missing store.
+func newDriver(s *Store) globalstore.DriverOut {
+	if s == nil {
+		return globalstore.NewDriver(identity.AllocationModeCRD, nil)
+	}
+	return globalstore.NewDriver(identity.AllocationModeCRD, cellStore{s})
+}
+
+// cellStore is the Store as the cell's driver serves it: Start connects
+// first, and bounds the wait for the first listing by
+// --allocator-list-timeout.
+type cellStore struct{ *Store }
+
+func (c cellStore) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
+	if c.restSource != nil {
+		cfg := c.restSource()
+		if cfg == nil {
+			return errors.New("crd mode: the Kubernetes client has no connection settings (its start did not succeed)")
+		}
+		if err := c.connect(cfg); err != nil {
+			return err
+		}
+	}
+	if c.listTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.listTimeout)
+		defer cancel()
+	}
+	return c.Store.Start(ctx, events, refs)
 }

@@ -81,6 +81,11 @@ type Store struct {
 
 	// gc is the garbage collection's configuration and counters.
 	gc *gcState
+
+	// restSource gives the cell's store its API server's settings at
+	// Start; listTimeout bounds the wait for the first listing there.
+	restSource  func() *rest.Config
+	listTimeout time.Duration
 }
 
 var _ globalstore.Backend = (*Store)(nil)
@@ -95,34 +100,37 @@ type allocStats struct {
 // recording this node's uses under the name node, and running its loops as
 // jobs of jobs. It sends no request before Start.
 func New(log *slog.Logger, cfg *rest.Config, cluster identity.ClusterInfo, node identity.NodeName, c Config, jobs job.Group) (*Store, error) {
+	if cfg == nil {
+		return nil, errors.New("the CRD store needs the Kubernetes API server's settings")
+	}
+	s, err := newUnconnected(log, cluster, node, c, jobs)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.connect(cfg); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// newUnconnected is New without the clients, which connect builds.
+func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identity.NodeName, c Config, jobs job.Group) (*Store, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
 	if node == "" {
 		return nil, errors.New("the CRD store needs a node name (--node-name)")
 	}
-	codecs := newCodecs()
-	cilium, err := restClient(cfg, schema.GroupVersion{Group: CiliumGroup, Version: CiliumVersion}, codecs)
-	if err != nil {
-		return nil, err
-	}
-	own, err := restClient(cfg, schema.GroupVersion{Group: IdentityGroup, Version: IdentityVersion}, codecs)
-	if err != nil {
-		return nil, err
-	}
 	s := &Store{
-		log:          log,
-		cfg:          c,
-		rest:         cfg,
-		cluster:      cluster,
-		node:         string(node),
-		ciliumClient: cilium,
-		nodeClient:   own,
-		jobs:         jobs,
-		nodes:        newNodeCache(),
-		writer:       newNodeWriter(),
-		unmarks:      newUnmarkQueue(),
-		gc:           newGCState(DefaultGCConfig),
+		log:     log,
+		cfg:     c,
+		cluster: cluster,
+		node:    string(node),
+		jobs:    jobs,
+		nodes:   newNodeCache(),
+		writer:  newNodeWriter(),
+		unmarks: newUnmarkQueue(),
+		gc:      newGCState(DefaultGCConfig),
 	}
 	s.ids = newIdentityCache(log, cluster, cacheHooks{
 		emit:   s.emit,
@@ -130,6 +138,23 @@ func New(log *slog.Logger, cfg *rest.Config, cluster identity.ClusterInfo, node 
 		synced: func() { s.events.Synced() },
 	})
 	return s, nil
+}
+
+// connect builds the store's clients of the API server of cfg. New does
+// it when given a config; the cell does it at Start, when the Kubernetes
+// client's settings exist.
+func (s *Store) connect(cfg *rest.Config) error {
+	codecs := newCodecs()
+	cilium, err := restClient(cfg, schema.GroupVersion{Group: CiliumGroup, Version: CiliumVersion}, codecs)
+	if err != nil {
+		return err
+	}
+	own, err := restClient(cfg, schema.GroupVersion{Group: IdentityGroup, Version: IdentityVersion}, codecs)
+	if err != nil {
+		return err
+	}
+	s.rest, s.ciliumClient, s.nodeClient = cfg, cilium, own
+	return nil
 }
 
 func restClient(cfg *rest.Config, gv schema.GroupVersion, codecs interface {

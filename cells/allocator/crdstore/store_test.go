@@ -132,7 +132,7 @@ func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOp
 			func() identity.NodeName { return identity.NodeName(name) },
 		),
 		Cell,
-		cell.Invoke(func(b globalstore.Backend) { n.store, _ = b.(*Store) }),
+		cell.Invoke(func(s *Store) { n.store = s }),
 	)
 	hive.AddConfigOverride(n.h, func(c *Config) { *c = o.cfg })
 	log := o.log
