@@ -82,7 +82,7 @@ bench-anchor:
 # ROBUSTNESS_MODE=crd for the agents in CRD mode).
 robustness:
 	$(if $(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE)),,$(error ROBUSTNESS_MODE must be kvstore, crd or all, not "$(ROBUSTNESS_MODE)"))
-	ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '$(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE))' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
+	ROBUSTNESS_MODE=$(ROBUSTNESS_MODE) ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '$(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE))' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
 
 # Runs every fuzz target for $(FUZZTIME) each. Packages come from `go list`,
 # so nested modules (docs/examples) and testdata are left out; `go test
