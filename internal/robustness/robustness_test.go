@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -287,7 +288,32 @@ func runRobustness(t *testing.T, setup func(*etcdtest.Cluster) variant) {
 	if stats.OK < 100 {
 		t.Errorf("only %d operations succeeded", stats.OK)
 	}
+	if v.api != nil {
+		runs, marked, deleted, skipped := gcSummary(agents)
+		t.Logf("garbage collection (the agents' logs): %d runs that changed something, %d identities marked, %d deleted, %d deletes refused by their precondition",
+			runs, marked, deleted, skipped)
+	}
 	t.Logf("total %s, %d violations", time.Since(setupStart).Round(time.Second), len(violations))
+}
+
+var gcLogLine = regexp.MustCompile(`Garbage collection of global identities .*marked=(\d+) deleted=(\d+) skipped=(\d+)`)
+
+// gcSummary sums the collections the CRD store logged in every incarnation
+// of the agents (it logs each run that marked, deleted or skipped
+// something), to show that the collection ran under the faults.
+func gcSummary(agents []*agent) (runs, marked, deleted, skipped int) {
+	for _, a := range agents {
+		data, err := os.ReadFile(a.logPath)
+		if err != nil {
+			continue
+		}
+		for _, m := range gcLogLine.FindAllSubmatch(data, -1) {
+			runs++
+			n := func(i int) int { v, _ := strconv.Atoi(string(m[i])); return v }
+			marked, deleted, skipped = marked+n(1), deleted+n(2), skipped+n(3)
+		}
+	}
+	return runs, marked, deleted, skipped
 }
 
 func countRefs(refKeys map[string]map[string]identity.NumericIdentity) int {
