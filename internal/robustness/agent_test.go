@@ -147,6 +147,26 @@ func (a *agent) kill() {
 	<-done
 }
 
+// dumpGoroutines ends the agent with SIGQUIT, on which the Go runtime
+// writes every goroutine's stack to the agent's log: what a hung command
+// waits for.
+func (a *agent) dumpGoroutines() {
+	a.mu.Lock()
+	cmd, done := a.cmd, a.done
+	a.up = false
+	a.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		cmd.Process.Signal(syscall.SIGKILL)
+		<-done
+	}
+}
+
 // stop ends the agent with SIGTERM, as an operator would.
 func (a *agent) stop() {
 	a.mu.Lock()

@@ -124,11 +124,13 @@ func (inj *injector) killAgent(a *agent) {
 		}
 		op, ok := do(sh, inj.h, a.name, OpAllocate, set, 0)
 		if !ok {
-			t.Fatalf("allocating %s on %s after its restart: %s", set.args, a.name, op.Err)
+			a.dumpGoroutines()
+			t.Fatalf("allocating %s on %s after its restart: %s (#%d; the agent's goroutines are in its log)", set.args, a.name, op.Err, op.Seq)
 		}
 		if op.Outcome == OK {
 			if op, ok := do(sh, inj.h, a.name, OpRelease, set, op.ID); !ok {
-				t.Fatalf("releasing %s on %s after its restart: %s", set.args, a.name, op.Err)
+				a.dumpGoroutines()
+				t.Fatalf("releasing %s on %s after its restart: %s (#%d; the agent's goroutines are in its log)", set.args, a.name, op.Err, op.Seq)
 			}
 		}
 	}

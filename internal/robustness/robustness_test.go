@@ -123,6 +123,10 @@ type variant struct {
 	readFinal func(f *FinalState) error
 	// refs counts the references of the final state, for the log.
 	refs func(f FinalState) int
+	// freshPercent is the share of a worker's allocations that take a
+	// label set nobody used before and release it at once: garbage for
+	// the collection to delete while the faults go on.
+	freshPercent int
 }
 
 // TestRobustness runs 3 etcd members and 3 identityd agents as processes,
@@ -175,9 +179,14 @@ func TestRobustnessCRD(t *testing.T) {
 				// unused are deleted within the run.
 				"--identity-heartbeat-timeout", crdstore.MinHeartbeatTimeout.String(),
 			},
-			faults:    []EventKind{APIServerRestart, APIServerKill},
-			api:       api,
-			readFinal: func(f *FinalState) error { return readCRD(dyn, f) },
+			faults: []EventKind{APIServerRestart, APIServerKill},
+			// The workload's label sets are always held by someone
+			// after the first seconds, and a marked identity is
+			// deleted only after the heartbeat timeout: without fresh
+			// sets the collection would mark and never delete.
+			freshPercent: 5,
+			api:          api,
+			readFinal:    func(f *FinalState) error { return readCRD(dyn, f) },
 			refs: func(f FinalState) int {
 				n := 0
 				for _, ids := range f.NodeRefs {
@@ -230,6 +239,13 @@ func runRobustness(t *testing.T, setup func(*etcdtest.Cluster) variant) {
 	t.Logf("setup took %s", time.Since(setupStart).Round(time.Millisecond))
 
 	h := NewHistory()
+	// Registered after the agents' cleanup, so run before it: the history
+	// of a run that ends early is kept too.
+	t.Cleanup(func() {
+		if t.Failed() {
+			writeHistory(t, h, seed)
+		}
+	})
 	sets := workloadSets(t)
 	workStart := time.Now()
 	ctx, cancel := context.WithCancel(t.Context())
@@ -237,7 +253,8 @@ func runRobustness(t *testing.T, setup func(*etcdtest.Cluster) variant) {
 	var wg sync.WaitGroup
 	for i, a := range agents {
 		for j := range workersPerNode {
-			w := &worker{a: a, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, uint64(i*workersPerNode+j+1)))}
+			w := &worker{a: a, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, uint64(i*workersPerNode+j+1))),
+				name: fmt.Sprintf("%s-%d", a.name, j), freshPercent: v.freshPercent}
 			wg.Go(func() { w.run(ctx) })
 		}
 	}
@@ -269,14 +286,6 @@ func runRobustness(t *testing.T, setup func(*etcdtest.Cluster) variant) {
 	for _, v := range violations {
 		t.Errorf("%s", v.Format(h.Begin))
 	}
-	if len(violations) > 0 {
-		path := filepath.Join(os.TempDir(), fmt.Sprintf("identityd-robustness-%d.json", seed))
-		if f, err := os.Create(path); err == nil {
-			h.WriteJSON(f)
-			f.Close()
-			t.Logf("history written to %s", path)
-		}
-	}
 	for _, kind := range kinds {
 		if stats.Faults[kind] == 0 {
 			t.Errorf("no %s fault was injected", kind)
@@ -294,6 +303,15 @@ func runRobustness(t *testing.T, setup func(*etcdtest.Cluster) variant) {
 			runs, marked, deleted, skipped)
 	}
 	t.Logf("total %s, %d violations", time.Since(setupStart).Round(time.Second), len(violations))
+}
+
+func writeHistory(t *testing.T, h *History, seed uint64) {
+	path := filepath.Join(os.TempDir(), fmt.Sprintf("identityd-robustness-%d.json", seed))
+	if f, err := os.Create(path); err == nil {
+		h.WriteJSON(f)
+		f.Close()
+		t.Logf("history written to %s", path)
+	}
 }
 
 var gcLogLine = regexp.MustCompile(`Garbage collection of global identities .*marked=(\d+) deleted=(\d+) skipped=(\d+)`)
@@ -486,6 +504,11 @@ type worker struct {
 	sh    *Shell
 	gen   int
 	holds []held
+	// name names the worker's fresh label sets; freshPercent is the share
+	// of allocations that take one (variant.freshPercent).
+	name         string
+	freshPercent int
+	fresh        int
 }
 
 func (w *worker) run(ctx context.Context) {
@@ -518,6 +541,8 @@ func (w *worker) run(ctx context.Context) {
 			hd := w.holds[i]
 			w.holds = append(w.holds[:i], w.holds[i+1:]...)
 			w.release(hd)
+		} else if w.freshPercent > 0 && w.rng.IntN(100) < w.freshPercent {
+			w.allocateFresh()
 		} else {
 			w.allocate(w.sets[w.rng.IntN(len(w.sets))])
 		}
@@ -540,6 +565,22 @@ func (w *worker) allocate(set labelSet) {
 	}
 	if op.Outcome == OK {
 		w.holds = append(w.holds, held{set, op.ID})
+	}
+}
+
+// allocateFresh allocates a global label set no one used before and
+// releases it at once.
+func (w *worker) allocateFresh() {
+	w.fresh++
+	args := []string{fmt.Sprintf("k8s:app=fresh-%s-%d", w.name, w.fresh), "k8s:io.kubernetes.pod.namespace=robustness"}
+	set := labelSet{args: args, canonical: labels.MustParse(args...).Canonical(), global: true}
+	op, ok := do(w.sh, w.h, w.a.name, OpAllocate, set, 0)
+	if !ok {
+		w.closeShell()
+		return
+	}
+	if op.Outcome == OK {
+		w.release(held{set, op.ID})
 	}
 }
 
