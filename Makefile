@@ -20,6 +20,13 @@ ANCHOR_COUNT  ?= 1
 # Length of the fault-injection workload of `make robustness` (empty: the
 # short run of about a minute that `make test` also runs).
 ROBUSTNESS_DURATION ?=
+# Global store of the agents in `make robustness`: kvstore (etcd), crd (a
+# Kubernetes API server on the etcd cluster, --identity-allocation-mode=crd)
+# or all (both, one after the other).
+ROBUSTNESS_MODE ?= kvstore
+ROBUSTNESS_RUN_kvstore := ^TestRobustness$$
+ROBUSTNESS_RUN_crd     := ^TestRobustnessCRD$$
+ROBUSTNESS_RUN_all     := ^TestRobustness(CRD)?$$
 STATICCHECK_VERSION := v0.8.2
 
 .PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor fuzz robustness lint docs-graph clean
@@ -71,9 +78,11 @@ bench-anchor:
 
 # Runs the fault-injection test: 3 etcd members and 3 agents as processes,
 # a random workload, faults, and the checker over the history
-# (ROBUSTNESS_DURATION=20m for a long run; ROBUSTNESS_SEED repeats a run).
+# (ROBUSTNESS_DURATION=20m for a long run; ROBUSTNESS_SEED repeats a run;
+# ROBUSTNESS_MODE=crd for the agents in CRD mode).
 robustness:
-	ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '^TestRobustness$$' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
+	$(if $(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE)),,$(error ROBUSTNESS_MODE must be kvstore, crd or all, not "$(ROBUSTNESS_MODE)"))
+	ROBUSTNESS_MODE=$(ROBUSTNESS_MODE) ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '$(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE))' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
 
 # Runs every fuzz target for $(FUZZTIME) each. Packages come from `go list`,
 # so nested modules (docs/examples) and testdata are left out; `go test

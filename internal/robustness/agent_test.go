@@ -19,7 +19,8 @@ import (
 // Settings of the agents under test, and what the checker derives from
 // them.
 const (
-	// The shortest lease etcd's keys of a killed agent outlive it by.
+	// The shortest lease etcd's keys (in CRD mode, the IdentityNode
+	// record) of a killed agent outlive it by.
 	leaseTTL = 25 * time.Second
 	// allocTimeout bounds every allocation or release that waits for etcd;
 	// opSlack is what the shell round trip may add on a busy machine. The
@@ -51,8 +52,9 @@ func buildAgent(t *testing.T) string {
 // and node name after each kill.
 type agent struct {
 	name, dir, bin string
-	endpoints      []string
-	logPath        string
+	// storeArgs point the agent at the global store under test.
+	storeArgs []string
+	logPath   string
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -63,9 +65,9 @@ type agent struct {
 	gen int
 }
 
-func newAgent(t *testing.T, bin, name string, endpoints []string) *agent {
+func newAgent(t *testing.T, bin, name string, storeArgs []string) *agent {
 	dir := filepath.Join(t.TempDir(), name)
-	return &agent{name: name, dir: dir, bin: bin, endpoints: endpoints, logPath: dir + ".log"}
+	return &agent{name: name, dir: dir, bin: bin, storeArgs: storeArgs, logPath: dir + ".log"}
 }
 
 func (a *agent) socket() string { return filepath.Join(a.dir, shell.SocketName) }
@@ -85,22 +87,19 @@ func (a *agent) start() error {
 	}
 	defer logf.Close()
 	fmt.Fprintf(logf, "=== starting %s at %s\n", a.name, time.Now().Format(time.RFC3339Nano))
-	cmd := exec.Command(a.bin,
+	cmd := exec.Command(a.bin, append([]string{
 		"--state-dir", a.dir,
 		"--node-name", a.name,
-		"--kvstore-endpoints", strings.Join(a.endpoints, ","),
 		"--ipcache-map", "file",
 		"--prometheus-serve-addr", "127.0.0.1:0",
 		"--log-level", "info",
-		"--kvstore-lease-ttl", leaseTTL.String(),
-		"--kvstore-request-timeout", "2s",
 		"--identity-allocation-timeout", allocTimeout.String(),
 		"--identity-checkpoint-interval", checkpointInterval.String(),
 		"--identity-restore-grace-period", restoreGrace.String(),
 		// Collect unused global identities often, so that IDs are
 		// reused for other label sets during the run.
 		"--identity-gc-interval", "3s",
-	)
+	}, a.storeArgs...)...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -146,6 +145,26 @@ func (a *agent) kill() {
 	}
 	cmd.Process.Signal(syscall.SIGKILL)
 	<-done
+}
+
+// dumpGoroutines ends the agent with SIGQUIT, on which the Go runtime
+// writes every goroutine's stack to the agent's log: what a hung command
+// waits for.
+func (a *agent) dumpGoroutines() {
+	a.mu.Lock()
+	cmd, done := a.cmd, a.done
+	a.up = false
+	a.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		cmd.Process.Signal(syscall.SIGKILL)
+		<-done
+	}
 }
 
 // stop ends the agent with SIGTERM, as an operator would.

@@ -33,8 +33,13 @@ const (
 	// ReferenceOrphaned: etcd has a reference key no live node holds.
 	ReferenceOrphaned ViolationKind = "reference-orphaned"
 	// MasterMismatch: a reference key names an ID whose master key is
-	// missing or holds another label set.
+	// missing or holds another label set (in CRD mode: a live node holds
+	// an identity whose CiliumIdentity object is missing or holds another
+	// label set).
 	MasterMismatch ViolationKind = "master-mismatch"
+	// LabelSetTwoObjects: at the end, two CiliumIdentity objects hold one
+	// label set (CRD mode, whose placement allows one).
+	LabelSetTwoObjects ViolationKind = "label-set-two-objects"
 )
 
 // Violation is one broken property with the operations and events that
@@ -401,8 +406,9 @@ func (c Checker) localAcrossRestarts(h *History, holds []hold) ([]Violation, int
 	return out, checked
 }
 
-// FinalState is what the live nodes and etcd hold once the run has ended
-// and the store has settled.
+// FinalState is what the live nodes and the global store hold once the run
+// has ended and the store has settled: etcd's keys (RefKeys and Masters),
+// or in CRD mode the API server's objects (NodeRefs and Masters).
 type FinalState struct {
 	// Held maps each live node to the global label sets (canonical) it
 	// references, with their IDs: `identity/list` entries with
@@ -411,28 +417,49 @@ type FinalState struct {
 	// RefKeys maps node names to the label sets of their reference keys
 	// in etcd, with the IDs the keys hold.
 	RefKeys map[string]map[string]identity.NumericIdentity
-	// Masters maps the IDs of master keys in etcd to their label sets.
+	// NodeRefs, in CRD mode, maps the names of IdentityNode objects to
+	// the IDs they list; non-nil selects CRD mode's checks.
+	NodeRefs map[string][]identity.NumericIdentity
+	// Masters maps the IDs of master keys in etcd (of CiliumIdentity
+	// objects in CRD mode) to their label sets.
 	Masters map[identity.NumericIdentity]string
 }
 
-// CheckFinal compares the nodes' references with etcd: every reference a
-// live node holds has its key, every key has a live holder, and every key
-// names an ID whose master key holds the label set. Each violation comes
-// with the node's last operations on the label set.
+// CheckFinal compares the nodes' references with the store. In etcd mode:
+// every reference a live node holds has its key, every key has a live
+// holder, and every key names an ID whose master key holds the label set.
+// In CRD mode: every global identity a live node holds is listed in its
+// IdentityNode object and has a CiliumIdentity object with the label set,
+// every listed ID is held by its live node, and no label set has two
+// CiliumIdentity objects. Each violation comes with the node's last
+// operations on the label set.
 func CheckFinal(h *History, f FinalState) []Violation {
-	h = h.Snapshot()
-	lastOps := func(node, lbls string) []Op {
-		var ops []Op
-		for _, op := range h.Ops {
-			if op.Node == node && op.Labels == lbls {
-				ops = append(ops, op)
-			}
-		}
-		if len(ops) > 3 {
-			ops = ops[len(ops)-3:]
-		}
-		return ops
+	fc := finalCheck{h: h.Snapshot()}
+	if f.NodeRefs != nil {
+		return fc.crd(f)
 	}
+	return fc.etcd(f)
+}
+
+type finalCheck struct{ h *History }
+
+// lastOps returns the node's last operations on the label set (every
+// node's when node is empty).
+func (fc finalCheck) lastOps(node, lbls string) []Op {
+	var ops []Op
+	for _, op := range fc.h.Ops {
+		if (node == "" || op.Node == node) && op.Labels == lbls {
+			ops = append(ops, op)
+		}
+	}
+	if len(ops) > 3 {
+		ops = ops[len(ops)-3:]
+	}
+	return ops
+}
+
+func (fc finalCheck) etcd(f FinalState) []Violation {
+	lastOps := fc.lastOps
 	var out []Violation
 	for _, node := range slices.Sorted(maps.Keys(f.Held)) {
 		for _, lbls := range slices.Sorted(maps.Keys(f.Held[node])) {
@@ -453,22 +480,77 @@ func CheckFinal(h *History, f FinalState) []Violation {
 			id := f.RefKeys[node][lbls]
 			held, live := f.Held[node]
 			if _, ok := held[lbls]; !ok {
-				why := "the node does not hold it"
-				if !live {
-					why = "the node is not running"
-				}
 				out = append(out, Violation{Kind: ReferenceOrphaned, Ops: lastOps(node, lbls),
-					Msg: fmt.Sprintf("etcd has a reference key of %s to %d for %q but %s", node, id, lbls, why)})
+					Msg: fmt.Sprintf("etcd has a reference key of %s to %d for %q but %s", node, id, lbls, notHeldWhy(live))})
 			}
-			if m, ok := f.Masters[id]; !ok || m != lbls {
-				msg := fmt.Sprintf("reference key of %s names %d for %q but master key %d ", node, id, lbls, id)
-				if ok {
-					msg += fmt.Sprintf("holds %q", m)
-				} else {
-					msg += "does not exist"
-				}
-				out = append(out, Violation{Kind: MasterMismatch, Msg: msg, Ops: lastOps(node, lbls)})
+			if v, bad := fc.masterMismatch(f, node, lbls, id,
+				fmt.Sprintf("reference key of %s names %d for %q but master key %d", node, id, lbls, id)); bad {
+				out = append(out, v)
 			}
+		}
+	}
+	return out
+}
+
+// masterMismatch reports whether the master of id (key or object) is
+// missing or holds another label set than lbls, and the violation that says
+// so, msg followed by what the master holds.
+func (fc finalCheck) masterMismatch(f FinalState, node, lbls string, id identity.NumericIdentity, msg string) (Violation, bool) {
+	m, ok := f.Masters[id]
+	switch {
+	case ok && m == lbls:
+		return Violation{}, false
+	case ok:
+		msg += fmt.Sprintf(" holds %q", m)
+	default:
+		msg += " does not exist"
+	}
+	return Violation{Kind: MasterMismatch, Msg: msg, Ops: fc.lastOps(node, lbls)}, true
+}
+
+func notHeldWhy(live bool) string {
+	if !live {
+		return "the node is not running"
+	}
+	return "the node does not hold it"
+}
+
+func (fc finalCheck) crd(f FinalState) []Violation {
+	var out []Violation
+	for _, node := range slices.Sorted(maps.Keys(f.Held)) {
+		listed := f.NodeRefs[node]
+		for _, lbls := range slices.Sorted(maps.Keys(f.Held[node])) {
+			id := f.Held[node][lbls]
+			if !slices.Contains(listed, id) {
+				out = append(out, Violation{Kind: ReferenceMissing, Ops: fc.lastOps(node, lbls),
+					Msg: fmt.Sprintf("%s holds %d for %q but its IdentityNode object does not list it", node, id, lbls)})
+			}
+			if v, bad := fc.masterMismatch(f, node, lbls, id,
+				fmt.Sprintf("%s holds %d for %q but CiliumIdentity %d", node, id, lbls, id)); bad {
+				out = append(out, v)
+			}
+		}
+	}
+	for _, node := range slices.Sorted(maps.Keys(f.NodeRefs)) {
+		held, live := f.Held[node]
+		for _, id := range f.NodeRefs[node] {
+			if slices.Contains(slices.Collect(maps.Values(held)), id) {
+				continue
+			}
+			lbls := f.Masters[id]
+			out = append(out, Violation{Kind: ReferenceOrphaned, Ops: fc.lastOps(node, lbls),
+				Msg: fmt.Sprintf("the IdentityNode object of %s lists %d (%q) but %s", node, id, lbls, notHeldWhy(live))})
+		}
+	}
+	byLabels := map[string][]identity.NumericIdentity{}
+	for id, lbls := range f.Masters {
+		byLabels[lbls] = append(byLabels[lbls], id)
+	}
+	for _, lbls := range slices.Sorted(maps.Keys(byLabels)) {
+		if ids := byLabels[lbls]; len(ids) > 1 {
+			slices.Sort(ids)
+			out = append(out, Violation{Kind: LabelSetTwoObjects, Ops: fc.lastOps("", lbls),
+				Msg: fmt.Sprintf("label set %q has %d CiliumIdentity objects: %v", lbls, len(ids), ids)})
 		}
 	}
 	return out

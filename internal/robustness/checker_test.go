@@ -194,13 +194,21 @@ func TestCheckerIsConservative(t *testing.T) {
 	}
 }
 
+// finalCase is a final state and the kinds of violation CheckFinal must
+// report for it, in order.
+type finalCase struct {
+	name  string
+	final FinalState
+	kinds []ViolationKind
+}
+
+// finalHistory is the history the final-state cases are checked against.
+func finalHistory() *builder {
+	return newBuilder().alloc("n1", web, 1000, 0, 1).alloc("n2", db, 1001, 0, 1).alloc("n3", web, 1000, 0, 1)
+}
+
 func TestCheckFinal(t *testing.T) {
-	b := newBuilder().alloc("n1", web, 1000, 0, 1).alloc("n2", db, 1001, 0, 1).alloc("n3", web, 1000, 0, 1)
-	for _, tc := range []struct {
-		name  string
-		final FinalState
-		kinds []ViolationKind
-	}{
+	checkFinalCases(t, []finalCase{
 		{
 			name: "held without reference key",
 			final: FinalState{
@@ -246,7 +254,12 @@ func TestCheckFinal(t *testing.T) {
 			},
 			kinds: []ViolationKind{MasterMismatch},
 		},
-	} {
+	})
+}
+
+func checkFinalCases(t *testing.T, cases []finalCase) {
+	b := finalHistory()
+	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			vs := CheckFinal(b.h, tc.final)
 			if len(vs) != len(tc.kinds) {
@@ -266,4 +279,71 @@ func TestCheckFinal(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestCheckFinalCRD(t *testing.T) {
+	checkFinalCases(t, []finalCase{
+		{
+			name: "agreement",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n1": {web: 1000}, "n2": {db: 1001}, "n3": {}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n1": {1000}, "n2": {1001}, "n3": {}},
+				Masters:  map[identity.NumericIdentity]string{1000: web, 1001: db},
+			},
+		},
+		{
+			name: "held but not listed",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n1": {web: 1000}, "n2": {db: 1001}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n2": {1001}},
+				Masters:  map[identity.NumericIdentity]string{1000: web, 1001: db},
+			},
+			kinds: []ViolationKind{ReferenceMissing},
+		},
+		{
+			name: "held without its object",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n1": {web: 1000}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n1": {1000}},
+				Masters:  map[identity.NumericIdentity]string{},
+			},
+			kinds: []ViolationKind{MasterMismatch},
+		},
+		{
+			name: "held with an object of another label set",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n2": {db: 1001}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n2": {1001}},
+				Masters:  map[identity.NumericIdentity]string{1001: web},
+			},
+			kinds: []ViolationKind{MasterMismatch},
+		},
+		{
+			name: "listed but not held",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n1": {}, "n2": {db: 1001}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n1": {1000}, "n2": {1001}},
+				Masters:  map[identity.NumericIdentity]string{1000: web, 1001: db},
+			},
+			kinds: []ViolationKind{ReferenceOrphaned},
+		},
+		{
+			name: "listed by a node that is gone",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n1": {}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n3": {1000}},
+				Masters:  map[identity.NumericIdentity]string{1000: web},
+			},
+			kinds: []ViolationKind{ReferenceOrphaned},
+		},
+		{
+			name: "two objects of one label set",
+			final: FinalState{
+				Held:     map[string]map[string]identity.NumericIdentity{"n1": {web: 1000}},
+				NodeRefs: map[string][]identity.NumericIdentity{"n1": {1000}},
+				Masters:  map[identity.NumericIdentity]string{1000: web, 1001: db, 1002: web},
+			},
+			kinds: []ViolationKind{LabelSetTwoObjects},
+		},
+	})
 }

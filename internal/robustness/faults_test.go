@@ -6,13 +6,16 @@ import (
 	"time"
 
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/k8stest"
 )
 
 // injector injects faults one at a time, each followed by its repair, so
 // that the cluster always comes back to health and the run can go on.
 type injector struct {
-	t      *testing.T
-	c      *etcdtest.Cluster
+	t *testing.T
+	c *etcdtest.Cluster
+	// api is the Kubernetes API server in CRD mode, nil otherwise.
+	api    *k8stest.Server
 	agents []*agent
 	h      *History
 	sets   []labelSet
@@ -21,11 +24,10 @@ type injector struct {
 	lastFault time.Time
 }
 
-// run injects faults in random order until until. The first round holds
-// every kind of fault and always completes, so that even a short run tests
-// each of them.
-func (inj *injector) run(until time.Time) {
-	kinds := []EventKind{EtcdKill, EtcdPause, NodeKill, EtcdRestartAll}
+// run injects faults of the given kinds in random order until until. The
+// first round holds every kind and always completes, so that even a short
+// run tests each of them.
+func (inj *injector) run(kinds []EventKind, until time.Time) {
 	// Let the workload take references first: the checker only verifies
 	// local label sets held for settle before an agent's kill.
 	time.Sleep(settle + time.Second)
@@ -75,6 +77,15 @@ func (inj *injector) inject(kind EventKind) {
 		}
 		time.Sleep(inj.between(500*time.Millisecond, 1500*time.Millisecond))
 		c.RestartAll()
+	case APIServerRestart:
+		e.Target = "apiserver"
+		inj.api.Restart(t)
+	case APIServerKill:
+		e.Target = "apiserver"
+		inj.api.Kill(t)
+		time.Sleep(inj.between(500*time.Millisecond, 1500*time.Millisecond))
+		// Restart starts it again: there is nothing left to stop.
+		inj.api.Restart(t)
 	case NodeKill:
 		inj.killAgent(inj.agents[inj.rng.IntN(len(inj.agents))])
 		return
@@ -113,11 +124,13 @@ func (inj *injector) killAgent(a *agent) {
 		}
 		op, ok := do(sh, inj.h, a.name, OpAllocate, set, 0)
 		if !ok {
-			t.Fatalf("allocating %s on %s after its restart: %s", set.args, a.name, op.Err)
+			a.dumpGoroutines()
+			t.Fatalf("allocating %s on %s after its restart: %s (#%d; the agent's goroutines are in its log)", set.args, a.name, op.Err, op.Seq)
 		}
 		if op.Outcome == OK {
 			if op, ok := do(sh, inj.h, a.name, OpRelease, set, op.ID); !ok {
-				t.Fatalf("releasing %s on %s after its restart: %s", set.args, a.name, op.Err)
+				a.dumpGoroutines()
+				t.Fatalf("releasing %s on %s after its restart: %s (#%d; the agent's goroutines are in its log)", set.args, a.name, op.Err, op.Seq)
 			}
 		}
 	}

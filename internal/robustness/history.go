@@ -67,6 +67,12 @@ const (
 	EtcdKill       EventKind = "etcd-kill"
 	EtcdPause      EventKind = "etcd-pause"
 	EtcdRestartAll EventKind = "etcd-restart-all"
+	// APIServerRestart: the Kubernetes API server was stopped (SIGTERM)
+	// and started again (CRD mode).
+	APIServerRestart EventKind = "apiserver-restart"
+	// APIServerKill: the API server was killed (SIGKILL) and started
+	// again a moment later (CRD mode).
+	APIServerKill EventKind = "apiserver-kill"
 )
 
 // Event is a fault or life event; Start and End bound it.
@@ -167,7 +173,11 @@ func (h *History) Stats() Stats {
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("%d operations (%d ok, %d failed, %d unknown; %d allocations, %d releases; %d global, %d local); faults: %d etcd kill, %d etcd pause, %d etcd cluster restart, %d node kill",
+	str := fmt.Sprintf("%d operations (%d ok, %d failed, %d unknown; %d allocations, %d releases; %d global, %d local); faults: %d etcd kill, %d etcd pause, %d etcd cluster restart, %d node kill",
 		s.Ops, s.OK, s.Failed, s.Unknown, s.Allocations, s.Releases, s.GlobalOps, s.LocalOps,
 		s.Faults[EtcdKill], s.Faults[EtcdPause], s.Faults[EtcdRestartAll], s.Faults[NodeKill])
+	if n, k := s.Faults[APIServerRestart], s.Faults[APIServerKill]; n+k > 0 {
+		str += fmt.Sprintf(", %d API server restart, %d API server kill", n, k)
+	}
+	return str
 }

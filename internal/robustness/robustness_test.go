@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,9 +16,16 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/identityd/identityd/cells/allocator/crdstore"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -103,10 +111,96 @@ func workloadSets(t *testing.T) []labelSet {
 	return sets
 }
 
+// variant is the global store the agents of a run share: the flags that
+// point an agent at it, the faults beside those of etcd and the agents,
+// and how its side of the final state is read.
+type variant struct {
+	agentArgs []string
+	faults    []EventKind
+	// api is the Kubernetes API server in CRD mode, nil in etcd mode.
+	api *k8stest.Server
+	// readFinal fills in the store's side of f.
+	readFinal func(f *FinalState) error
+	// refs counts the references of the final state, for the log.
+	refs func(f FinalState) int
+	// freshPercent is the share of a worker's allocations that take a
+	// label set nobody used before and release it at once: garbage for
+	// the collection to delete while the faults go on.
+	freshPercent int
+}
+
 // TestRobustness runs 3 etcd members and 3 identityd agents as processes,
 // drives a random workload through the agents' shells while faults hit
 // etcd and the agents, then checks the history and the final state.
 func TestRobustness(t *testing.T) {
+	runRobustness(t, func(c *etcdtest.Cluster) variant {
+		cli := c.Client(t)
+		return variant{
+			agentArgs: []string{
+				"--kvstore-endpoints", strings.Join(c.Endpoints(), ","),
+				"--kvstore-lease-ttl", leaseTTL.String(),
+				"--kvstore-request-timeout", "2s",
+			},
+			readFinal: func(f *FinalState) error { return readEtcd(cli, f) },
+			refs:      func(f FinalState) int { return countRefs(f.RefKeys) },
+		}
+	})
+}
+
+// TestRobustnessCRD is TestRobustness in CRD mode: a Kubernetes API server
+// on the 3-member etcd cluster keeps the global identities, the agents run
+// with --identity-allocation-mode=crd, and the API server is restarted and
+// killed beside the faults of etcd and the agents.
+func TestRobustnessCRD(t *testing.T) {
+	if m := os.Getenv("ROBUSTNESS_MODE"); m != "crd" && m != "all" {
+		// Its setup (an API server, the CRDs) makes even the short run
+		// longer than make test's share allows.
+		t.Skip("the CRD variant runs with ROBUSTNESS_MODE=crd or all (make robustness ROBUSTNESS_MODE=crd)")
+	}
+	runRobustness(t, func(c *etcdtest.Cluster) variant {
+		api := k8stest.Start(t, k8stest.WithEtcd(c.Endpoints()...))
+		// The kubeconfig embeds the admin's certificate: a client of
+		// RESTConfig's certificate files would start a watcher of the
+		// files that outlives the test.
+		cfg, err := clientcmd.BuildConfigFromFlags("", api.Kubeconfig())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dyn, err := dynamic.NewForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return variant{
+			agentArgs: []string{
+				"--identity-allocation-mode", "crd",
+				"--k8s-kubeconfig-path", api.Kubeconfig(),
+				"--identity-node-lease-ttl", leaseTTL.String(),
+				// The shortest the store allows: identities marked
+				// unused are deleted within the run.
+				"--identity-heartbeat-timeout", crdstore.MinHeartbeatTimeout.String(),
+			},
+			faults: []EventKind{APIServerRestart, APIServerKill},
+			// The workload's label sets are always held by someone
+			// after the first seconds, and a marked identity is
+			// deleted only after the heartbeat timeout: without fresh
+			// sets the collection would mark and never delete.
+			freshPercent: 5,
+			api:          api,
+			readFinal:    func(f *FinalState) error { return readCRD(dyn, f) },
+			refs: func(f FinalState) int {
+				n := 0
+				for _, ids := range f.NodeRefs {
+					n += len(ids)
+				}
+				return n
+			},
+		}
+	})
+}
+
+// runRobustness runs the agents on the store that setup starts on the etcd
+// cluster, with the workload and the faults, and checks the outcome.
+func runRobustness(t *testing.T, setup func(*etcdtest.Cluster) variant) {
 	if testing.Short() {
 		t.Skip("runs etcd and identityd processes with faults for a minute or more")
 	}
@@ -117,10 +211,10 @@ func TestRobustness(t *testing.T) {
 	bin := buildAgent(t)
 	// A process crash loses no page cache, so fsync buys nothing here.
 	c := etcdtest.StartCluster(t, 3, etcdtest.WithUnsafeNoFsync())
-	cli := c.Client(t)
+	v := setup(c)
 	agents := make([]*agent, nodes)
 	for i := range agents {
-		agents[i] = newAgent(t, bin, fmt.Sprintf("node%d", i+1), c.Endpoints())
+		agents[i] = newAgent(t, bin, fmt.Sprintf("node%d", i+1), v.agentArgs)
 		if err := agents[i].start(); err != nil {
 			t.Fatal(err)
 		}
@@ -145,6 +239,13 @@ func TestRobustness(t *testing.T) {
 	t.Logf("setup took %s", time.Since(setupStart).Round(time.Millisecond))
 
 	h := NewHistory()
+	// Registered after the agents' cleanup, so run before it: the history
+	// of a run that ends early is kept too.
+	t.Cleanup(func() {
+		if t.Failed() {
+			writeHistory(t, h, seed)
+		}
+	})
 	sets := workloadSets(t)
 	workStart := time.Now()
 	ctx, cancel := context.WithCancel(t.Context())
@@ -152,14 +253,16 @@ func TestRobustness(t *testing.T) {
 	var wg sync.WaitGroup
 	for i, a := range agents {
 		for j := range workersPerNode {
-			w := &worker{a: a, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, uint64(i*workersPerNode+j+1)))}
+			w := &worker{a: a, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, uint64(i*workersPerNode+j+1))),
+				name: fmt.Sprintf("%s-%d", a.name, j), freshPercent: v.freshPercent}
 			wg.Go(func() { w.run(ctx) })
 		}
 	}
 	// Faults run on the test's goroutine, so that a failed repair can end
 	// the test.
-	inj := &injector{t: t, c: c, agents: agents, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, 0))}
-	inj.run(workStart.Add(dur - quiet))
+	kinds := append([]EventKind{EtcdKill, EtcdPause, NodeKill, EtcdRestartAll}, v.faults...)
+	inj := &injector{t: t, c: c, api: v.api, agents: agents, h: h, sets: sets, rng: rand.New(rand.NewPCG(seed, 0))}
+	inj.run(kinds, workStart.Add(dur-quiet))
 	end := later(workStart.Add(dur), inj.lastFault.Add(quiet))
 	time.Sleep(time.Until(end))
 	cancel()
@@ -170,28 +273,20 @@ func TestRobustness(t *testing.T) {
 	stats := h.Stats()
 	t.Logf("workload: %s", stats)
 
-	// Keys of killed agents live until their lease expires, and every
-	// leader election gives leases a full TTL again: wait for that after
-	// the last fault.
-	final, finalViolations := converge(t, cli, agents, h, inj.lastFault.Add(leaseTTL+15*time.Second))
+	// References of killed agents live until their lease expires, and
+	// every leader election gives etcd's leases a full TTL again: wait for
+	// that after the last fault.
+	final, finalViolations := converge(t, v.readFinal, agents, h, inj.lastFault.Add(leaseTTL+15*time.Second))
 
 	checker := Checker{Settle: settle, Grace: restoreGrace}
 	res := checker.Check(h)
 	violations := append(res.Violations, finalViolations...)
-	t.Logf("checked: %d holds, %d local label sets across restarts, %d references in etcd",
-		res.Holds, res.LocalChecks, countRefs(final))
+	t.Logf("checked: %d holds, %d local label sets across restarts, %d references in the store",
+		res.Holds, res.LocalChecks, v.refs(final))
 	for _, v := range violations {
 		t.Errorf("%s", v.Format(h.Begin))
 	}
-	if len(violations) > 0 {
-		path := filepath.Join(os.TempDir(), fmt.Sprintf("identityd-robustness-%d.json", seed))
-		if f, err := os.Create(path); err == nil {
-			h.WriteJSON(f)
-			f.Close()
-			t.Logf("history written to %s", path)
-		}
-	}
-	for _, kind := range []EventKind{EtcdKill, EtcdPause, NodeKill, EtcdRestartAll} {
+	for _, kind := range kinds {
 		if stats.Faults[kind] == 0 {
 			t.Errorf("no %s fault was injected", kind)
 		}
@@ -202,29 +297,63 @@ func TestRobustness(t *testing.T) {
 	if stats.OK < 100 {
 		t.Errorf("only %d operations succeeded", stats.OK)
 	}
+	if v.api != nil {
+		runs, marked, deleted, skipped := gcSummary(agents)
+		t.Logf("garbage collection (the agents' logs): %d runs that changed something, %d identities marked, %d deleted, %d deletes refused by their precondition",
+			runs, marked, deleted, skipped)
+	}
 	t.Logf("total %s, %d violations", time.Since(setupStart).Round(time.Second), len(violations))
 }
 
-func countRefs(f FinalState) int {
+func writeHistory(t *testing.T, h *History, seed uint64) {
+	path := filepath.Join(os.TempDir(), fmt.Sprintf("identityd-robustness-%d.json", seed))
+	if f, err := os.Create(path); err == nil {
+		h.WriteJSON(f)
+		f.Close()
+		t.Logf("history written to %s", path)
+	}
+}
+
+var gcLogLine = regexp.MustCompile(`Garbage collection of global identities .*marked=(\d+) deleted=(\d+) skipped=(\d+)`)
+
+// gcSummary sums the collections the CRD store logged in every incarnation
+// of the agents (it logs each run that marked, deleted or skipped
+// something), to show that the collection ran under the faults.
+func gcSummary(agents []*agent) (runs, marked, deleted, skipped int) {
+	for _, a := range agents {
+		data, err := os.ReadFile(a.logPath)
+		if err != nil {
+			continue
+		}
+		for _, m := range gcLogLine.FindAllSubmatch(data, -1) {
+			runs++
+			n := func(i int) int { v, _ := strconv.Atoi(string(m[i])); return v }
+			marked, deleted, skipped = marked+n(1), deleted+n(2), skipped+n(3)
+		}
+	}
+	return runs, marked, deleted, skipped
+}
+
+func countRefs(refKeys map[string]map[string]identity.NumericIdentity) int {
 	n := 0
-	for _, refs := range f.RefKeys {
+	for _, refs := range refKeys {
 		n += len(refs)
 	}
 	return n
 }
 
-// converge reads the final state until the agents and etcd agree or the
-// deadline passes, and returns the last state with its violations.
-func converge(t *testing.T, cli *clientv3.Client, agents []*agent, h *History, deadline time.Time) (FinalState, []Violation) {
+// converge reads the final state until the agents and the store agree or
+// the deadline passes, and returns the last state with its violations.
+func converge(t *testing.T, readStore func(*FinalState) error, agents []*agent, h *History, deadline time.Time) (FinalState, []Violation) {
 	start := time.Now()
 	deadline = later(deadline, start.Add(10*time.Second))
 	for {
-		f, err := finalState(cli, agents)
+		f, err := finalState(readStore, agents)
 		var vs []Violation
 		if err == nil {
 			vs = CheckFinal(h, f)
 			if len(vs) == 0 {
-				t.Logf("agents and etcd agree after %s", time.Since(start).Round(time.Millisecond))
+				t.Logf("agents and the store agree after %s", time.Since(start).Round(time.Millisecond))
 				return f, nil
 			}
 		}
@@ -245,10 +374,10 @@ func later(a, b time.Time) time.Time {
 	return b
 }
 
-func finalState(cli *clientv3.Client, agents []*agent) (FinalState, error) {
+// finalState reads what the live agents hold, then the store's side.
+func finalState(readStore func(*FinalState) error, agents []*agent) (FinalState, error) {
 	f := FinalState{
 		Held:    map[string]map[string]identity.NumericIdentity{},
-		RefKeys: map[string]map[string]identity.NumericIdentity{},
 		Masters: map[identity.NumericIdentity]string{},
 	}
 	for _, a := range agents {
@@ -261,11 +390,17 @@ func finalState(cli *clientv3.Client, agents []*agent) (FinalState, error) {
 		}
 		f.Held[a.name] = held
 	}
+	return f, readStore(&f)
+}
+
+// readEtcd reads the master and reference keys.
+func readEtcd(cli *clientv3.Client, f *FinalState) error {
+	f.RefKeys = map[string]map[string]identity.NumericIdentity{}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	resp, err := cli.Get(ctx, etcdstore.IdentitiesPrefix+"/", clientv3.WithPrefix())
 	if err != nil {
-		return f, err
+		return err
 	}
 	for _, kv := range resp.Kvs {
 		key := string(kv.Key)
@@ -273,18 +408,18 @@ func finalState(cli *clientv3.Client, agents []*agent) (FinalState, error) {
 		case strings.HasPrefix(key, etcdstore.MasterKeyPrefix):
 			id, err := identity.ParseNumericIdentity(strings.TrimPrefix(key, etcdstore.MasterKeyPrefix))
 			if err != nil {
-				return f, fmt.Errorf("master key %s: %w", key, err)
+				return fmt.Errorf("master key %s: %w", key, err)
 			}
 			f.Masters[id] = string(kv.Value)
 		case strings.HasPrefix(key, etcdstore.ReferenceKeyPrefix):
 			rest := strings.TrimPrefix(key, etcdstore.ReferenceKeyPrefix)
 			i := strings.LastIndexByte(rest, '/')
 			if i < 0 {
-				return f, fmt.Errorf("reference key %s has no node", key)
+				return fmt.Errorf("reference key %s has no node", key)
 			}
 			id, err := identity.ParseNumericIdentity(string(kv.Value))
 			if err != nil {
-				return f, fmt.Errorf("reference key %s: %w", key, err)
+				return fmt.Errorf("reference key %s: %w", key, err)
 			}
 			lbls, node := rest[:i], rest[i+1:]
 			if f.RefKeys[node] == nil {
@@ -293,7 +428,64 @@ func finalState(cli *clientv3.Client, agents []*agent) (FinalState, error) {
 			f.RefKeys[node][lbls] = id
 		}
 	}
-	return f, nil
+	return nil
+}
+
+// readCRD reads the CiliumIdentity objects and the IdentityNode objects
+// whose lease has not ended: an expired record protects nothing, so a live
+// node's identities count as unlisted, and a killed node's record may stay
+// until the collector deletes it.
+func readCRD(dyn dynamic.Interface, f *FinalState) error {
+	f.NodeRefs = map[string][]identity.NumericIdentity{}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ids, err := dyn.Resource(crdstore.CiliumIdentityResource).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	for _, u := range ids.Items {
+		var obj crdstore.CiliumIdentity
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &obj); err != nil {
+			return fmt.Errorf("CiliumIdentity %s: %w", u.GetName(), err)
+		}
+		id, err := identity.ParseNumericIdentity(obj.Name)
+		if err != nil {
+			return fmt.Errorf("CiliumIdentity %s: %w", obj.Name, err)
+		}
+		var ls []labels.Label
+		for k, v := range obj.SecurityLabels {
+			l, err := labels.ParseLabel(k + "=" + v)
+			if err != nil {
+				return fmt.Errorf("CiliumIdentity %s: %w", obj.Name, err)
+			}
+			ls = append(ls, l)
+		}
+		lbls, err := labels.New(ls...)
+		if err != nil {
+			return fmt.Errorf("CiliumIdentity %s: %w", obj.Name, err)
+		}
+		f.Masters[id] = lbls.Canonical()
+	}
+	nodes, err := dyn.Resource(crdstore.IdentityNodeResource).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	now := metav1.Now()
+	for _, u := range nodes.Items {
+		var obj crdstore.IdentityNode
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &obj); err != nil {
+			return fmt.Errorf("IdentityNode %s: %w", u.GetName(), err)
+		}
+		if obj.Expired(now) {
+			continue
+		}
+		refs := []identity.NumericIdentity{}
+		for _, id := range obj.Spec.Identities {
+			refs = append(refs, identity.NumericIdentity(id))
+		}
+		f.NodeRefs[obj.Name] = refs
+	}
+	return nil
 }
 
 // held is a reference a worker took and has not released yet.
@@ -312,6 +504,11 @@ type worker struct {
 	sh    *Shell
 	gen   int
 	holds []held
+	// name names the worker's fresh label sets; freshPercent is the share
+	// of allocations that take one (variant.freshPercent).
+	name         string
+	freshPercent int
+	fresh        int
 }
 
 func (w *worker) run(ctx context.Context) {
@@ -344,6 +541,8 @@ func (w *worker) run(ctx context.Context) {
 			hd := w.holds[i]
 			w.holds = append(w.holds[:i], w.holds[i+1:]...)
 			w.release(hd)
+		} else if w.freshPercent > 0 && w.rng.IntN(100) < w.freshPercent {
+			w.allocateFresh()
 		} else {
 			w.allocate(w.sets[w.rng.IntN(len(w.sets))])
 		}
@@ -366,6 +565,22 @@ func (w *worker) allocate(set labelSet) {
 	}
 	if op.Outcome == OK {
 		w.holds = append(w.holds, held{set, op.ID})
+	}
+}
+
+// allocateFresh allocates a global label set no one used before and
+// releases it at once.
+func (w *worker) allocateFresh() {
+	w.fresh++
+	args := []string{fmt.Sprintf("k8s:app=fresh-%s-%d", w.name, w.fresh), "k8s:io.kubernetes.pod.namespace=robustness"}
+	set := labelSet{args: args, canonical: labels.MustParse(args...).Canonical(), global: true}
+	op, ok := do(w.sh, w.h, w.a.name, OpAllocate, set, 0)
+	if !ok {
+		w.closeShell()
+		return
+	}
+	if op.Outcome == OK {
+		w.release(held{set, op.ID})
 	}
 }
 
