@@ -1,0 +1,465 @@
+package crdstore
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// entry is one CiliumIdentity object of the cache, parsed. The object is
+// the one the watch delivered; nothing modifies it.
+type entry struct {
+	id   identity.NumericIdentity
+	key  string // canonical labels
+	lbls labels.Labels
+	obj  *CiliumIdentity
+}
+
+func (e *entry) marked() bool {
+	_, ok := e.obj.Annotations[HeartbeatAnnotation]
+	return ok
+}
+
+// Object is what the cache knows of one CiliumIdentity: what the garbage
+// collection needs to decide and to delete with preconditions.
+type Object struct {
+	ID              identity.NumericIdentity
+	Labels          labels.Labels
+	UID             types.UID
+	ResourceVersion string
+	Created         time.Time
+	Annotations     map[string]string
+}
+
+type change struct {
+	upsert bool
+	id     identity.NumericIdentity
+	lbls   labels.Labels
+}
+
+// cacheHooks let the store react to the cache's changes.
+type cacheHooks struct {
+	// emit reports changes, in order, outside the cache's lock.
+	emit func([]change)
+	// marked runs, outside the lock, for every object that arrives with
+	// the heartbeat mark.
+	marked func(id identity.NumericIdentity, lbls labels.Labels)
+	// synced runs once, after the first complete listing.
+	synced func()
+}
+
+// identityCache is the list+watch cache of the CiliumIdentity objects of
+// this cluster's range, indexed by ID and by canonical labels. A
+// client-go Reflector feeds it (it implements cache.ReflectorStore): one
+// listing, then a watch from the listing's resourceVersion, and a new
+// listing after a 410 Gone, of which only the differences are reported.
+// Events arrive from one goroutine, in the API server's order, so the
+// cache is a consistent prefix of the server's history.
+type identityCache struct {
+	log     *slog.Logger
+	cluster identity.ClusterInfo
+	hooks   cacheHooks
+
+	mu    sync.RWMutex
+	byID  map[identity.NumericIdentity]*entry
+	byKey map[string][]*entry
+	// rv is the resourceVersion the cache reflects: the last listing's,
+	// watch event's or bookmark's.
+	rv string
+	// ignored holds, by name, the resourceVersion of every object left
+	// out (a name that is not an ID of this cluster's range, labels that
+	// do not parse), so that each version is logged and counted once.
+	ignored map[string]string
+	waiters map[identity.NumericIdentity][]chan struct{}
+
+	ignoredTotal atomic.Uint64
+	splitsTotal  atomic.Uint64
+	// splitKeys counts the label sets that have more than one object now.
+	splitKeys atomic.Int64
+
+	synced chan struct{}
+	once   sync.Once
+}
+
+var _ cache.ReflectorStore = (*identityCache)(nil)
+
+func newIdentityCache(log *slog.Logger, cluster identity.ClusterInfo, hooks cacheHooks) *identityCache {
+	return &identityCache{
+		log:     log,
+		cluster: cluster,
+		hooks:   hooks,
+		byID:    map[identity.NumericIdentity]*entry{},
+		byKey:   map[string][]*entry{},
+		ignored: map[string]string{},
+		waiters: map[identity.NumericIdentity][]chan struct{}{},
+		synced:  make(chan struct{}),
+	}
+}
+
+// parse checks an object: its name must be the decimal form of an ID of
+// this cluster's range, its security-labels a valid label set.
+func (c *identityCache) parse(obj *CiliumIdentity) (*entry, error) {
+	id, err := parseName(obj.Name)
+	if err != nil {
+		return nil, err
+	}
+	if id < c.cluster.MinID() || id > c.cluster.MaxID() {
+		return nil, fmt.Errorf("ID %d is outside this cluster's range %d..%d", id, c.cluster.MinID(), c.cluster.MaxID())
+	}
+	lbls, err := parseSecurityLabels(obj.SecurityLabels)
+	if err != nil {
+		return nil, err
+	}
+	return &entry{id: id, key: lbls.Canonical(), lbls: lbls, obj: obj}, nil
+}
+
+// parseName reads an object name as a numeric identity: decimal digits
+// only, without sign or leading zeros, so that one ID has one name.
+func parseName(name string) (identity.NumericIdentity, error) {
+	v, err := strconv.ParseUint(name, 10, 32)
+	if err != nil || name == "" || (name[0] == '0') || strconv.FormatUint(v, 10) != name {
+		return 0, fmt.Errorf("name %q is not a numeric identity", name)
+	}
+	return identity.NumericIdentity(v), nil
+}
+
+// ignore logs and counts an object left out, once per resourceVersion.
+// Under mu.
+func (c *identityCache) ignore(obj *CiliumIdentity, err error) {
+	if c.ignored[obj.Name] == obj.ResourceVersion {
+		return
+	}
+	c.ignored[obj.Name] = obj.ResourceVersion
+	c.ignoredTotal.Add(1)
+	c.log.Debug("Ignoring CiliumIdentity object", "name", obj.Name, "resourceVersion", obj.ResourceVersion, "error", err)
+}
+
+// Add implements cache.ReflectorStore.
+func (c *identityCache) Add(obj any) error { return c.Update(obj) }
+
+// Update implements cache.ReflectorStore.
+func (c *identityCache) Update(obj any) error {
+	ci, ok := obj.(*CiliumIdentity)
+	if !ok {
+		return fmt.Errorf("unexpected object %T in the CiliumIdentity watch", obj)
+	}
+	var changes []change
+	var mark *entry
+	c.mu.Lock()
+	c.rv = ci.ResourceVersion
+	e, err := c.parse(ci)
+	if err != nil {
+		c.ignore(ci, err)
+		// A name that held a valid object before holds none now.
+		if id, perr := parseName(ci.Name); perr == nil {
+			if old := c.byID[id]; old != nil {
+				changes = append(changes, c.remove(old))
+			}
+		}
+	} else {
+		delete(c.ignored, ci.Name)
+		changes = c.store(e, changes)
+		if e.marked() {
+			mark = e
+		}
+	}
+	c.mu.Unlock()
+	c.report(changes)
+	if mark != nil && c.hooks.marked != nil {
+		c.hooks.marked(mark.id, mark.lbls)
+	}
+	return nil
+}
+
+// Delete implements cache.ReflectorStore.
+func (c *identityCache) Delete(obj any) error {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	ci, ok := obj.(*CiliumIdentity)
+	if !ok {
+		return fmt.Errorf("unexpected object %T in the CiliumIdentity watch", obj)
+	}
+	var changes []change
+	c.mu.Lock()
+	if ci.ResourceVersion != "" {
+		c.rv = ci.ResourceVersion
+	}
+	delete(c.ignored, ci.Name)
+	if id, err := parseName(ci.Name); err == nil {
+		if old := c.byID[id]; old != nil {
+			changes = append(changes, c.remove(old))
+		}
+	}
+	c.mu.Unlock()
+	c.report(changes)
+	return nil
+}
+
+// Replace implements cache.ReflectorStore: a complete listing, after which
+// only what differs from the cache is reported.
+func (c *identityCache) Replace(list []any, rv string) error {
+	fresh := make(map[identity.NumericIdentity]*CiliumIdentity, len(list))
+	var objs []*CiliumIdentity
+	for _, o := range list {
+		ci, ok := o.(*CiliumIdentity)
+		if !ok {
+			return fmt.Errorf("unexpected object %T in the CiliumIdentity listing", o)
+		}
+		objs = append(objs, ci)
+	}
+	var changes []change
+	var marks, parsed []*entry
+	c.mu.Lock()
+	ignored := c.ignored
+	c.ignored = map[string]string{}
+	for _, ci := range objs {
+		e, err := c.parse(ci)
+		if err != nil {
+			if ignored[ci.Name] == ci.ResourceVersion {
+				c.ignored[ci.Name] = ci.ResourceVersion
+			} else {
+				c.ignore(ci, err)
+			}
+			continue
+		}
+		fresh[e.id] = ci
+		parsed = append(parsed, e)
+	}
+	// Removals first, so that a label set that moved to another ID
+	// meanwhile is not counted as split.
+	for id, old := range c.byID {
+		if _, ok := fresh[id]; !ok {
+			changes = append(changes, c.remove(old))
+		}
+	}
+	for _, e := range parsed {
+		changes = c.store(e, changes)
+		if e.marked() {
+			marks = append(marks, e)
+		}
+	}
+	c.rv = rv
+	c.mu.Unlock()
+	c.report(changes)
+	for _, e := range marks {
+		if c.hooks.marked != nil {
+			c.hooks.marked(e.id, e.lbls)
+		}
+	}
+	c.once.Do(func() {
+		close(c.synced)
+		if c.hooks.synced != nil {
+			c.hooks.synced()
+		}
+	})
+	return nil
+}
+
+// Resync implements cache.ReflectorStore; there is nothing to resync.
+func (c *identityCache) Resync() error { return nil }
+
+// Bookmark implements cache.ReflectorBookmarkStore: the cache has seen
+// every change up to rv.
+func (c *identityCache) Bookmark(rv string) error {
+	c.mu.Lock()
+	c.rv = rv
+	c.mu.Unlock()
+	return nil
+}
+
+// store puts e in the cache, replacing the object of its ID, and appends
+// what changed for the allocator. Under mu.
+func (c *identityCache) store(e *entry, changes []change) []change {
+	old := c.byID[e.id]
+	if old != nil && old.key == e.key {
+		c.byID[e.id] = e
+		es := c.byKey[e.key]
+		for i := range es {
+			if es[i] == old {
+				es[i] = e
+			}
+		}
+		c.wake(e.id)
+		return changes
+	}
+	if old != nil {
+		changes = append(changes, c.remove(old))
+	}
+	c.byID[e.id] = e
+	es := append(c.byKey[e.key], e)
+	c.byKey[e.key] = es
+	if len(es) == 2 {
+		c.splitsTotal.Add(1)
+		c.splitKeys.Add(1)
+		c.log.Error("A global label set has two CiliumIdentity objects; every identityd node uses the one at the smallest position of its probe sequence",
+			"labels", e.key, "ids", []identity.NumericIdentity{es[0].id, es[1].id})
+	}
+	c.wake(e.id)
+	return append(changes, change{upsert: true, id: e.id, lbls: e.lbls})
+}
+
+// remove takes e out of the cache and returns the change. Under mu.
+func (c *identityCache) remove(e *entry) change {
+	delete(c.byID, e.id)
+	es := c.byKey[e.key]
+	for i := range es {
+		if es[i] == e {
+			es = append(es[:i:i], es[i+1:]...)
+			break
+		}
+	}
+	if len(es) == 1 {
+		c.splitKeys.Add(-1)
+	}
+	if len(es) == 0 {
+		delete(c.byKey, e.key)
+	} else {
+		c.byKey[e.key] = es
+	}
+	return change{id: e.id, lbls: e.lbls}
+}
+
+func (c *identityCache) report(changes []change) {
+	if len(changes) > 0 && c.hooks.emit != nil {
+		c.hooks.emit(changes)
+	}
+}
+
+// wake ends the waits for id. Under mu.
+func (c *identityCache) wake(id identity.NumericIdentity) {
+	for _, ch := range c.waiters[id] {
+		close(ch)
+	}
+	delete(c.waiters, id)
+}
+
+// waitFor returns the object of id once the cache has one, waiting at most
+// d; nil when none arrived.
+func (c *identityCache) waitFor(ctx context.Context, id identity.NumericIdentity, d time.Duration) *entry {
+	c.mu.Lock()
+	if e := c.byID[id]; e != nil {
+		c.mu.Unlock()
+		return e
+	}
+	ch := make(chan struct{})
+	c.waiters[id] = append(c.waiters[id], ch)
+	c.mu.Unlock()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ch:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ws := c.waiters[id]; len(ws) > 0 {
+		for i := range ws {
+			if ws[i] == ch {
+				ws = append(ws[:i:i], ws[i+1:]...)
+				break
+			}
+		}
+		if len(ws) == 0 {
+			delete(c.waiters, id)
+		} else {
+			c.waiters[id] = ws
+		}
+	}
+	return c.byID[id]
+}
+
+// isSynced reports whether the first listing completed.
+func (c *identityCache) isSynced() bool {
+	select {
+	case <-c.synced:
+		return true
+	default:
+		return false
+	}
+}
+
+func (c *identityCache) get(id identity.NumericIdentity) *entry {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.byID[id]
+}
+
+// lookup returns the label set's identity by the rule of the design: of
+// the objects holding it, the first one the walk of its probe sequence
+// reaches before a free slot; when the walk reaches none (objects another
+// writer placed at random, as Cilium agents do), the oldest of them, then
+// the one of the smallest ID, as Cilium's agents pick. Every node whose
+// cache holds the same objects picks the same one.
+func (c *identityCache) lookup(key string) *entry {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.lookupLocked(key)
+}
+
+func (c *identityCache) lookupLocked(key string) *entry {
+	es := c.byKey[key]
+	switch len(es) {
+	case 0:
+		return nil
+	case 1:
+		return es[0]
+	}
+	p := newProbe(key, c.cluster)
+	for i := uint64(0); i < p.n; i++ {
+		e := c.byID[p.slot(i)]
+		if e == nil {
+			break
+		}
+		if e.key == key {
+			return e
+		}
+	}
+	best := es[0]
+	for _, e := range es[1:] {
+		bt, et := best.obj.CreationTimestamp.Time, e.obj.CreationTimestamp.Time
+		if et.Before(bt) || (et.Equal(bt) && e.id < best.id) {
+			best = e
+		}
+	}
+	return best
+}
+
+// Objects returns every object of the cache, with the resourceVersion the
+// cache reflects; the garbage collection decides on them.
+func (c *identityCache) Objects() ([]Object, string) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	out := make([]Object, 0, len(c.byID))
+	for _, e := range c.byID {
+		out = append(out, Object{
+			ID: e.id, Labels: e.lbls, UID: e.obj.UID, ResourceVersion: e.obj.ResourceVersion,
+			Created: e.obj.CreationTimestamp.Time, Annotations: e.obj.Annotations,
+		})
+	}
+	return out, c.rv
+}
+
+// Position returns the position of id in the probe sequence of lbls, and
+// false when id is outside this cluster's range.
+func (c *identityCache) Position(lbls labels.Labels, id identity.NumericIdentity) (uint64, bool) {
+	return newProbe(lbls.Canonical(), c.cluster).position(id)
+}
+
+// ResourceVersion returns the resourceVersion the cache reflects.
+func (c *identityCache) ResourceVersion() string {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.rv
+}

@@ -1,0 +1,127 @@
+package crdstore
+
+import (
+	"testing"
+	"time"
+
+	"github.com/cilium/hive/hivetest"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+type recordedEvents struct {
+	upserts, deletes map[identity.NumericIdentity]string
+	synced           int
+}
+
+func newRecordedEvents() *recordedEvents {
+	return &recordedEvents{upserts: map[identity.NumericIdentity]string{}, deletes: map[identity.NumericIdentity]string{}}
+}
+
+func (r *recordedEvents) emit(cs []change) {
+	for _, c := range cs {
+		if c.upsert {
+			r.upserts[c.id] = c.lbls.Canonical()
+		} else {
+			r.deletes[c.id] = c.lbls.Canonical()
+		}
+	}
+}
+
+func object(id identity.NumericIdentity, lbls labels.Labels, created time.Time) *CiliumIdentity {
+	return &CiliumIdentity{
+		ObjectMeta:     metav1.ObjectMeta{Name: id.String(), ResourceVersion: "1", CreationTimestamp: metav1.NewTime(created)},
+		SecurityLabels: securityLabels(lbls),
+	}
+}
+
+func TestCacheIgnoresMalformedObjects(t *testing.T) {
+	ev := newRecordedEvents()
+	c := newIdentityCache(hivetest.Logger(t), identity.ClusterInfo{Name: "default"}, cacheHooks{emit: ev.emit, synced: func() { ev.synced++ }})
+	good := labels.MustParse("k8s:app=web")
+	bad := []*CiliumIdentity{
+		{ObjectMeta: metav1.ObjectMeta{Name: "web", ResourceVersion: "2"}, SecurityLabels: securityLabels(good)},
+		{ObjectMeta: metav1.ObjectMeta{Name: "70000", ResourceVersion: "3"}, SecurityLabels: securityLabels(good)},
+		{ObjectMeta: metav1.ObjectMeta{Name: "300", ResourceVersion: "4"}, SecurityLabels: map[string]string{"nosource": "x"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "301", ResourceVersion: "5"}, SecurityLabels: map[string]string{"k8s:a": "b;c"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "0300", ResourceVersion: "6"}, SecurityLabels: securityLabels(good)},
+	}
+	list := []any{object(1000, good, time.Now())}
+	for _, b := range bad {
+		list = append(list, b)
+	}
+	if err := c.Replace(list, "10"); err != nil {
+		t.Fatal(err)
+	}
+	if got := c.ignoredTotal.Load(); got != uint64(len(bad)) {
+		t.Errorf("ignored %d objects, want %d", got, len(bad))
+	}
+	if len(ev.upserts) != 1 || ev.synced != 1 {
+		t.Errorf("upserts %v, synced %d", ev.upserts, ev.synced)
+	}
+	// The same versions again are not counted again; a valid object
+	// turning invalid leaves the cache.
+	if err := c.Replace(list, "11"); err != nil {
+		t.Fatal(err)
+	}
+	broken := object(1000, good, time.Now())
+	broken.ResourceVersion = "12"
+	broken.SecurityLabels = map[string]string{"k8s:x": "\x01"}
+	if err := c.Update(broken); err != nil {
+		t.Fatal(err)
+	}
+	if got := c.ignoredTotal.Load(); got != uint64(len(bad))+1 {
+		t.Errorf("ignored %d, want %d", got, len(bad)+1)
+	}
+	if _, ok := ev.deletes[1000]; !ok || c.get(1000) != nil || ev.synced != 1 {
+		t.Errorf("the object that turned invalid is still cached (deletes %v, synced %d)", ev.deletes, ev.synced)
+	}
+}
+
+// TestCacheLookupRule checks the design's rule for a label set with several
+// objects: the first one on its probe sequence before a free slot, else
+// the oldest, then the smallest ID.
+func TestCacheLookupRule(t *testing.T) {
+	cluster := identity.ClusterInfo{Name: "default"}
+	l := labels.MustParse("k8s:app=web")
+	p := newProbe(l.Canonical(), cluster)
+	other := func(i int) labels.Labels { return labels.MustParse("k8s:other=" + string(rune('a'+i))) }
+	now := time.Now()
+	c := newIdentityCache(hivetest.Logger(t), cluster, cacheHooks{})
+	// slot 0 and 1 held by others, slot 2 by l (newest), a random far
+	// slot by l (oldest).
+	far := p.slot(1000)
+	objs := []any{
+		object(p.slot(0), other(0), now),
+		object(p.slot(1), other(1), now),
+		object(p.slot(2), l, now),
+		object(far, l, now.Add(-time.Hour)),
+	}
+	if err := c.Replace(objs, "1"); err != nil {
+		t.Fatal(err)
+	}
+	if e := c.lookup(l.Canonical()); e == nil || e.id != p.slot(2) {
+		t.Fatalf("lookup = %v, want slot 2 (%d)", e, p.slot(2))
+	}
+	if c.splitKeys.Load() != 1 || c.splitsTotal.Load() != 1 {
+		t.Errorf("split counts %d/%d, want 1/1", c.splitKeys.Load(), c.splitsTotal.Load())
+	}
+	// With slot 1 free, no object of l is on the walk: the oldest wins.
+	if err := c.Delete(objs[1]); err != nil {
+		t.Fatal(err)
+	}
+	if e := c.lookup(l.Canonical()); e == nil || e.id != far {
+		t.Fatalf("lookup = %v, want the oldest (%d)", e, far)
+	}
+	// Equal ages: the smallest ID.
+	same := object(p.slot(3), l, now.Add(-time.Hour))
+	if err := c.Add(same); err != nil {
+		t.Fatal(err)
+	}
+	want := min(far, p.slot(3))
+	if e := c.lookup(l.Canonical()); e == nil || e.id != want {
+		t.Fatalf("lookup = %v, want %d", e, want)
+	}
+}

@@ -1,0 +1,52 @@
+// Package crdstore is the Kubernetes CRD driver of the allocator's
+// global-store contract (cells/allocator/globalstore): global identities
+// kept as Cilium's cilium.io/v2 CiliumIdentity objects, written exactly as
+// Cilium v1.16's CRD backend writes them, so that identityd nodes and
+// Cilium agents in CRD mode share one API server; each node's uses are its
+// identityd.io/v1 IdentityNode object. The design, and why racing nodes
+// never give one label set two identities, is docs/crd-store.md.
+//
+// A new label set goes to the first ID of its probe sequence (from the
+// SHA-256 of its canonical labels) that the cache does not show held by
+// another label set: one create in the common case. A label set the cache
+// knows costs no request (unless its object carries the heartbeat mark,
+// which is removed), and a release none: both change the IdentityNode,
+// which one writer sends coalesced. There is no lock per node: concurrent
+// allocations run in parallel.
+//
+// The Store keeps a list+watch cache of CiliumIdentity objects of this
+// cluster's range (client-go's Reflector: a listing, a watch from its
+// resourceVersion, a new listing after 410 Gone) indexed by ID and by
+// canonical labels, and one of IdentityNode objects. Objects whose name is
+// not an ID of the range or whose security-labels are not a valid label
+// set are left out and counted. RegisterCRDs installs or updates both CRDs
+// at Start when they are missing or outdated.
+//
+// # Jobs
+//
+// Each loop is a hive job of the module, with its own health scope:
+// global-identities-watch and identity-nodes-watch (the caches),
+// identity-node-writer (this node's IdentityNode), identity-node-renew (a
+// timer at a third of the lease) and identity-unmark (removes the
+// heartbeat mark from identities this node uses).
+//
+// # Flags
+//
+//	--identity-node-lease-ttl   how long this node's IdentityNode counts after its renewal (15m; at least 25s)
+//
+// # Metrics
+//
+//	identityd_crd_allocations_total{outcome}      created, adopted, conflict, exhausted, error
+//	identityd_crd_ignored_objects_total           object versions left out of the cache
+//	identityd_crd_split_label_sets_total          label sets that came to have two objects
+//	identityd_crd_split_label_sets                label sets with two objects now
+//	identityd_crd_heartbeat_marks_removed_total   marks removed by this node
+//	identityd_crd_identity_node_writes_total{outcome}
+//
+// # Garbage collection
+//
+// The collector (gc.go) reads the cache: Objects (every identity with its
+// UID, resourceVersion and annotations, and the resourceVersion the cache
+// reflects), Position (an object's place in its label set's probe
+// sequence, for the fence rule) and Nodes (the IdentityNode objects).
+package crdstore

@@ -1,0 +1,318 @@
+package crdstore
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// nodeCache is the list+watch cache of every IdentityNode object: the
+// garbage collection reads which identities live nodes use.
+type nodeCache struct {
+	mu     sync.RWMutex
+	byName map[string]*IdentityNode
+	rv     string
+	synced chan struct{}
+	once   sync.Once
+}
+
+var _ cache.ReflectorStore = (*nodeCache)(nil)
+
+func newNodeCache() *nodeCache {
+	return &nodeCache{byName: map[string]*IdentityNode{}, synced: make(chan struct{})}
+}
+
+func (c *nodeCache) Add(obj any) error { return c.Update(obj) }
+
+func (c *nodeCache) Update(obj any) error {
+	n, ok := obj.(*IdentityNode)
+	if !ok {
+		return fmt.Errorf("unexpected object %T in the IdentityNode watch", obj)
+	}
+	c.mu.Lock()
+	c.byName[n.Name], c.rv = n, n.ResourceVersion
+	c.mu.Unlock()
+	return nil
+}
+
+func (c *nodeCache) Delete(obj any) error {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	n, ok := obj.(*IdentityNode)
+	if !ok {
+		return fmt.Errorf("unexpected object %T in the IdentityNode watch", obj)
+	}
+	c.mu.Lock()
+	delete(c.byName, n.Name)
+	if n.ResourceVersion != "" {
+		c.rv = n.ResourceVersion
+	}
+	c.mu.Unlock()
+	return nil
+}
+
+func (c *nodeCache) Replace(list []any, rv string) error {
+	fresh := make(map[string]*IdentityNode, len(list))
+	for _, o := range list {
+		n, ok := o.(*IdentityNode)
+		if !ok {
+			return fmt.Errorf("unexpected object %T in the IdentityNode listing", o)
+		}
+		fresh[n.Name] = n
+	}
+	c.mu.Lock()
+	c.byName, c.rv = fresh, rv
+	c.mu.Unlock()
+	c.once.Do(func() { close(c.synced) })
+	return nil
+}
+
+func (c *nodeCache) Resync() error { return nil }
+
+func (c *nodeCache) Bookmark(rv string) error {
+	c.mu.Lock()
+	c.rv = rv
+	c.mu.Unlock()
+	return nil
+}
+
+// Nodes returns the IdentityNode objects of the cache (live or expired:
+// see IdentityNode.Expired) and the resourceVersion the cache reflects.
+func (c *nodeCache) Nodes() ([]*IdentityNode, string) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	out := make([]*IdentityNode, 0, len(c.byName))
+	for _, n := range c.byName {
+		out = append(out, n)
+	}
+	return out, c.rv
+}
+
+// nodeWriter coalesces the writes of this node's IdentityNode: one write in
+// flight, and the next carries every change made since the last one began.
+type nodeWriter struct {
+	wake chan struct{}
+	// renew asks the next write to happen even if nothing changed.
+	renew atomic.Bool
+	// lastOK is the time of the last successful write (Unix nanoseconds).
+	lastOK atomic.Int64
+	// writes and failures count the writes sent.
+	writes, failures atomic.Uint64
+}
+
+func newNodeWriter() nodeWriter { return nodeWriter{wake: make(chan struct{}, 1)} }
+
+// request asks for a write; renew forces it when nothing changed.
+func (w *nodeWriter) request(renew bool) {
+	if renew {
+		w.renew.Store(true)
+	}
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// heldIDs returns the sorted IDs of the allocator's record of this node's
+// references, which is what the IdentityNode says.
+func (s *Store) heldIDs() []uint32 {
+	var ids []uint32
+	if s.refs != nil {
+		s.refs.Each(func(r *globalstore.Reference) { ids = append(ids, uint32(r.ID)) })
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
+}
+
+// writeLoop is the IdentityNode writer job.
+func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
+	var last []uint32
+	written := false
+	failures := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.writer.wake:
+		}
+		ids := s.heldIDs()
+		renew := s.writer.renew.Swap(false)
+		if written && !renew && slices.Equal(ids, last) {
+			continue
+		}
+		if err := s.writeNode(ctx, ids); err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			failures++
+			s.writer.failures.Add(1)
+			s.log.Warn("Writing this node's IdentityNode failed; retrying", "node", s.node, "error", err, "attempt", failures)
+			if h != nil {
+				h.Degraded("Writing IdentityNode "+s.node+" failed", err)
+			}
+			// Try again with whatever is held by then.
+			s.writer.request(renew)
+			sleep(ctx, backoff(failures))
+			continue
+		}
+		failures = 0
+		last, written = ids, true
+		s.writer.lastOK.Store(time.Now().UnixNano())
+		if h != nil {
+			h.OK(fmt.Sprintf("IdentityNode %s lists %d identities", s.node, len(ids)))
+		}
+	}
+}
+
+// writeNode writes this node's IdentityNode with ids and a fresh renewal
+// time: a merge patch of its spec, or a create when it does not exist.
+func (s *Store) writeNode(ctx context.Context, ids []uint32) error {
+	if ids == nil {
+		ids = []uint32{}
+	}
+	spec := IdentityNodeSpec{
+		Identities:           ids,
+		RenewTime:            metav1.NewMicroTime(time.Now()),
+		LeaseDurationSeconds: int32(s.cfg.IdentityNodeLeaseTTL / time.Second),
+	}
+	s.writer.writes.Add(1)
+	patch, err := json.Marshal(map[string]any{"spec": spec})
+	if err != nil {
+		return err
+	}
+	for range 3 {
+		err = s.nodeClient.Patch(types.MergePatchType).Resource("identitynodes").Name(s.node).Body(patch).Do(ctx).Error()
+		if !apierrors.IsNotFound(err) {
+			return err
+		}
+		obj := &IdentityNode{
+			TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityNode"},
+			ObjectMeta: metav1.ObjectMeta{Name: s.node},
+			Spec:       spec,
+		}
+		err = s.nodeClient.Post().Resource("identitynodes").Body(obj).Do(ctx).Error()
+		if !apierrors.IsAlreadyExists(err) {
+			return err
+		}
+	}
+	return err
+}
+
+// renewTick is the renewal timer's work: it asks the writer for a write,
+// and reports a record that has not been written for half its lease.
+func (s *Store) renewTick() error {
+	s.writer.request(true)
+	last := s.writer.lastOK.Load()
+	if last == 0 {
+		return nil
+	}
+	if age := time.Since(time.Unix(0, last)); age > s.cfg.IdentityNodeLeaseTTL/2 {
+		return fmt.Errorf("IdentityNode %s last renewed %s ago, lease %s", s.node, age.Round(time.Second), s.cfg.IdentityNodeLeaseTTL)
+	}
+	return nil
+}
+
+// unmarkQueue holds IDs this node uses whose objects got the heartbeat
+// mark.
+type unmarkQueue struct {
+	mu   sync.Mutex
+	ids  map[identity.NumericIdentity]struct{}
+	wake chan struct{}
+}
+
+func newUnmarkQueue() unmarkQueue {
+	return unmarkQueue{ids: map[identity.NumericIdentity]struct{}{}, wake: make(chan struct{}, 1)}
+}
+
+func (q *unmarkQueue) push(id identity.NumericIdentity) {
+	q.mu.Lock()
+	q.ids[id] = struct{}{}
+	q.mu.Unlock()
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (q *unmarkQueue) take() []identity.NumericIdentity {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := make([]identity.NumericIdentity, 0, len(q.ids))
+	for id := range q.ids {
+		out = append(out, id)
+	}
+	clear(q.ids)
+	return out
+}
+
+// markSeen is the cache's hook for an object that carries the heartbeat
+// mark: when this node uses it, the mark is removed, as Cilium's agents
+// do, so that the collector's delete (with the marked resourceVersion as
+// precondition) fails even while this node's IdentityNode write does.
+func (s *Store) markSeen(id identity.NumericIdentity, lbls labels.Labels) {
+	if s.stopped.Load() || s.refs == nil {
+		return
+	}
+	if r := s.refs.ByID(id); r != nil && r.Labels.Equal(lbls) {
+		s.unmarks.push(id)
+	}
+}
+
+// unmarkLoop is the job that removes marks from identities this node
+// uses.
+func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
+	failures := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.unmarks.wake:
+		}
+		var failed error
+		for _, id := range s.unmarks.take() {
+			e := s.ids.get(id)
+			if e == nil || !e.marked() || s.refs.ByID(id) == nil {
+				continue
+			}
+			err := s.unmark(ctx, id, e.obj.ResourceVersion)
+			switch {
+			case err == nil, apierrors.IsConflict(err), apierrors.IsNotFound(err):
+				// A newer version comes with the watch, and is
+				// looked at again if it is still marked.
+			default:
+				failed = err
+				s.unmarks.push(id)
+			}
+		}
+		if failed != nil && ctx.Err() == nil {
+			failures++
+			s.log.Warn("Removing the heartbeat mark of a global identity this node uses failed; retrying", "error", failed)
+			if h != nil {
+				h.Degraded("Removing heartbeat marks failed", failed)
+			}
+			sleep(ctx, backoff(failures))
+			continue
+		}
+		if failures > 0 || failed == nil {
+			failures = 0
+			if h != nil {
+				h.OK("No marked identity in use")
+			}
+		}
+	}
+}

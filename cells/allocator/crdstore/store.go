@@ -1,0 +1,602 @@
+package crdstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/go-logr/logr"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// Bounds of one allocation. Each conflict is another writer's progress (a
+// slot taken by another label set, an object changed under an update), so
+// a run of them means something is wrong; transient errors get room for an
+// API server restart.
+const (
+	maxConflicts = 32
+	maxTransient = 12
+	// maxWalkAge bounds the time from a walk's first look at the cache to
+	// its create: the garbage collection's fence assumes that a creator
+	// that skipped an unmarked slot creates its object well within the
+	// heartbeat timeout (docs/crd-store.md). An older walk starts again.
+	maxWalkAge = time.Minute
+	// cacheWait is how long an AlreadyExists waits for the watch to
+	// deliver the object before it reads it with a request.
+	cacheWait = 50 * time.Millisecond
+)
+
+// Store is the globalstore.Backend that keeps global identities as Cilium's
+// CiliumIdentity objects in a Kubernetes API server, and this node's uses
+// in its IdentityNode object. A new label set costs one create in the
+// common case; a label set in the cache none.
+type Store struct {
+	log     *slog.Logger
+	cfg     Config
+	rest    *rest.Config
+	cluster identity.ClusterInfo
+	node    string
+
+	ciliumClient *rest.RESTClient
+	nodeClient   *rest.RESTClient
+
+	ids   *identityCache
+	nodes *nodeCache
+
+	events globalstore.Events
+	refs   globalstore.References
+
+	// writer is this node's IdentityNode writer; unmarks queues held
+	// identities that got the heartbeat mark.
+	writer  nodeWriter
+	unmarks unmarkQueue
+
+	stats allocStats
+
+	jobs   job.Group
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	// stopped is set by Stop: releases write nothing from then on.
+	stopped atomic.Bool
+	// health scopes, set by the cell (nil outside a hive).
+	health cell.Health
+}
+
+var _ globalstore.Backend = (*Store)(nil)
+
+// allocStats counts allocations by outcome.
+type allocStats struct {
+	created, adopted, conflict, exhausted, failed atomic.Uint64
+	unmarked                                      atomic.Uint64
+}
+
+// New returns the store of the cluster's ID range on the API server of cfg,
+// recording this node's uses under the name node, and running its loops as
+// jobs of jobs. It sends no request before Start.
+func New(log *slog.Logger, cfg *rest.Config, cluster identity.ClusterInfo, node identity.NodeName, c Config, jobs job.Group) (*Store, error) {
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	if node == "" {
+		return nil, errors.New("the CRD store needs a node name (--node-name)")
+	}
+	codecs := newCodecs()
+	cilium, err := restClient(cfg, schema.GroupVersion{Group: CiliumGroup, Version: CiliumVersion}, codecs)
+	if err != nil {
+		return nil, err
+	}
+	own, err := restClient(cfg, schema.GroupVersion{Group: IdentityGroup, Version: IdentityVersion}, codecs)
+	if err != nil {
+		return nil, err
+	}
+	s := &Store{
+		log:          log,
+		cfg:          c,
+		rest:         cfg,
+		cluster:      cluster,
+		node:         string(node),
+		ciliumClient: cilium,
+		nodeClient:   own,
+		jobs:         jobs,
+		nodes:        newNodeCache(),
+		writer:       newNodeWriter(),
+		unmarks:      newUnmarkQueue(),
+	}
+	s.ids = newIdentityCache(log, cluster, cacheHooks{
+		emit:   s.emit,
+		marked: s.markSeen,
+		synced: func() { s.events.Synced() },
+	})
+	return s, nil
+}
+
+func restClient(cfg *rest.Config, gv schema.GroupVersion, codecs interface {
+	WithoutConversion() runtime.NegotiatedSerializer
+}) (*rest.RESTClient, error) {
+	c := rest.CopyConfig(cfg)
+	c.GroupVersion = &gv
+	c.APIPath = "/apis"
+	c.NegotiatedSerializer = codecs.WithoutConversion()
+	c.ContentType = runtime.ContentTypeJSON
+	if c.UserAgent == "" {
+		c.UserAgent = rest.DefaultKubernetesUserAgent()
+	}
+	cli, err := rest.RESTClientFor(c)
+	if err != nil {
+		return nil, fmt.Errorf("building the client of %s: %w", gv, err)
+	}
+	return cli, nil
+}
+
+// Start registers the CRDs when they are missing or outdated, starts the
+// watches of CiliumIdentity and IdentityNode objects, the IdentityNode
+// writer and its renewal, and waits for the first listing of identities
+// (or ctx's end, after which the listing continues in the background).
+func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
+	s.events, s.refs = events, refs
+	if err := RegisterCRDs(ctx, s.rest); err != nil {
+		return err
+	}
+	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	s.cancel = cancel
+	s.jobs.Add(s.oneShot(life, "global-identities-watch", func(ctx context.Context, h cell.Health) {
+		s.runReflector(ctx, h, "ciliumidentities", &CiliumIdentity{}, s.ids, s.ciliumClient,
+			func() runtime.Object { return &CiliumIdentityList{} })
+	}))
+	s.jobs.Add(s.oneShot(life, "identity-nodes-watch", func(ctx context.Context, h cell.Health) {
+		s.runReflector(ctx, h, "identitynodes", &IdentityNode{}, s.nodes, s.nodeClient,
+			func() runtime.Object { return &IdentityNodeList{} })
+	}))
+	// The first write rewrites the record from the allocator's
+	// references, and renews it.
+	s.writer.request(true)
+	s.jobs.Add(s.oneShot(life, "identity-node-writer", s.writeLoop))
+	s.jobs.Add(s.oneShot(life, "identity-unmark", s.unmarkLoop))
+	s.jobs.Add(job.Timer("identity-node-renew", func(context.Context) error {
+		return s.renewTick()
+	}, s.cfg.IdentityNodeLeaseTTL/3))
+	select {
+	case <-s.ids.synced:
+	case <-ctx.Done():
+		s.log.Warn("Start ended before the CiliumIdentity objects were listed; listing continues in the background", "error", ctx.Err())
+	}
+	return nil
+}
+
+// oneShot returns a job running loop until the hive stops the job or the
+// store ends life. Stop waits for it.
+func (s *Store) oneShot(life context.Context, name string, loop func(context.Context, cell.Health)) job.Job {
+	s.wg.Add(1)
+	return job.OneShot(name, func(ctx context.Context, h cell.Health) error {
+		defer s.wg.Done()
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		defer context.AfterFunc(life, cancel)()
+		loop(ctx, h)
+		return nil
+	})
+}
+
+// Stop ends the watches and loops. The IdentityNode record stays: the next
+// start of this node rewrites it, and it ends with its lease otherwise.
+func (s *Store) Stop(ctx context.Context) error {
+	s.stopped.Store(true)
+	if s.cancel != nil {
+		s.cancel()
+	}
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("stopping the CRD identity backend: %w", ctx.Err())
+	}
+}
+
+// runReflector keeps store in step with the API server's objects of
+// resource: client-go's Reflector lists, watches from the listing's
+// resourceVersion and lists again after a 410 Gone or a broken watch. Its
+// failures go to health, its log to the store's logger.
+func (s *Store) runReflector(ctx context.Context, h cell.Health, resource string, expected runtime.Object, store cache.ReflectorStore, cli *rest.RESTClient, newList func() runtime.Object) {
+	var broken atomic.Bool
+	fail := func(what string, err error) {
+		if ctx.Err() != nil {
+			return
+		}
+		broken.Store(true)
+		if h != nil {
+			h.Degraded(what+" of "+resource+" failed", err)
+		}
+	}
+	ok := func(what string) {
+		if h != nil && (broken.Swap(false) || what == "listed") {
+			h.OK(resource + " " + what)
+		}
+	}
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			out := newList()
+			err := cli.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(out)
+			if err != nil {
+				fail("Listing", err)
+				return nil, err
+			}
+			return out, nil
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			opts.Watch = true
+			w, err := cli.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Watch(ctx)
+			if err != nil {
+				fail("Watching", err)
+				return nil, err
+			}
+			ok("watched")
+			return w, nil
+		},
+	}
+	logger := logr.FromSlogHandler(s.log.Handler())
+	r := cache.NewReflectorWithOptions(lw, expected, &reportingStore{ReflectorStore: store, listed: func() { ok("listed") }},
+		cache.ReflectorOptions{Name: resource, Logger: &logger})
+	r.RunWithContext(ctx)
+}
+
+// reportingStore tells health when a listing completed.
+type reportingStore struct {
+	cache.ReflectorStore
+	listed func()
+}
+
+func (r *reportingStore) Replace(list []any, rv string) error {
+	err := r.ReflectorStore.Replace(list, rv)
+	if err == nil {
+		r.listed()
+	}
+	return err
+}
+
+func (r *reportingStore) Bookmark(rv string) error {
+	if b, ok := r.ReflectorStore.(cache.ReflectorBookmarkStore); ok {
+		return b.Bookmark(rv)
+	}
+	return nil
+}
+
+// emit reports the cache's changes to the allocator.
+func (s *Store) emit(changes []change) {
+	for _, c := range changes {
+		if c.upsert {
+			s.events.Upsert(c.id, c.lbls)
+		} else {
+			s.events.Delete(c.id, c.lbls)
+		}
+	}
+}
+
+// LookupByID implements globalstore.Backend from the cache.
+func (s *Store) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {
+	if e := s.ids.get(id); e != nil {
+		return e.lbls, true
+	}
+	return nil, false
+}
+
+// LookupByLabels implements globalstore.Backend from the cache, by the
+// design's rule (see identityCache.lookup).
+func (s *Store) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool) {
+	if e := s.ids.lookup(lbls.Canonical()); e != nil {
+		return e.id, true
+	}
+	return 0, false
+}
+
+// Allocate implements globalstore.Backend. A label set the cache knows is
+// adopted (no request unless it carries the heartbeat mark). Otherwise the
+// walk of its probe sequence skips the IDs the cache shows held by other
+// label sets, removing their marks first, and creates the first free one;
+// AlreadyExists means the cache was behind: the object (from the cache once
+// it arrives, else one read) is adopted if it holds the label set, skipped
+// otherwise.
+func (s *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, bool, error) {
+	key := lbls.Canonical()
+	id, created, err := s.allocate(ctx, key, lbls)
+	if err != nil {
+		switch {
+		case errors.Is(err, globalstore.ErrSpaceExhausted):
+			s.stats.exhausted.Add(1)
+		case errors.Is(err, globalstore.ErrConflict):
+			s.stats.conflict.Add(1)
+		default:
+			s.stats.failed.Add(1)
+		}
+		return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
+	}
+	if created {
+		s.stats.created.Add(1)
+	} else {
+		s.stats.adopted.Add(1)
+	}
+	record(globalstore.NewReference(id, lbls, 0))
+	s.writer.request(false)
+	return id, created, nil
+}
+
+// allocation is the state of one Allocate.
+type allocation struct {
+	s                     *Store
+	key                   string
+	lbls                  labels.Labels
+	conflicts, transients int
+}
+
+// retry counts a failed request and waits before the next, or returns the
+// error that ends the allocation.
+func (a *allocation) retry(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w: %w", globalstore.ErrUnavailable, ctx.Err())
+	}
+	if !transient(err) {
+		return fmt.Errorf("%w: %w", globalstore.ErrUnavailable, err)
+	}
+	if a.transients++; a.transients > maxTransient {
+		return fmt.Errorf("%w: after %d attempts: %w", globalstore.ErrUnavailable, a.transients, err)
+	}
+	a.s.log.Debug("Retrying global identity allocation", "labels", a.key, "error", err)
+	sleep(ctx, backoff(a.transients))
+	return nil
+}
+
+// conflict counts another writer's win, or ends the allocation.
+func (a *allocation) conflict() error {
+	if a.conflicts++; a.conflicts > maxConflicts {
+		return fmt.Errorf("%w: after %d conflicts", globalstore.ErrConflict, a.conflicts)
+	}
+	return nil
+}
+
+// errRestart makes the allocation look the label set up again and walk
+// from the start.
+var errRestart = errors.New("walk again")
+
+func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
+	a := &allocation{s: s, key: key, lbls: lbls}
+	p := newProbe(key, s.cluster)
+	for {
+		if e := s.ids.lookup(key); e != nil {
+			err := a.adopt(ctx, e)
+			if err == nil {
+				return e.id, false, nil
+			}
+			if !errors.Is(err, errRestart) {
+				return 0, false, err
+			}
+			continue
+		}
+		id, created, err := a.walk(ctx, p)
+		if errors.Is(err, errRestart) {
+			continue
+		}
+		return id, created, err
+	}
+}
+
+// walk goes along the probe sequence from its start.
+func (a *allocation) walk(ctx context.Context, p probe) (identity.NumericIdentity, bool, error) {
+	start := time.Now()
+	for i := uint64(0); i < p.n; i++ {
+		if time.Since(start) > maxWalkAge {
+			if err := a.conflict(); err != nil {
+				return 0, false, err
+			}
+			return 0, false, errRestart
+		}
+		id := p.slot(i)
+		done, created, err := a.trySlot(ctx, id, a.s.ids.get(id))
+		if err != nil || done {
+			return id, created, err
+		}
+	}
+	return 0, false, globalstore.ErrSpaceExhausted
+}
+
+// trySlot settles one slot of the walk, starting from what the cache shows
+// of it (nil: free). done is true when the label set has its identity at
+// id; false means go on to the next slot.
+func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e *entry) (done, created bool, err error) {
+	s := a.s
+	for {
+		if e == nil {
+			err := s.create(ctx, id, a.lbls)
+			if err == nil {
+				return true, true, nil
+			}
+			if !apierrors.IsAlreadyExists(err) {
+				if err := a.retry(ctx, err); err != nil {
+					return false, false, err
+				}
+				continue
+			}
+			if err := a.conflict(); err != nil {
+				return false, false, err
+			}
+			// The cache was behind: take the object from the watch
+			// once it arrives, else read it.
+			if e = s.ids.waitFor(ctx, id, cacheWait); e == nil {
+				if e, err = a.read(ctx, id); err != nil {
+					return false, false, err
+				}
+			}
+			continue
+		}
+		if e.key == a.key {
+			if err := a.adopt(ctx, e); err != nil {
+				if errors.Is(err, errRestart) {
+					// The object changed or vanished: look again.
+					if e, err = a.read(ctx, id); err != nil {
+						return false, false, err
+					}
+					continue
+				}
+				return false, false, err
+			}
+			return true, false, nil
+		}
+		if e.obj != nil && e.marked() {
+			// The new identity will depend on this slot staying held:
+			// take the mark off first, so that the collector's delete
+			// of it fails.
+			if err := a.unmark(ctx, e); err != nil {
+				if errors.Is(err, errRestart) {
+					if e, err = a.read(ctx, id); err != nil {
+						return false, false, err
+					}
+					continue
+				}
+				return false, false, err
+			}
+		}
+		return false, false, nil
+	}
+}
+
+// adopt takes e, an object of the label set, removing its heartbeat mark
+// as Cilium's agents do. errRestart: the object changed or is gone.
+func (a *allocation) adopt(ctx context.Context, e *entry) error {
+	if !e.marked() {
+		return nil
+	}
+	return a.unmark(ctx, e)
+}
+
+// unmark removes e's heartbeat mark, with e's resourceVersion as
+// precondition. errRestart: the object changed or is gone meanwhile.
+func (a *allocation) unmark(ctx context.Context, e *entry) error {
+	for {
+		err := a.s.unmark(ctx, e.id, e.obj.ResourceVersion)
+		switch {
+		case err == nil:
+			return nil
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			if err := a.conflict(); err != nil {
+				return err
+			}
+			return errRestart
+		}
+		if err := a.retry(ctx, err); err != nil {
+			return err
+		}
+	}
+}
+
+// read returns the object of id from the API server: nil when there is
+// none; an entry of no label set when it does not parse (it holds the ID
+// all the same).
+func (a *allocation) read(ctx context.Context, id identity.NumericIdentity) (*entry, error) {
+	for {
+		var obj CiliumIdentity
+		err := a.s.ciliumClient.Get().Resource("ciliumidentities").Name(id.String()).Do(ctx).Into(&obj)
+		switch {
+		case err == nil:
+			e, perr := a.s.ids.parse(&obj)
+			if perr != nil {
+				return &entry{id: id, key: unparsedKey}, nil
+			}
+			return e, nil
+		case apierrors.IsNotFound(err):
+			return nil, nil
+		}
+		if err := a.retry(ctx, err); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// unparsedKey is the key of an object whose labels do not parse: no
+// canonical string holds a control character.
+const unparsedKey = "\x00"
+
+// create sends the CiliumIdentity of id for lbls, as Cilium writes it.
+func (s *Store) create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
+	objLabels, _ := objectLabels(lbls)
+	obj := &CiliumIdentity{
+		TypeMeta:       metav1.TypeMeta{APIVersion: CiliumGroup + "/" + CiliumVersion, Kind: "CiliumIdentity"},
+		ObjectMeta:     metav1.ObjectMeta{Name: id.String(), Labels: objLabels},
+		SecurityLabels: securityLabels(lbls),
+	}
+	return s.ciliumClient.Post().Resource("ciliumidentities").Body(obj).Do(ctx).Error()
+}
+
+// unmark removes the heartbeat mark of id's object, if its resourceVersion
+// is still rv.
+func (s *Store) unmark(ctx context.Context, id identity.NumericIdentity, rv string) error {
+	patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:null}}}`, rv, HeartbeatAnnotation)
+	err := s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(id.String()).Body(patch).Do(ctx).Error()
+	if err == nil {
+		s.stats.unmarked.Add(1)
+		s.log.Info("Removed the heartbeat mark of a global identity this node needs", "id", id)
+	}
+	return err
+}
+
+// Release implements globalstore.Backend: the identity leaves this node's
+// IdentityNode record with the next write. The node never deletes a
+// CiliumIdentity; the garbage collection does once no node uses it.
+func (s *Store) Release(ctx context.Context, ref *globalstore.Reference) error {
+	if !s.stopped.Load() {
+		s.writer.request(false)
+	}
+	return nil
+}
+
+// transient tells failures another attempt may get past (timeouts, a
+// restarting or overloaded server, a broken connection) from refusals it
+// would meet again.
+func transient(err error) bool {
+	if errors.Is(err, context.Canceled) {
+		return false
+	}
+	var st apierrors.APIStatus
+	if errors.As(err, &st) {
+		return apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsTooManyRequests(err) ||
+			apierrors.IsInternalError(err) || apierrors.IsServiceUnavailable(err) || apierrors.IsUnexpectedServerError(err) ||
+			st.Status().Code >= 500
+	}
+	// Not an answer of the API server: the connection broke, timed out or
+	// was refused (a restarting server).
+	return true
+}
+
+// backoff returns a jittered delay growing with n, from a few milliseconds
+// to a second.
+func backoff(n int) time.Duration {
+	d := 5 * time.Millisecond << min(n, 8)
+	d = min(d, time.Second)
+	return d/2 + rand.N(d/2+1)
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}

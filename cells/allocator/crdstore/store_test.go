@@ -1,0 +1,569 @@
+package crdstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// refSet is the allocator's record of references, as the allocator keeps
+// it: Allocate's record adds, the caller removes before Release.
+type refSet struct {
+	mu   sync.Mutex
+	byID map[identity.NumericIdentity]*globalstore.Reference
+}
+
+func newRefSet() *refSet { return &refSet{byID: map[identity.NumericIdentity]*globalstore.Reference{}} }
+
+func (r *refSet) record(ref *globalstore.Reference) {
+	r.mu.Lock()
+	r.byID[ref.ID] = ref
+	r.mu.Unlock()
+}
+
+func (r *refSet) drop(id identity.NumericIdentity) *globalstore.Reference {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ref := r.byID[id]
+	delete(r.byID, id)
+	return ref
+}
+
+func (r *refSet) Each(fn func(*globalstore.Reference)) {
+	r.mu.Lock()
+	refs := slices.Collect(maps.Values(r.byID))
+	r.mu.Unlock()
+	for _, ref := range refs {
+		fn(ref)
+	}
+}
+
+func (r *refSet) ByID(id identity.NumericIdentity) *globalstore.Reference {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.byID[id]
+}
+
+// eventLog is the allocator's side of globalstore.Events.
+type eventLog struct {
+	mu     sync.Mutex
+	ids    map[identity.NumericIdentity]string
+	synced chan struct{}
+	once   sync.Once
+}
+
+func newEventLog() *eventLog {
+	return &eventLog{ids: map[identity.NumericIdentity]string{}, synced: make(chan struct{})}
+}
+
+func (e *eventLog) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
+	e.mu.Lock()
+	e.ids[id] = lbls.Canonical()
+	e.mu.Unlock()
+}
+
+func (e *eventLog) Delete(id identity.NumericIdentity, lbls labels.Labels) {
+	e.mu.Lock()
+	delete(e.ids, id)
+	e.mu.Unlock()
+}
+
+func (e *eventLog) Synced() { e.once.Do(func() { close(e.synced) }) }
+
+func (e *eventLog) get(id identity.NumericIdentity) (string, bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	v, ok := e.ids[id]
+	return v, ok
+}
+
+// testNode is one identityd node's store, in a hive of its own.
+type testNode struct {
+	tb    testing.TB
+	name  string
+	h     *hive.Hive
+	store *Store
+	refs  *refSet
+	ev    *eventLog
+	once  sync.Once
+}
+
+type nodeOpts struct {
+	cluster identity.ClusterInfo
+	cfg     Config
+	refs    *refSet
+	log     *slog.Logger
+}
+
+func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOpts)) *testNode {
+	tb.Helper()
+	o := nodeOpts{cluster: identity.ClusterInfo{Name: "default"}, cfg: DefaultConfig, refs: newRefSet()}
+	for _, f := range opts {
+		f(&o)
+	}
+	n := &testNode{tb: tb, name: name, refs: o.refs, ev: newEventLog()}
+	n.h = hive.New(
+		job.Cell,
+		cell.Provide(
+			func() *rest.Config { return rc },
+			func() identity.ClusterInfo { return o.cluster },
+			func() identity.NodeName { return identity.NodeName(name) },
+		),
+		Cell,
+		cell.Invoke(func(b globalstore.Backend) { n.store, _ = b.(*Store) }),
+	)
+	hive.AddConfigOverride(n.h, func(c *Config) { *c = o.cfg })
+	log := o.log
+	if log == nil {
+		log = testLogger(tb)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := n.h.Start(log, ctx); err != nil {
+		tb.Fatalf("starting node %s: %v", name, err)
+	}
+	if n.store == nil {
+		tb.Fatalf("node %s has no CRD store", name)
+	}
+	if err := n.store.Start(ctx, n.ev, n.refs); err != nil {
+		tb.Fatalf("starting the store of node %s: %v", name, err)
+	}
+	select {
+	case <-n.ev.synced:
+	case <-ctx.Done():
+		tb.Fatalf("node %s: identities not listed", name)
+	}
+	tb.Cleanup(n.stop)
+	return n
+}
+
+func testLogger(tb testing.TB) *slog.Logger {
+	if _, ok := tb.(*testing.B); ok {
+		return hivetest.Logger(tb, hivetest.LogLevel(slog.LevelWarn))
+	}
+	return hivetest.Logger(tb)
+}
+
+func (n *testNode) stop() {
+	n.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := n.store.Stop(ctx); err != nil {
+			n.tb.Errorf("stopping the store of %s: %v", n.name, err)
+		}
+		if err := n.h.Stop(testLogger(n.tb), ctx); err != nil {
+			n.tb.Errorf("stopping node %s: %v", n.name, err)
+		}
+	})
+}
+
+func (n *testNode) allocate(tb testing.TB, lbls labels.Labels) (identity.NumericIdentity, bool) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	id, created, err := n.store.Allocate(ctx, lbls, n.refs.record)
+	if err != nil {
+		tb.Fatalf("node %s: allocating %s: %v", n.name, lbls, err)
+	}
+	return id, created
+}
+
+func (n *testNode) release(tb testing.TB, id identity.NumericIdentity) {
+	tb.Helper()
+	ref := n.refs.drop(id)
+	if ref == nil {
+		tb.Fatalf("node %s holds no %d", n.name, id)
+	}
+	if err := n.store.Release(context.Background(), ref); err != nil {
+		tb.Fatalf("node %s: releasing %d: %v", n.name, id, err)
+	}
+}
+
+// client talks to the API server directly, as another writer would.
+type client struct {
+	cilium, nodes *rest.RESTClient
+}
+
+func newClient(tb testing.TB, rc *rest.Config) *client {
+	tb.Helper()
+	codecs := newCodecs()
+	c, err := restClient(rc, schema.GroupVersion{Group: CiliumGroup, Version: CiliumVersion}, codecs)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	n, err := restClient(rc, schema.GroupVersion{Group: IdentityGroup, Version: IdentityVersion}, codecs)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return &client{cilium: c, nodes: n}
+}
+
+func (c *client) identities(tb testing.TB) []CiliumIdentity {
+	tb.Helper()
+	var list CiliumIdentityList
+	if err := c.cilium.Get().Resource("ciliumidentities").Do(context.Background()).Into(&list); err != nil {
+		tb.Fatalf("listing identities: %v", err)
+	}
+	return list.Items
+}
+
+func (c *client) identity(tb testing.TB, id identity.NumericIdentity) (*CiliumIdentity, error) {
+	tb.Helper()
+	var obj CiliumIdentity
+	err := c.cilium.Get().Resource("ciliumidentities").Name(id.String()).Do(context.Background()).Into(&obj)
+	return &obj, err
+}
+
+func (c *client) node(tb testing.TB, name string) (*IdentityNode, error) {
+	tb.Helper()
+	var obj IdentityNode
+	err := c.nodes.Get().Resource("identitynodes").Name(name).Do(context.Background()).Into(&obj)
+	return &obj, err
+}
+
+func (c *client) create(tb testing.TB, obj *CiliumIdentity) {
+	tb.Helper()
+	if err := c.cilium.Post().Resource("ciliumidentities").Body(obj).Do(context.Background()).Error(); err != nil {
+		tb.Fatalf("creating %s: %v", obj.Name, err)
+	}
+}
+
+func (c *client) mark(tb testing.TB, id identity.NumericIdentity) {
+	tb.Helper()
+	patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
+	if err := c.cilium.Patch(types.MergePatchType).Resource("ciliumidentities").Name(id.String()).Body(patch).Do(context.Background()).Error(); err != nil {
+		tb.Fatalf("marking %d: %v", id, err)
+	}
+}
+
+func (c *client) marked(tb testing.TB, id identity.NumericIdentity) bool {
+	obj, err := c.identity(tb, id)
+	if err != nil {
+		tb.Fatalf("reading %d: %v", id, err)
+	}
+	_, ok := obj.Annotations[HeartbeatAnnotation]
+	return ok
+}
+
+// nodeLists waits until the IdentityNode of name lists exactly want.
+func (c *client) nodeLists(t *testing.T, name string, want ...identity.NumericIdentity) {
+	t.Helper()
+	ids := make([]uint32, len(want))
+	for i, id := range want {
+		ids[i] = uint32(id)
+	}
+	slices.Sort(ids)
+	require(t, 30*time.Second, func() error {
+		n, err := c.node(t, name)
+		if err != nil {
+			return err
+		}
+		if !slices.Equal(n.Spec.Identities, ids) {
+			return fmt.Errorf("IdentityNode %s lists %v, want %v", name, n.Spec.Identities, ids)
+		}
+		return nil
+	})
+}
+
+// require polls fn until it returns nil, and fails with its last error
+// after d. The condition is a request or a cache's state, so it is polled
+// at a pace the API server does not notice.
+func require(tb testing.TB, d time.Duration, fn func() error) {
+	tb.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		err := fn()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("after %v: %v", d, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func web(i int) labels.Labels {
+	return labels.MustParse(fmt.Sprintf("k8s:app=web-%d", i), "k8s:io.kubernetes.pod.namespace=prod")
+}
+
+func TestAllocateAdoptRelease(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	b := startNode(t, srv.RESTConfig(), "node-b")
+
+	lbls := web(1)
+	id, created := a.allocate(t, lbls)
+	if !created {
+		t.Fatalf("node-a did not create %s", lbls)
+	}
+	if want := newProbe(lbls.Canonical(), a.store.cluster).slot(0); id != want {
+		t.Errorf("the first identity got %d, want the first slot of its sequence %d", id, want)
+	}
+	obj, err := cli.identity(t, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !maps.Equal(obj.SecurityLabels, map[string]string{"k8s:app": "web-1", "k8s:io.kubernetes.pod.namespace": "prod"}) ||
+		!maps.Equal(obj.Labels, map[string]string{"app": "web-1", "io.kubernetes.pod.namespace": "prod"}) {
+		t.Errorf("object %s: security-labels %v, labels %v", obj.Name, obj.SecurityLabels, obj.Labels)
+	}
+	got, created := b.allocate(t, lbls)
+	if got != id || created {
+		t.Errorf("node-b allocated %d (created %v), want %d adopted", got, created, id)
+	}
+	cli.nodeLists(t, "node-a", id)
+	cli.nodeLists(t, "node-b", id)
+	require(t, 10*time.Second, func() error {
+		if l, ok := b.ev.get(id); !ok || l != lbls.Canonical() {
+			return fmt.Errorf("node-b's events do not have %d", id)
+		}
+		return nil
+	})
+
+	a.release(t, id)
+	cli.nodeLists(t, "node-a")
+	cli.nodeLists(t, "node-b", id)
+	if _, err := cli.identity(t, id); err != nil {
+		t.Errorf("the identity is gone after a release: %v", err)
+	}
+}
+
+func TestRestartKeepsIdentities(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	var ids []identity.NumericIdentity
+	for i := range 10 {
+		id, _ := a.allocate(t, web(i))
+		ids = append(ids, id)
+	}
+	cli.nodeLists(t, "node-a", ids...)
+	before, err := cli.node(t, "node-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.stop()
+
+	// The restarted node's allocator restores its references; the
+	// record is rewritten from them.
+	refs := newRefSet()
+	a2 := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.refs = refs })
+	for i, want := range ids {
+		id, created := a2.allocate(t, web(i))
+		if id != want || created {
+			t.Errorf("after the restart %s got %d (created %v), want %d", web(i), id, created, want)
+		}
+	}
+	cli.nodeLists(t, "node-a", ids...)
+	after, err := cli.node(t, "node-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !after.Spec.RenewTime.After(before.Spec.RenewTime.Time) {
+		t.Errorf("IdentityNode not renewed by the restart: %v, then %v", before.Spec.RenewTime, after.Spec.RenewTime)
+	}
+}
+
+func TestHostileLabelsAreStored(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	b := startNode(t, srv.RESTConfig(), "node-b")
+	for _, lbls := range hostileLabels(t) {
+		id, _ := a.allocate(t, lbls)
+		obj, err := cli.identity(t, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := parseSecurityLabels(obj.SecurityLabels)
+		if err != nil || !back.Equal(lbls) {
+			t.Errorf("%d holds %v, want %s", id, obj.SecurityLabels, lbls)
+		}
+		if got, _ := b.allocate(t, lbls); got != id {
+			t.Errorf("node-b got %d for %s, node-a %d", got, lbls, id)
+		}
+	}
+}
+
+func TestMalformedObjectsAreIgnored(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	lbls := web(1)
+	p := newProbe(lbls.Canonical(), a.store.cluster)
+	bad := []*CiliumIdentity{
+		{ObjectMeta: metav1.ObjectMeta{Name: "web"}, SecurityLabels: securityLabels(lbls)},
+		{ObjectMeta: metav1.ObjectMeta{Name: "70000"}, SecurityLabels: securityLabels(lbls)},
+		// The first slot of lbls, with labels that do not parse: it
+		// holds the ID all the same.
+		{ObjectMeta: metav1.ObjectMeta{Name: p.slot(0).String()}, SecurityLabels: map[string]string{"nosource": "x"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "0300"}, SecurityLabels: securityLabels(web(2))},
+	}
+	for _, o := range bad {
+		cli.create(t, o)
+	}
+	require(t, 10*time.Second, func() error {
+		if got := a.store.ids.ignoredTotal.Load(); got != uint64(len(bad)) {
+			return fmt.Errorf("%d objects ignored, want %d", got, len(bad))
+		}
+		return nil
+	})
+	id, created := a.allocate(t, lbls)
+	if !created || id != p.slot(1) {
+		t.Errorf("got %d (created %v), want %d, the slot after the unparsable object", id, created, p.slot(1))
+	}
+	// A node started after them ignores them too.
+	b := startNode(t, srv.RESTConfig(), "node-b")
+	if got := b.store.ids.ignoredTotal.Load(); got != uint64(len(bad)) {
+		t.Errorf("node-b ignored %d objects, want %d", got, len(bad))
+	}
+	if got, _ := b.allocate(t, lbls); got != id {
+		t.Errorf("node-b got %d, want %d", got, id)
+	}
+}
+
+// TestHeartbeatMarks checks Cilium's protocol: a node removes the mark from
+// an identity it uses, from one it adopts, and from one whose slot its new
+// identity skips.
+func TestHeartbeatMarks(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	b := startNode(t, srv.RESTConfig(), "node-b")
+
+	held, _ := a.allocate(t, web(1))
+	cli.mark(t, held)
+	require(t, 10*time.Second, func() error {
+		if cli.marked(t, held) {
+			return errors.New("the mark of an identity in use is still there")
+		}
+		return nil
+	})
+
+	adopted, _ := a.allocate(t, web(2))
+	a.release(t, adopted)
+	cli.mark(t, adopted)
+	require(t, 10*time.Second, func() error {
+		if e := b.store.ids.get(adopted); e == nil || !e.marked() {
+			return errors.New("node-b has not seen the mark")
+		}
+		return nil
+	})
+	if got, _ := b.allocate(t, web(2)); got != adopted {
+		t.Fatalf("node-b got %d, want %d", got, adopted)
+	}
+	if cli.marked(t, adopted) {
+		t.Error("adopting a marked identity left the mark")
+	}
+
+	// Another label set at the first slot of web(3), marked.
+	lbls := web(3)
+	p := newProbe(lbls.Canonical(), a.store.cluster)
+	skipped := p.slot(0)
+	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: skipped.String(),
+		Annotations: map[string]string{HeartbeatAnnotation: time.Now().UTC().Format(time.RFC3339)}},
+		SecurityLabels: securityLabels(web(1000))})
+	require(t, 10*time.Second, func() error {
+		if a.store.ids.get(skipped) == nil {
+			return errors.New("node-a has not seen the object")
+		}
+		return nil
+	})
+	if id, _ := a.allocate(t, lbls); id != p.slot(1) {
+		t.Errorf("got %d, want %d", id, p.slot(1))
+	}
+	if cli.marked(t, skipped) {
+		t.Error("skipping a marked slot left its mark")
+	}
+}
+
+func TestSpaceExhausted(t *testing.T) {
+	cluster := identity.ClusterInfo{ID: 3, Name: "c3", MaxConnectedClusters: 511}
+	s, err := New(hivetest.Logger(t), &rest.Config{Host: "https://127.0.0.1:1"}, cluster, "node-a", DefaultConfig, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list []any
+	for id := cluster.MinID(); id <= cluster.MaxID(); id++ {
+		list = append(list, object(id, labels.MustParse(fmt.Sprintf("k8s:n=%d", id)), time.Now()))
+	}
+	s.events = newEventLog()
+	if err := s.ids.Replace(list, "1"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, _, err = s.Allocate(ctx, web(1), func(*globalstore.Reference) { t.Error("record called on failure") })
+	if !errors.Is(err, globalstore.ErrSpaceExhausted) {
+		t.Errorf("Allocate in a full range: %v, want ErrSpaceExhausted", err)
+	}
+}
+
+// countingTransport counts the requests sent through it.
+type countingTransport struct {
+	next http.RoundTripper
+	n    *atomic.Int64
+}
+
+func (c countingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	c.n.Add(1)
+	return c.next.RoundTrip(r)
+}
+
+// counted returns a copy of rc whose requests count in n.
+func counted(rc *rest.Config, n *atomic.Int64) *rest.Config {
+	rc = rest.CopyConfig(rc)
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper { return countingTransport{next: rt, n: n} })
+	return rc
+}
+
+// TestCreateCostsOneRequest checks the design's figure: a new label set
+// whose first slot is free costs one request, one in the cache none.
+func TestCreateCostsOneRequest(t *testing.T) {
+	srv := startServer(t)
+	var n atomic.Int64
+	a := startNode(t, counted(srv.RESTConfig(), &n), "node-a")
+	// Let the start's writes settle.
+	cliA := newClient(t, srv.RESTConfig())
+	cliA.nodeLists(t, "node-a")
+	time.Sleep(100 * time.Millisecond)
+	// The record's coalesced writes are not the allocation's: count
+	// them apart.
+	writes0, n0 := a.store.writer.writes.Load(), n.Load()
+	const count = 20
+	for i := range count {
+		a.allocate(t, web(i))
+	}
+	for i := range count {
+		a.allocate(t, web(i)) // the allocator would not ask again; the store must not send anything
+	}
+	requests := n.Load() - n0 - int64(a.store.writer.writes.Load()-writes0)
+	if requests > count+1 {
+		t.Errorf("%d requests for %d new label sets and %d known ones, want %d", requests, count, count, count)
+	}
+	_ = apierrors.IsNotFound
+}

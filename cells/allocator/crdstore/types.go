@@ -1,0 +1,170 @@
+package crdstore
+
+import (
+	"slices"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+)
+
+// The API groups, versions and resources of the objects the store keeps.
+const (
+	// CiliumGroup and CiliumVersion are Cilium's API group and the version
+	// of its CiliumIdentity objects.
+	CiliumGroup   = "cilium.io"
+	CiliumVersion = "v2"
+	// IdentityGroup and IdentityVersion are identityd's own API group and
+	// the version of its IdentityNode objects.
+	IdentityGroup   = "identityd.io"
+	IdentityVersion = "v1"
+
+	// HeartbeatAnnotation is the mark Cilium's operator (and identityd's
+	// garbage collection) sets on an identity it is about to delete: an
+	// RFC 3339 time. A node that uses a marked identity removes it.
+	HeartbeatAnnotation = "io.cilium.heartbeat"
+)
+
+// The resources, for clients that address them by GroupVersionResource.
+var (
+	CiliumIdentityResource = schema.GroupVersionResource{Group: CiliumGroup, Version: CiliumVersion, Resource: "ciliumidentities"}
+	IdentityNodeResource   = schema.GroupVersionResource{Group: IdentityGroup, Version: IdentityVersion, Resource: "identitynodes"}
+)
+
+// CiliumIdentity is Cilium's object of one global identity: its name is the
+// numeric identity in decimal, SecurityLabels the whole label set
+// ("source:key" to value), and its metadata.labels the subset of it that
+// Kubernetes accepts as object labels.
+type CiliumIdentity struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+
+	SecurityLabels map[string]string `json:"security-labels"`
+}
+
+// CiliumIdentityList is a list of CiliumIdentity objects.
+type CiliumIdentityList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata"`
+
+	Items []CiliumIdentity `json:"items"`
+}
+
+// IdentityNode is one node's record of the global identities it uses. It
+// outlives the node's restart; once RenewTime is older than
+// LeaseDurationSeconds the node counts as gone and its uses no longer
+// protect the identities.
+type IdentityNode struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+
+	Spec IdentityNodeSpec `json:"spec"`
+}
+
+// IdentityNodeSpec is what a node records.
+type IdentityNodeSpec struct {
+	// Identities are the numeric identities the node uses, sorted and
+	// without duplicates.
+	Identities []uint32 `json:"identities"`
+	// RenewTime is when the node last wrote the object.
+	RenewTime metav1.MicroTime `json:"renewTime"`
+	// LeaseDurationSeconds is how long after RenewTime the record counts.
+	LeaseDurationSeconds int32 `json:"leaseDurationSeconds"`
+}
+
+// IdentityNodeList is a list of IdentityNode objects.
+type IdentityNodeList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata"`
+
+	Items []IdentityNode `json:"items"`
+}
+
+// Expired reports whether the node's record no longer counts at now.
+func (n *IdentityNode) Expired(now metav1.Time) bool {
+	lease := int64(n.Spec.LeaseDurationSeconds)
+	return n.Spec.RenewTime.Unix()+lease < now.Unix()
+}
+
+// DeepCopyObject implements runtime.Object.
+func (in *CiliumIdentity) DeepCopyObject() runtime.Object { return in.DeepCopy() }
+
+// DeepCopy returns a copy that shares nothing with in.
+func (in *CiliumIdentity) DeepCopy() *CiliumIdentity {
+	if in == nil {
+		return nil
+	}
+	out := &CiliumIdentity{TypeMeta: in.TypeMeta}
+	in.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	if in.SecurityLabels != nil {
+		out.SecurityLabels = make(map[string]string, len(in.SecurityLabels))
+		for k, v := range in.SecurityLabels {
+			out.SecurityLabels[k] = v
+		}
+	}
+	return out
+}
+
+// DeepCopyObject implements runtime.Object.
+func (in *CiliumIdentityList) DeepCopyObject() runtime.Object {
+	if in == nil {
+		return nil
+	}
+	out := &CiliumIdentityList{TypeMeta: in.TypeMeta}
+	in.ListMeta.DeepCopyInto(&out.ListMeta)
+	if in.Items != nil {
+		out.Items = make([]CiliumIdentity, len(in.Items))
+		for i := range in.Items {
+			out.Items[i] = *in.Items[i].DeepCopy()
+		}
+	}
+	return out
+}
+
+// DeepCopyObject implements runtime.Object.
+func (in *IdentityNode) DeepCopyObject() runtime.Object { return in.DeepCopy() }
+
+// DeepCopy returns a copy that shares nothing with in.
+func (in *IdentityNode) DeepCopy() *IdentityNode {
+	if in == nil {
+		return nil
+	}
+	out := &IdentityNode{TypeMeta: in.TypeMeta}
+	in.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	out.Spec = in.Spec
+	out.Spec.Identities = slices.Clone(in.Spec.Identities)
+	in.Spec.RenewTime.DeepCopyInto(&out.Spec.RenewTime)
+	return out
+}
+
+// DeepCopyObject implements runtime.Object.
+func (in *IdentityNodeList) DeepCopyObject() runtime.Object {
+	if in == nil {
+		return nil
+	}
+	out := &IdentityNodeList{TypeMeta: in.TypeMeta}
+	in.ListMeta.DeepCopyInto(&out.ListMeta)
+	if in.Items != nil {
+		out.Items = make([]IdentityNode, len(in.Items))
+		for i := range in.Items {
+			out.Items[i] = *in.Items[i].DeepCopy()
+		}
+	}
+	return out
+}
+
+// newScheme returns a scheme that knows the store's types, for its REST
+// clients' codecs. Each store builds its own: no package state.
+func newScheme() *runtime.Scheme {
+	s := runtime.NewScheme()
+	cilium := schema.GroupVersion{Group: CiliumGroup, Version: CiliumVersion}
+	s.AddKnownTypes(cilium, &CiliumIdentity{}, &CiliumIdentityList{})
+	metav1.AddToGroupVersion(s, cilium)
+	own := schema.GroupVersion{Group: IdentityGroup, Version: IdentityVersion}
+	s.AddKnownTypes(own, &IdentityNode{}, &IdentityNodeList{})
+	metav1.AddToGroupVersion(s, own)
+	return s
+}
+
+func newCodecs() serializer.CodecFactory { return serializer.NewCodecFactory(newScheme()) }
