@@ -21,6 +21,7 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset/typed/apiextensions/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/internal/testproc"
@@ -358,6 +359,15 @@ func TestCiliumInterop(t *testing.T) {
 		if aObjs[i], err = cli.identity(t, id); err != nil {
 			t.Fatal(err)
 		}
+		// Placement: the first slot of the label set's probe sequence
+		// that no other label set holds.
+		p := newProbe(s.Canonical(), node.store.cluster)
+		for j := uint64(0); p.slot(j) != id; j++ {
+			if e := node.store.ids.get(p.slot(j)); e == nil || e.key == s.Canonical() {
+				t.Errorf("%s: identityd created %d, but slot %d (%d) of its probe sequence was free", shapes[i].name, id, j, p.slot(j))
+				break
+			}
+		}
 	}
 	n := objects()
 	for _, mode := range [][]string{{"-lookup"}, nil} {
@@ -457,6 +467,19 @@ func TestCiliumInterop(t *testing.T) {
 		if ans.err != "" || ans.id != refusedIDs[i] {
 			t.Errorf("Cilium answered %d (%s) for identityd's %d of %s", ans.id, ans.err, refusedIDs[i], refusedSets[i])
 		}
+	}
+
+	// identityd's record of its uses: its IdentityNode lists every
+	// identity it holds, whoever created it; Cilium writes none.
+	var held []identity.NumericIdentity
+	node.refs.Each(func(r *globalstore.Reference) { held = append(held, r.ID) })
+	cli.nodeLists(t, "node-1", held...)
+	rec, err := cli.node(t, "node-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.Spec.LeaseDurationSeconds != int32(DefaultConfig.IdentityNodeLeaseTTL/time.Second) || rec.Spec.RenewTime.IsZero() {
+		t.Errorf("IdentityNode node-1: renewTime %v, leaseDurationSeconds %d", rec.Spec.RenewTime, rec.Spec.LeaseDurationSeconds)
 	}
 
 	t.Run("heartbeat", func(t *testing.T) {
