@@ -29,7 +29,7 @@ ROBUSTNESS_RUN_crd     := ^TestRobustnessCRD$$
 ROBUSTNESS_RUN_all     := ^TestRobustness(CRD)?$$
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor fuzz robustness lint docs-graph clean
+.PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -75,6 +75,14 @@ bench-anchor:
 	$(GO) test -c -o "$$dir/identityd.test" ./cells/allocator && \
 	cd internal/ciliumanchor && $(GO) test -c -o "$$dir/cilium.test" . && \
 	$(GO) run ./compare -rounds $(ANCHOR_ROUNDS) -count $(ANCHOR_COUNT) "$$dir/identityd.test" "$$dir/cilium.test"
+
+# Runs identityd's CRD store and Cilium v1.16.2's own CRD-mode identity
+# allocator (internal/ciliumanchor/crdnode, built as a process of its own)
+# on one Kubernetes API server, and checks that they share identities with
+# equal IDs (TestCiliumInterop, which `make test` skips). Downloads Cilium's
+# module on first use.
+interop-cilium:
+	IDENTITYD_CILIUM_INTEROP=1 $(GO) test -run '^TestCiliumInterop$$' -count 1 -v -timeout 15m ./cells/allocator/crdstore
 
 # Runs the fault-injection test: 3 etcd members and 3 agents as processes,
 # a random workload, faults, and the checker over the history
