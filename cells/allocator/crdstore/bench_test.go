@@ -9,7 +9,6 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
@@ -94,8 +93,10 @@ func benchBareCreate(b *testing.B, cli *client, goroutines int) {
 			wg.Go(func() {
 				for range work {
 					id := identity.NumericIdentity(next.Add(1))
-					lbls := labels.MustParse(fmt.Sprintf("k8s:app=bare-%d", id))
-					obj := &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String()}, SecurityLabels: securityLabels(lbls)}
+					// The same object as the store writes for a
+					// label set of the same shape.
+					lbls := labels.MustParse(fmt.Sprintf("k8s:app=bare-%d", id), "k8s:io.kubernetes.pod.namespace=bench")
+					obj := newIdentityObject(id, lbls)
 					// An ID the other benchmarks took is skipped.
 					if err := cli.cilium.Post().Resource("ciliumidentities").Body(obj).Do(context.Background()).Error(); err != nil && !apierrors.IsAlreadyExists(err) {
 						failed.Store(err)

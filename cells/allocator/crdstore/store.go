@@ -593,15 +593,20 @@ func (a *allocation) read(ctx context.Context, id identity.NumericIdentity) (*en
 // canonical string holds a control character.
 const unparsedKey = "\x00"
 
-// create sends the CiliumIdentity of id for lbls, as Cilium writes it.
+// create sends the CiliumIdentity of id for lbls.
 func (s *Store) create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
+	return s.ciliumClient.Post().Resource("ciliumidentities").Body(newIdentityObject(id, lbls)).Do(ctx).Error()
+}
+
+// newIdentityObject returns the CiliumIdentity of id for lbls, as Cilium
+// writes it (with the object labels the API server accepts).
+func newIdentityObject(id identity.NumericIdentity, lbls labels.Labels) *CiliumIdentity {
 	objLabels, _ := objectLabels(lbls)
-	obj := &CiliumIdentity{
+	return &CiliumIdentity{
 		TypeMeta:       metav1.TypeMeta{APIVersion: CiliumGroup + "/" + CiliumVersion, Kind: "CiliumIdentity"},
 		ObjectMeta:     metav1.ObjectMeta{Name: id.String(), Labels: objLabels},
 		SecurityLabels: securityLabels(lbls),
 	}
-	return s.ciliumClient.Post().Resource("ciliumidentities").Body(obj).Do(ctx).Error()
 }
 
 // unmark removes the heartbeat mark of id's object, if its resourceVersion
