@@ -201,9 +201,10 @@ func NewHandler(h Handler) HandlerOut { return HandlerOut{Handler: h} }
 var (
 	// ErrLocalSpaceExhausted: every ID of a local scope is in use.
 	ErrLocalSpaceExhausted = errors.New("out of local identity space")
-	// ErrNoGlobalBackend: a global label set needs the kvstore, and the
+	// ErrNoGlobalBackend: a global label set needs a store of global
+	// identities (etcd, or a Kubernetes API server in crd mode), and the
 	// hive has none.
-	ErrNoGlobalBackend = errors.New("global identities need a kvstore: no global backend is configured (add the kvstore and etcdstore cells)")
+	ErrNoGlobalBackend = errors.New("global identities need a global store: none is configured (kvstore mode: the kvstore and etcdstore cells; crd mode: the k8sclient and crdstore cells)")
 	// ErrUnknownIdentity: release of an identity this node does not hold.
 	ErrUnknownIdentity = errors.New("identity not held by this node")
 	// ErrInvalidLabels: the label set is refused (wraps the labels error).

@@ -31,7 +31,7 @@ func TestCommandErrors(t *testing.T) {
 		"identity/get 16777299":                 "identity 16777299 not found",
 		"identity/allocate":                     "usage",
 		"identity/list -o xml":                  `unknown output format "xml"`,
-		"identity/allocate k8s:app=web":         "global identities need a kvstore",
+		"identity/allocate k8s:app=web":         "global identities need a global store",
 		"identity/allocate k8s:a=b k8s:a=c":     "duplicate key",
 	} {
 		s, err := script.NewState(t.Context(), t.TempDir(), nil)

@@ -60,7 +60,7 @@
 //	--cluster-id                   this cluster's ID (0)
 //	--cluster-name                 this cluster's name ("default")
 //	--max-connected-clusters       255 or 511 (255)
-//	--identity-allocation-timeout  bound on every call that waits for the kvstore (2m)
+//	--identity-allocation-timeout  bound on every call that waits for the global store (2m)
 //
 // # Shell commands
 //

@@ -332,6 +332,10 @@ func (c *Client) checkReachable(ctx context.Context, serverURL *url.URL) (string
 	readyz := serverURL.JoinPath("readyz").String()
 	version := serverURL.JoinPath("version").String()
 	where := serverURL.Redacted()
+	// cause is the last attempt's error that the deadline did not cut
+	// short: the one that says why (refused, 503), not "deadline
+	// exceeded" of an attempt begun just before the end.
+	var cause error
 	for {
 		_, err := c.get(ctx, readyz)
 		var body []byte
@@ -345,10 +349,13 @@ func (c *Client) checkReachable(ctx context.Context, serverURL *url.URL) (string
 		if errors.As(err, &final) {
 			return "", fmt.Errorf("k8sclient: API server at %s (%s): %w", where, c.source, err)
 		}
+		if ctx.Err() == nil || cause == nil {
+			cause = err
+		}
 		select {
 		case <-ctx.Done():
 			return "", fmt.Errorf("k8sclient: API server at %s (%s) not ready within %s: %w",
-				where, c.source, c.cfg.K8sRequestTimeout, err)
+				where, c.source, c.cfg.K8sRequestTimeout, cause)
 		case <-time.After(reachabilityRetry):
 		}
 	}

@@ -34,7 +34,14 @@ type healthAgent struct {
 
 func startHealthAgent(t *testing.T, args ...string) *healthAgent {
 	t.Helper()
-	a := &healthAgent{t: t, dir: filepath.Join(t.TempDir(), "state")}
+	return startHealthAgentIn(t, filepath.Join(t.TempDir(), "state"), args...)
+}
+
+// startHealthAgentIn is startHealthAgent on the state directory dir, which
+// a restarted agent reuses.
+func startHealthAgentIn(t *testing.T, dir string, args ...string) *healthAgent {
+	t.Helper()
+	a := &healthAgent{t: t, dir: dir}
 	a.logPath = filepath.Join(t.TempDir(), "agent.log")
 	logf, err := os.Create(a.logPath)
 	if err != nil {

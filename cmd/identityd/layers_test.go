@@ -37,7 +37,8 @@ var layers = []layer{
 	{"contract", 3, []string{"cells/allocator/globalstore"}},
 	{"drivers", 4, []string{"cells/allocator/etcdstore", "cells/allocator/crdstore", "cells/allocator/clustermesh"}},
 	{"allocator", 4, []string{"cells/allocator"}},
-	{"kvstore", 2, []string{"cells/kvstore", "cells/k8sclient"}},
+	{"kvstore", 2, []string{"cells/kvstore"}},
+	{"k8sclient", 2, []string{"cells/k8sclient"}},
 	{"infrastructure", 1, []string{"cells/metrics", "cells/health", "cells/statedir", "cells/shell"}},
 	// The domain model and the shared plumbing every layer may use.
 	{"domain", 0, []string{"identity", "labels", "internal"}},

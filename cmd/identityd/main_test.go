@@ -71,6 +71,13 @@ func TestHiveAndVersionCommands(t *testing.T) {
 	if err != nil || !strings.Contains(out, "allocator (Security identity allocator)") || !strings.Contains(out, "Start hooks:") {
 		t.Fatalf("hive: %v\n%s", err, out)
 	}
+	// In crd mode the hive has the Kubernetes client and the CRD store;
+	// printing it reads no kubeconfig and reaches no server.
+	out, err = run(t, "hive", "--identity-allocation-mode=crd")
+	if err != nil || !strings.Contains(out, "crdstore (Global identities in Kubernetes CRD objects)") ||
+		!strings.Contains(out, "k8s-client (Kubernetes API client)") {
+		t.Fatalf("hive in crd mode: %v\n%s", err, out)
+	}
 	out, err = run(t, "hive", "dot-graph")
 	if err != nil || !strings.Contains(out, "digraph") {
 		t.Fatalf("hive dot-graph: %v\n%.300s", err, out)

@@ -16,15 +16,17 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/crdstore"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
+	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
-	"github.com/identityd/identityd/internal/allocatortest"
+	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -51,24 +53,6 @@ func runAgentToExit(t *testing.T, args ...string) (string, error) {
 	}
 }
 
-// TestAllocationModeCRDWithoutDriver: the binary, which has no CRD store
-// yet, refuses --identity-allocation-mode=crd at once with an error naming
-// the mode and the missing cell, and starts no embedded etcd on the way.
-func TestAllocationModeCRDWithoutDriver(t *testing.T) {
-	dir := t.TempDir()
-	out, err := runAgentToExit(t, "--state-dir", dir, "--identity-allocation-mode=crd", "--ipcache-map", "file",
-		"--prometheus-serve-addr", "", "--log-level", "error")
-	const want = "--identity-allocation-mode=crd needs the CRD store of global identities in the hive (crdstore.Cell)"
-	if err == nil || !strings.Contains(out, want) {
-		t.Fatalf("crd mode without a crd driver: %v, want an error containing %q:\n%s", err, want, out)
-	}
-	for _, sub := range []string{"etcd", "etcd-tls"} {
-		if _, err := os.Stat(filepath.Join(dir, sub)); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("<state-dir>/%s after the refused start: %v", sub, err)
-		}
-	}
-}
-
 // TestAllocationModeInvalid: an unknown mode is refused with the valid
 // values.
 func TestAllocationModeInvalid(t *testing.T) {
@@ -78,24 +62,27 @@ func TestAllocationModeInvalid(t *testing.T) {
 	}
 }
 
-// TestAllocationModeCRDAgentHive: the agent's hive in crd mode, with a
-// stand-in CRD driver, sends global identities to that driver's backend,
-// has no etcd client (no embedded etcd, no etcd directory), no etcd store,
-// and gives restoration the grace period of a shared store.
+// TestAllocationModeCRDAgentHive: the agent's hive in crd mode, on a real
+// API server, sends global identities to the CRD store (a CiliumIdentity
+// object), has no etcd client (no embedded etcd, no etcd directory), no
+// etcd store, and gives restoration the grace period of a shared store.
 func TestAllocationModeCRDAgentHive(t *testing.T) {
-	store := allocatortest.NewStore(identity.ClusterInfo{Name: identity.DefaultClusterName})
+	if testing.Short() {
+		t.Skip("runs an API server")
+	}
+	srv := k8stest.Start(t)
 	var (
 		alloc    allocator.Allocator
 		client   *kvstore.Client
 		etcd     *etcdstore.Store
+		crd      *crdstore.Store
 		restorer *restoration.Restorer
 		prov     *health.Provider
 		reg      *prometheus.Registry
 	)
 	h := newHive(
-		allocatortest.DriverCell(identity.AllocationModeCRD, store.NewBackend("crd-node")),
-		cell.Invoke(func(a allocator.Allocator, c *kvstore.Client, s *etcdstore.Store, r *restoration.Restorer, p *health.Provider, g *prometheus.Registry) {
-			alloc, client, etcd, restorer, prov, reg = a, c, s, r, p, g
+		cell.Invoke(func(a allocator.Allocator, c *kvstore.Client, s *etcdstore.Store, cs *crdstore.Store, r *restoration.Restorer, p *health.Provider, g *prometheus.Registry) {
+			alloc, client, etcd, crd, restorer, prov, reg = a, c, s, cs, r, p, g
 		}),
 	)
 	dir := t.TempDir()
@@ -103,6 +90,7 @@ func TestAllocationModeCRDAgentHive(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "" })
 	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = "file" })
 	hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationMode = identity.AllocationModeCRD })
+	hive.AddConfigOverride(h, func(c *k8sclient.Config) { c.K8sKubeconfigPath = srv.Kubeconfig() })
 	log := hivetest.Logger(t)
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
@@ -126,8 +114,11 @@ func TestAllocationModeCRDAgentHive(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, ok := store.NewBackend("reader").LookupByID(id.ID); !ok || !got.Equal(id.Labels) {
-		t.Fatalf("identity %d is not in the crd driver's store: %v %v", id.ID, got, ok)
+	if crd == nil {
+		t.Fatal("crd mode has no CRD store")
+	}
+	if got := newAPIObjects(t, srv).identity(int(id.ID)); got["k8s:app"] != "web" {
+		t.Fatalf("identity %d is not a CiliumIdentity object: %v", id.ID, got)
 	}
 	if g := restorer.GracePeriod(); g != restoration.ExternalGracePeriod {
 		t.Errorf("automatic grace period in crd mode %s, want the shared store's %s", g, restoration.ExternalGracePeriod)

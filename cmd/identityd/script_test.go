@@ -18,6 +18,8 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/k8stest"
 )
 
 // TestScript runs testdata/*.txtar, each against a fresh agent hive with its
@@ -31,6 +33,15 @@ func TestScript(t *testing.T) {
 			h.RegisterFlags(flags)
 			if err := flags.Parse(args); err != nil {
 				t.Fatalf("flags of the #! line: %s", err)
+			}
+			// A script in crd mode gets a real API server of its own,
+			// which apiserver/restart restarts.
+			var srv *k8stest.Server
+			if mode, _ := flags.GetString("identity-allocation-mode"); mode == string(identity.AllocationModeCRD) {
+				srv = k8stest.Start(t)
+				if err := flags.Set("k8s-kubeconfig-path", srv.Kubeconfig()); err != nil {
+					t.Fatal(err)
+				}
 			}
 			stateDir := t.TempDir()
 			hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = stateDir })
@@ -76,6 +87,14 @@ func TestScript(t *testing.T) {
 					}
 					return nil, nil
 				})
+			if srv != nil {
+				cmds["apiserver/restart"] = script.Command(
+					script.CmdUsage{Summary: "stop the script's Kubernetes API server and start it again on the same port (crd mode)"},
+					func(s *script.State, args ...string) (script.WaitFunc, error) {
+						srv.Restart(t)
+						return nil, nil
+					})
+			}
 			t.Cleanup(func() {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				defer cancel()

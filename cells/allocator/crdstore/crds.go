@@ -136,7 +136,6 @@ func IdentityNodeCRD() *apiextensionsv1.CustomResourceDefinition {
 									Items: &apiextensionsv1.JSONSchemaPropsOrArray{Schema: &apiextensionsv1.JSONSchemaProps{
 										Type: "integer", Format: "int64", Minimum: &zero, Maximum: &maxID,
 									}},
-									XListType: ptr("set"),
 								},
 								"renewTime":            {Type: "string", Format: "date-time", Description: "When the node last wrote the record."},
 								"leaseDurationSeconds": {Type: "integer", Format: "int32", Minimum: &minLease, Description: "Seconds after renewTime during which the record counts."},
@@ -148,8 +147,6 @@ func IdentityNodeCRD() *apiextensionsv1.CustomResourceDefinition {
 		},
 	}
 }
-
-func ptr[T any](v T) *T { return &v }
 
 // RegisterCRDs makes sure the API server serves the CRDs the store needs:
 // each is created when missing and updated when its schema version label

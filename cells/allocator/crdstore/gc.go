@@ -253,7 +253,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		if !marked || perr != nil {
 			// Unmarked, or a mark this collector cannot date: marked
 			// now, deleted a timeout later.
-			switch err := s.markForGC(ctx, o, now); {
+			switch err := s.markForGC(ctx, o); {
 			case err == nil:
 				res.Marked++
 				gc.marked.Add(1)
@@ -452,11 +452,12 @@ func (s *Store) listGCNodes(ctx context.Context) ([]IdentityNode, error) {
 
 // markForGC sets the heartbeat mark (the time, RFC 3339 with nanoseconds,
 // as Cilium's operator writes it) on o's object, if its resourceVersion is
-// still the listed one.
-func (s *Store) markForGC(ctx context.Context, o *gcObject, now time.Time) error {
+// still the listed one. The time is the write's, not the run's: the
+// timeout counts from when the mark can be seen.
+func (s *Store) markForGC(ctx context.Context, o *gcObject) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
 		"resourceVersion": o.obj.ResourceVersion,
-		"annotations":     map[string]string{HeartbeatAnnotation: now.UTC().Format(time.RFC3339Nano)},
+		"annotations":     map[string]string{HeartbeatAnnotation: time.Now().UTC().Format(time.RFC3339Nano)},
 	}})
 	if err != nil {
 		return err

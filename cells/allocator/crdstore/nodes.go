@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
@@ -115,6 +116,11 @@ type nodeWriter struct {
 	writes, failures atomic.Uint64
 }
 
+// nodeWriteWindow is the time a write waits for more changes to carry.
+// It is far below the heartbeat timeout that a use not yet written relies
+// on (a marked identity this node uses is unmarked by the watch anyway).
+const nodeWriteWindow = 500 * time.Millisecond
+
 func newNodeWriter() nodeWriter { return nodeWriter{wake: make(chan struct{}, 1)} }
 
 // request asks for a write; renew forces it when nothing changed.
@@ -150,6 +156,13 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 			return
 		case <-s.writer.wake:
 		}
+		// Let the changes of the next moment join this write: the
+		// record must follow allocations within seconds, not at
+		// once (docs/crd-store.md), and one write per allocation
+		// would double the API server's work for a new identity.
+		if written {
+			sleep(ctx, nodeWriteWindow)
+		}
 		ids := s.heldIDs()
 		renew := s.writer.renew.Swap(false)
 		if written && !renew && slices.Equal(ids, last) {
@@ -163,7 +176,7 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 			s.writer.failures.Add(1)
 			s.log.Warn("Writing this node's IdentityNode failed; retrying", "node", s.node, "error", err, "attempt", failures)
 			if h != nil {
-				h.Degraded("Writing IdentityNode "+s.node+" failed", err)
+				h.Degraded("Writing IdentityNode "+s.node+" failed", health.External(err))
 			}
 			// Try again with whatever is held by then.
 			s.writer.request(renew)
@@ -222,42 +235,62 @@ func (s *Store) renewTick() error {
 		return nil
 	}
 	if age := time.Since(time.Unix(0, last)); age > s.cfg.IdentityNodeLeaseTTL/2 {
-		return fmt.Errorf("IdentityNode %s last renewed %s ago, lease %s", s.node, age.Round(time.Second), s.cfg.IdentityNodeLeaseTTL)
+		return health.External(fmt.Errorf("IdentityNode %s last renewed %s ago, lease %s", s.node, age.Round(time.Second), s.cfg.IdentityNodeLeaseTTL))
 	}
 	return nil
 }
 
 // unmarkQueue holds IDs this node uses whose objects got the heartbeat
 // mark.
+// and those whose objects someone deleted (lostIDs).
 type unmarkQueue struct {
-	mu   sync.Mutex
-	ids  map[identity.NumericIdentity]struct{}
-	wake chan struct{}
+	mu      sync.Mutex
+	ids     map[identity.NumericIdentity]struct{}
+	lostIDs map[identity.NumericIdentity]struct{}
+	wake    chan struct{}
 }
 
 func newUnmarkQueue() unmarkQueue {
-	return unmarkQueue{ids: map[identity.NumericIdentity]struct{}{}, wake: make(chan struct{}, 1)}
+	return unmarkQueue{
+		ids:     map[identity.NumericIdentity]struct{}{},
+		lostIDs: map[identity.NumericIdentity]struct{}{},
+		wake:    make(chan struct{}, 1),
+	}
 }
 
 func (q *unmarkQueue) push(id identity.NumericIdentity) {
 	q.mu.Lock()
 	q.ids[id] = struct{}{}
 	q.mu.Unlock()
+	q.signal()
+}
+
+func (q *unmarkQueue) lost(id identity.NumericIdentity) {
+	q.mu.Lock()
+	q.lostIDs[id] = struct{}{}
+	q.mu.Unlock()
+	q.signal()
+}
+
+func (q *unmarkQueue) signal() {
 	select {
 	case q.wake <- struct{}{}:
 	default:
 	}
 }
 
-func (q *unmarkQueue) take() []identity.NumericIdentity {
+func (q *unmarkQueue) take() (marked, lost []identity.NumericIdentity) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	out := make([]identity.NumericIdentity, 0, len(q.ids))
 	for id := range q.ids {
-		out = append(out, id)
+		marked = append(marked, id)
+	}
+	for id := range q.lostIDs {
+		lost = append(lost, id)
 	}
 	clear(q.ids)
-	return out
+	clear(q.lostIDs)
+	return marked, lost
 }
 
 // markSeen is the cache's hook for an object that carries the heartbeat
@@ -273,8 +306,36 @@ func (s *Store) markSeen(id identity.NumericIdentity, lbls labels.Labels) {
 	}
 }
 
+// recreate writes back the object of an identity this node still uses
+// after someone deleted it (the collector deletes only unused ones; an
+// administrator or a collector that does not see identityd's records may
+// not): another node would otherwise give the ID to another label set
+// while this node's users hold it, as Cilium's agents re-create it. When
+// the ID was taken meanwhile, nothing can make both right: it is logged.
+func (s *Store) recreate(ctx context.Context, id identity.NumericIdentity) error {
+	ref := s.refs.ByID(id)
+	if ref == nil || s.ids.get(id) != nil {
+		return nil
+	}
+	err := s.create(ctx, id, ref.Labels)
+	switch {
+	case err == nil:
+		s.log.Warn("CiliumIdentity of a global identity this node uses was deleted; re-created it", "id", id, "labels", ref.Labels.Canonical())
+		return nil
+	case apierrors.IsAlreadyExists(err):
+		var obj CiliumIdentity
+		if gerr := s.ciliumClient.Get().Resource("ciliumidentities").Name(id.String()).Do(ctx).Into(&obj); gerr == nil {
+			if got, perr := parseSecurityLabels(obj.SecurityLabels); perr != nil || !got.Equal(ref.Labels) {
+				s.log.Error("Global identity this node uses now belongs to another label set", "id", id, "labels", ref.Labels.Canonical())
+			}
+		}
+		return nil
+	}
+	return err
+}
+
 // unmarkLoop is the job that removes marks from identities this node
-// uses.
+// uses, and re-creates deleted ones it uses.
 func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 	failures := 0
 	for {
@@ -284,7 +345,14 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 		case <-s.unmarks.wake:
 		}
 		var failed error
-		for _, id := range s.unmarks.take() {
+		marked, lost := s.unmarks.take()
+		for _, id := range lost {
+			if err := s.recreate(ctx, id); err != nil {
+				failed = err
+				s.unmarks.lost(id)
+			}
+		}
+		for _, id := range marked {
 			e := s.ids.get(id)
 			if e == nil || !e.marked() || s.refs.ByID(id) == nil {
 				continue
@@ -303,7 +371,7 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 			failures++
 			s.log.Warn("Removing the heartbeat mark of a global identity this node uses failed; retrying", "error", failed)
 			if h != nil {
-				h.Degraded("Removing heartbeat marks failed", failed)
+				h.Degraded("Removing heartbeat marks failed", health.External(failed))
 			}
 			sleep(ctx, backoff(failures))
 			continue

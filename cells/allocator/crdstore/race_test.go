@@ -60,7 +60,10 @@ func allocateAll(ctx context.Context, n *testNode, sets []labels.Labels, gorouti
 // (with a random free ID per create, as Cilium picks, this fails with
 // hundreds of duplicates).
 func TestRaceNoDuplicates(t *testing.T) {
-	const nodes, setCount, goroutines = 3, 2000, 8
+	nodes, setCount, goroutines := 3, raceSetCount, 8
+	if testing.Short() {
+		setCount = 300
+	}
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	sets := raceSets(setCount)
@@ -119,3 +122,6 @@ func TestRaceNoDuplicates(t *testing.T) {
 		return nil
 	})
 }
+
+// raceSetCount is the acceptance figure; -short runs fewer.
+var raceSetCount = 2000

@@ -18,9 +18,22 @@ type tmpServer struct{ cfg *rest.Config }
 
 func (s *tmpServer) RESTConfig() *rest.Config { return rest.CopyConfig(s.cfg) }
 
+// startServer starts an API server with the store's CRDs installed, past
+// the server's delay of creates on a just established CRD.
 func startServer(tb testing.TB) *tmpServer {
 	tb.Helper()
-	etcd := etcdtest.StartSingle(tb)
+	srv := startBareServer(tb)
+	if err := RegisterCRDs(context.Background(), srv.cfg); err != nil {
+		tb.Fatal(err)
+	}
+	time.Sleep(2100 * time.Millisecond)
+	return srv
+}
+
+// startBareServer starts an API server without CRDs.
+func startBareServer(tb testing.TB) *tmpServer {
+	tb.Helper()
+	etcd := etcdtest.StartSingle(tb, etcdtest.WithUnsafeNoFsync())
 	o := options.NewCustomResourceDefinitionsServerOptions(nil, nil)
 	o.RecommendedOptions.Authentication.RemoteKubeConfigFileOptional = true
 	o.RecommendedOptions.Authorization.RemoteKubeConfigFileOptional = true

@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
@@ -93,7 +94,7 @@ var _ globalstore.Backend = (*Store)(nil)
 // allocStats counts allocations by outcome.
 type allocStats struct {
 	created, adopted, conflict, exhausted, failed atomic.Uint64
-	unmarked                                      atomic.Uint64
+	unmarked, reads                               atomic.Uint64
 }
 
 // New returns the store of the cluster's ID range on the API server of cfg,
@@ -254,7 +255,9 @@ func (s *Store) runReflector(ctx context.Context, h cell.Health, resource string
 		}
 		broken.Store(true)
 		if h != nil {
-			h.Degraded(what+" of "+resource+" failed", err)
+			// The API server failed or is unreachable: readiness,
+			// not liveness (a restart would not bring it back).
+			h.Degraded(what+" of "+resource+" failed", health.External(err))
 		}
 	}
 	ok := func(what string) {
@@ -310,13 +313,19 @@ func (r *reportingStore) Bookmark(rv string) error {
 	return nil
 }
 
-// emit reports the cache's changes to the allocator.
+// emit reports the cache's changes to the allocator, and queues the
+// re-creation of deleted identities this node still uses.
 func (s *Store) emit(changes []change) {
 	for _, c := range changes {
 		if c.upsert {
 			s.events.Upsert(c.id, c.lbls)
-		} else {
-			s.events.Delete(c.id, c.lbls)
+			continue
+		}
+		s.events.Delete(c.id, c.lbls)
+		if !s.stopped.Load() && s.refs != nil {
+			if r := s.refs.ByID(c.id); r != nil && r.Labels.Equal(c.lbls) {
+				s.unmarks.lost(c.id)
+			}
 		}
 	}
 }
@@ -418,7 +427,27 @@ func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (i
 			if !errors.Is(err, errRestart) {
 				return 0, false, err
 			}
-			continue
+			// The object changed under the update, or is gone; the
+			// cache may not show it yet: settle its slot from a read.
+			fresh, err := a.read(ctx, e.id)
+			if err != nil {
+				return 0, false, err
+			}
+			if fresh != nil {
+				// Adopt it as it is now, or skip it if another
+				// label set holds the ID.
+				done, created, err := a.trySlot(ctx, e.id, fresh)
+				if err != nil || done {
+					return e.id, created, err
+				}
+			}
+			// Gone (a new object goes where the walk places it, not
+			// where the old one was), or another label set's: walk.
+			id, created, err := a.walk(ctx, p)
+			if errors.Is(err, errRestart) {
+				continue
+			}
+			return id, created, err
 		}
 		id, created, err := a.walk(ctx, p)
 		if errors.Is(err, errRestart) {
@@ -470,6 +499,7 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 			// The cache was behind: take the object from the watch
 			// once it arrives, else read it.
 			if e = s.ids.waitFor(ctx, id, cacheWait); e == nil {
+				s.stats.reads.Add(1)
 				if e, err = a.read(ctx, id); err != nil {
 					return false, false, err
 				}

@@ -344,6 +344,15 @@ func TestAllocateAdoptRelease(t *testing.T) {
 		return nil
 	})
 
+	expectSamples(t, samples(t, a.store), map[string]float64{
+		"identityd_crd_allocations_total{outcome=created}": 1,
+		"identityd_crd_allocations_total{outcome=adopted}": 0,
+		"identityd_crd_split_label_sets_total":             0,
+	})
+	expectSamples(t, samples(t, b.store), map[string]float64{
+		"identityd_crd_allocations_total{outcome=adopted}": 1,
+	})
+
 	a.release(t, id)
 	cli.nodeLists(t, "node-a")
 	cli.nodeLists(t, "node-b", id)
@@ -436,6 +445,9 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 	if !created || id != p.slot(1) {
 		t.Errorf("got %d (created %v), want %d, the slot after the unparsable object", id, created, p.slot(1))
 	}
+	expectSamples(t, samples(t, a.store), map[string]float64{
+		"identityd_crd_ignored_objects_total": float64(len(bad)),
+	})
 	// A node started after them ignores them too.
 	b := startNode(t, srv.RESTConfig(), "node-b")
 	if got := b.store.ids.ignoredTotal.Load(); got != uint64(len(bad)) {
@@ -499,6 +511,28 @@ func TestHeartbeatMarks(t *testing.T) {
 	if cli.marked(t, skipped) {
 		t.Error("skipping a marked slot left its mark")
 	}
+}
+
+// TestDeletedIdentityInUseIsRecreated: an object deleted by someone who
+// does not follow the collector's rules comes back while a node uses it.
+func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	id, _ := a.allocate(t, web(1))
+	if err := cli.cilium.Delete().Resource("ciliumidentities").Name(id.String()).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	require(t, 20*time.Second, func() error {
+		obj, err := cli.identity(t, id)
+		if err != nil {
+			return err
+		}
+		if back, err := parseSecurityLabels(obj.SecurityLabels); err != nil || !back.Equal(web(1)) {
+			return fmt.Errorf("%d holds %v", id, obj.SecurityLabels)
+		}
+		return nil
+	})
 }
 
 func TestSpaceExhausted(t *testing.T) {
@@ -566,4 +600,42 @@ func TestCreateCostsOneRequest(t *testing.T) {
 		t.Errorf("%d requests for %d new label sets and %d known ones, want %d", requests, count, count, count)
 	}
 	_ = apierrors.IsNotFound
+}
+
+// TestAdoptFromStaleCache: the cache shows a marked object of the label
+// set at an older resourceVersion than the server's; the adoption's
+// unmark conflicts, and must read the object rather than send the stale
+// version again until the conflicts run out. (The store is not started,
+// so its cache stays as the test sets it.)
+func TestAdoptFromStaleCache(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	cluster := identity.ClusterInfo{Name: "default"}
+	lbls := web(1)
+	id := newProbe(lbls.Canonical(), cluster).slot(0)
+	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String()}, SecurityLabels: securityLabels(lbls)})
+	cli.mark(t, id)
+	stale, err := cli.identity(t, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli.mark(t, id) // a newer version
+	s, err := New(hivetest.Logger(t), srv.RESTConfig(), cluster, "node-a", DefaultConfig, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.events = newEventLog()
+	if err := s.ids.Replace([]any{stale}, stale.ResourceVersion); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	refs := newRefSet()
+	got, created, err := s.Allocate(ctx, lbls, refs.record)
+	if err != nil || got != id || created {
+		t.Fatalf("Allocate = %d, %v, %v; want %d adopted", got, created, err, id)
+	}
+	if cli.marked(t, id) {
+		t.Error("the adopted identity is still marked")
+	}
 }

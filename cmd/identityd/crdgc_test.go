@@ -1,0 +1,248 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/internal/k8stest"
+)
+
+// agentUser is the user the agents of TestCRDModeKilledNodeGC authenticate
+// as, so that the audit log tells their requests from the test's own.
+const agentUser = "identityd-agent"
+
+// TestCRDModeKilledNodeGC runs two agent processes in crd mode with a short
+// IdentityNode lease and GC period, and kills one with SIGKILL: once its
+// lease ended, the garbage collection of the live node deletes the
+// identities only the killed node used (and the one the live node
+// released), keeps the one the live node uses, and deletes the dead node's
+// IdentityNode. The API server's audit log of the run is then checked
+// against docs/k8s/clusterrole.yaml (TestClusterRoleCoversAgentRequests'
+// rules): every (group, resource, verb) the agents sent is granted, and
+// every grant was used or is explained.
+func TestCRDModeKilledNodeGC(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs an API server and agent processes for minutes")
+	}
+	dir := t.TempDir()
+	auditLog := filepath.Join(dir, "audit.log")
+	policy := filepath.Join(dir, "audit-policy.yaml")
+	if err := os.WriteFile(policy, []byte("apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	srv := k8stest.Start(t, k8stest.WithServerArgs("--audit-log-path", auditLog, "--audit-policy-file", policy))
+	objs := newAPIObjects(t, srv)
+	// An outdated IdentityNode CRD, which the agent updates.
+	old := crdstore.IdentityNodeCRD()
+	old.Labels = map[string]string{"identityd.io/crd-schema-version": "0.0.1"}
+	k8stest.InstallCRD(t, srv.RESTConfig(), old)
+	kubeconfig := srv.UserKubeconfig(t, agentUser, "system:masters")
+
+	gcFlags := []string{"--identity-node-lease-ttl=25s", "--identity-gc-interval=3s",
+		"--identity-heartbeat-timeout=2m", "--identity-restore-grace-period=1s"}
+	a := startCRDAgent(t, filepath.Join(dir, "a"), kubeconfig, "node-a", gcFlags...)
+	b := startCRDAgent(t, filepath.Join(dir, "b"), kubeconfig, "node-b", gcFlags...)
+	shA, shB := a.dial(), b.dial()
+	defer shA.Close()
+
+	onlyB := allocate(t, shB, "k8s:app=only-b")
+	shared := allocate(t, shB, "k8s:app=shared")
+	if got := allocate(t, shA, "k8s:app=shared"); got != shared {
+		t.Fatalf("node-a got %d for the label set node-b holds as %d", got, shared)
+	}
+	released := allocate(t, shA, "k8s:app=released")
+	if out, err := shA.Run(time.Now().Add(time.Minute), "identity/release", strconv.Itoa(released)); err != nil {
+		t.Fatalf("release: %v %s", err, out)
+	}
+	waitUntil(t, 30*time.Second, "node-b's IdentityNode lists its identities", func() error {
+		for _, id := range []int{onlyB, shared} {
+			if err := objs.lists("node-b", id, true)(); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	shB.Close()
+	b.stop(syscall.SIGKILL)
+	killed := time.Now()
+
+	// Lease (25s) + mark + heartbeat timeout (2m) + GC periods, on a
+	// loaded machine.
+	waitUntil(t, 6*time.Minute, "the GC deletes the identities only the killed node and no live node used", func() error {
+		var left []int
+		for _, id := range []int{onlyB, released} {
+			if objs.identity(id) != nil {
+				left = append(left, id)
+			}
+		}
+		if len(left) > 0 {
+			return fmt.Errorf("CiliumIdentity objects %v still exist", left)
+		}
+		return nil
+	})
+	t.Logf("the killed node's identities were deleted %s after SIGKILL", time.Since(killed).Round(time.Second))
+	if lbls := objs.identity(shared); lbls["k8s:app"] != "shared" {
+		t.Errorf("CiliumIdentity %d, used by the live node, is gone: %v", shared, lbls)
+	}
+	waitUntil(t, 2*time.Minute, "the GC deletes the dead node's IdentityNode", func() error {
+		if _, ok := objs.nodeIdentities("node-b"); ok {
+			return fmt.Errorf("IdentityNode node-b still exists")
+		}
+		return nil
+	})
+	if err := objs.lists("node-a", shared, true)(); err != nil {
+		t.Error(err)
+	}
+	// The live node allocates the freed label set again.
+	again := allocate(t, shA, "k8s:app=only-b")
+	if objs.identity(again)["k8s:app"] != "only-b" {
+		t.Errorf("CiliumIdentity %d of the reallocated label set is missing", again)
+	}
+
+	checkClusterRole(t, agentRequests(t, auditLog))
+}
+
+// apiRequest is what RBAC authorizes of a request: a resource request's
+// group, resource and verb, or a non-resource request's path.
+type apiRequest struct {
+	Group, Resource, Verb string
+	Path                  string // non-resource requests
+}
+
+func (r apiRequest) String() string {
+	if r.Resource == "" {
+		return r.Verb + " " + r.Path
+	}
+	g := r.Group
+	if g == "" {
+		g = "core"
+	}
+	return r.Verb + " " + r.Resource + "." + g
+}
+
+// agentRequests reads the distinct requests of agentUser from the API
+// server's audit log.
+func agentRequests(t *testing.T, path string) map[apiRequest]int {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	seen := map[apiRequest]int{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var ev struct {
+			Stage      string
+			Verb       string
+			RequestURI string `json:"requestURI"`
+			User       struct{ Username string }
+			ObjectRef  *struct {
+				Resource string `json:"resource"`
+				APIGroup string `json:"apiGroup"`
+			} `json:"objectRef"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
+			t.Fatalf("audit log: %v", err)
+		}
+		if ev.User.Username != agentUser || ev.Stage == "ResponseStarted" {
+			continue
+		}
+		r := apiRequest{Verb: ev.Verb}
+		if ev.ObjectRef != nil && ev.ObjectRef.Resource != "" {
+			r.Group, r.Resource = ev.ObjectRef.APIGroup, ev.ObjectRef.Resource
+		} else {
+			r.Path, _, _ = strings.Cut(ev.RequestURI, "?")
+		}
+		seen[r]++
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if len(seen) == 0 {
+		t.Fatalf("no request of %s in the audit log %s", agentUser, path)
+	}
+	return seen
+}
+
+// publicPaths are the non-resource paths Kubernetes' default cluster roles
+// (system:public-info-viewer, system:discovery) grant every authenticated
+// user, which docs/k8s/clusterrole.yaml need not repeat.
+var publicPaths = []string{"/healthz", "/livez", "/readyz", "/version", "/api", "/apis"}
+
+// unexercised are the grants of docs/k8s/clusterrole.yaml that a run of
+// TestCRDModeKilledNodeGC need not use, each with the code path that does.
+var unexercised = map[apiRequest]string{
+	{Group: "cilium.io", Resource: "ciliumidentities", Verb: "get"}: "a create that meets AlreadyExists before the watch delivers the object reads it",
+}
+
+// checkClusterRole fails unless docs/k8s/clusterrole.yaml grants every
+// request of seen, and every grant of it was used by seen or is in
+// unexercised.
+func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
+	t.Helper()
+	data, err := os.ReadFile("../../docs/k8s/clusterrole.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var role struct {
+		Kind  string
+		Rules []struct {
+			APIGroups []string `yaml:"apiGroups"`
+			Resources []string `yaml:"resources"`
+			Verbs     []string `yaml:"verbs"`
+		}
+	}
+	if err := yaml.Unmarshal(data, &role); err != nil || role.Kind != "ClusterRole" {
+		t.Fatalf("docs/k8s/clusterrole.yaml: %v (kind %q)", err, role.Kind)
+	}
+	granted := map[apiRequest]bool{}
+	for _, r := range role.Rules {
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				for _, v := range r.Verbs {
+					granted[apiRequest{Group: g, Resource: res, Verb: v}] = true
+				}
+			}
+		}
+	}
+	var sent []string
+	for r, n := range seen {
+		sent = append(sent, fmt.Sprintf("%s (%d)", r, n))
+		if r.Resource == "" {
+			public := slices.ContainsFunc(publicPaths, func(p string) bool { return r.Path == p || strings.HasPrefix(r.Path, p+"/") })
+			if !public || r.Verb != "get" {
+				t.Errorf("the agent sent %s, which no default role grants", r)
+			}
+			continue
+		}
+		if !granted[r] {
+			t.Errorf("the agent sent %s, which docs/k8s/clusterrole.yaml does not grant", r)
+		}
+	}
+	sort.Strings(sent)
+	t.Logf("requests of the agents: %s", strings.Join(sent, ", "))
+	for r := range granted {
+		if seen[r] == 0 {
+			if why, ok := unexercised[r]; ok {
+				t.Logf("granted, not used in this run: %s (%s)", r, why)
+				continue
+			}
+			t.Errorf("docs/k8s/clusterrole.yaml grants %s, which the agent never sent", r)
+		}
+	}
+}
