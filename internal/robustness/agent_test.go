@@ -135,40 +135,18 @@ func (a *agent) start() error {
 }
 
 // kill sends SIGKILL and waits for the process to be gone.
-func (a *agent) kill() {
-	a.mu.Lock()
-	cmd, done := a.cmd, a.done
-	a.up = false
-	a.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	cmd.Process.Signal(syscall.SIGKILL)
-	<-done
-}
+func (a *agent) kill() { a.end(syscall.SIGKILL) }
 
 // dumpGoroutines ends the agent with SIGQUIT, on which the Go runtime
 // writes every goroutine's stack to the agent's log: what a hung command
 // waits for.
-func (a *agent) dumpGoroutines() {
-	a.mu.Lock()
-	cmd, done := a.cmd, a.done
-	a.up = false
-	a.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	cmd.Process.Signal(syscall.SIGQUIT)
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		cmd.Process.Signal(syscall.SIGKILL)
-		<-done
-	}
-}
+func (a *agent) dumpGoroutines() { a.end(syscall.SIGQUIT) }
 
 // stop ends the agent with SIGTERM, as an operator would.
-func (a *agent) stop() {
+func (a *agent) stop() { a.end(syscall.SIGTERM) }
+
+// end sends sig and waits for the process to be gone, killing it after 30 s.
+func (a *agent) end(sig syscall.Signal) {
 	a.mu.Lock()
 	cmd, done := a.cmd, a.done
 	a.up = false
@@ -176,7 +154,7 @@ func (a *agent) stop() {
 	if cmd == nil {
 		return
 	}
-	cmd.Process.Signal(syscall.SIGTERM)
+	cmd.Process.Signal(sig)
 	select {
 	case <-done:
 	case <-time.After(30 * time.Second):
