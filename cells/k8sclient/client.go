@@ -114,6 +114,11 @@ func newClient(p params) (*Client, error) {
 		return nil, fmt.Errorf("k8sclient: %w", err)
 	}
 	if p.Mode != identity.AllocationModeCRD && !p.Config.Configured() {
+		if p.Health != nil {
+			// Nothing else reports to the module then; a scope that never
+			// reports reads as unknown and fails /healthz.
+			p.Health.OK("Not used: not in crd mode and no --k8s-* flag names an API server")
+		}
 		return nil, nil
 	}
 	c, err := New(p.Log, p.Config)
