@@ -12,8 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/identityd/identityd/internal/retry"
-
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -513,7 +511,7 @@ func (rc *remoteCluster) run(ctx context.Context) {
 		}
 		rc.failed(err)
 		rc.log.Warn("Connecting to remote cluster failed; retrying", "error", err, "attempt", attempt)
-		retry.Sleep(ctx, min(time.Second<<min(attempt, 4), 10*time.Second))
+		sleep(ctx, min(time.Second<<min(attempt, 4), 10*time.Second))
 	}
 }
 
@@ -590,5 +588,15 @@ func (rc *remoteCluster) status() RemoteClusterStatus {
 		Rejected:      rejected,
 		RejectedTotal: rc.cache.RejectedTotal(),
 		LastError:     rc.lastErr,
+	}
+}
+
+// sleep waits for d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
 	}
 }

@@ -11,8 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/identityd/identityd/internal/retry"
-
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -163,7 +161,7 @@ func (c *masterCache) cacheLoop(ctx context.Context) {
 			failures++
 			c.fail(err)
 			c.cacheLog.Warn("Listing "+c.what+" failed; retrying", "error", err, "attempt", failures)
-			retry.Sleep(ctx, retry.Backoff(failures))
+			sleep(ctx, backoff(failures))
 			continue
 		}
 		failures = 0
@@ -179,7 +177,7 @@ func (c *masterCache) cacheLoop(ctx context.Context) {
 		default:
 			c.fail(err)
 			c.cacheLog.Warn("Watch of "+c.what+" ended; listing again", "error", err)
-			retry.Sleep(ctx, retry.Backoff(1))
+			sleep(ctx, backoff(1))
 		}
 	}
 }
