@@ -12,6 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/identityd/identityd/internal/retry"
+
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -511,7 +513,7 @@ func (rc *remoteCluster) run(ctx context.Context) {
 		}
 		rc.failed(err)
 		rc.log.Warn("Connecting to remote cluster failed; retrying", "error", err, "attempt", attempt)
-		sleep(ctx, min(time.Second<<min(attempt, 4), 10*time.Second))
+		retry.Sleep(ctx, min(time.Second<<min(attempt, 4), 10*time.Second))
 	}
 }
 
@@ -588,15 +590,5 @@ func (rc *remoteCluster) status() RemoteClusterStatus {
 		Rejected:      rejected,
 		RejectedTotal: rc.cache.RejectedTotal(),
 		LastError:     rc.lastErr,
-	}
-}
-
-// sleep waits for d or until ctx ends.
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
 	}
 }

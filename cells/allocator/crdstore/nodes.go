@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/identityd/identityd/internal/retry"
+
 	"github.com/cilium/hive/cell"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -161,7 +163,7 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		// once (docs/crd-store.md), and one write per allocation
 		// would double the API server's work for a new identity.
 		if written {
-			sleep(ctx, nodeWriteWindow)
+			retry.Sleep(ctx, nodeWriteWindow)
 		}
 		ids := s.heldIDs()
 		renew := s.writer.renew.Swap(false)
@@ -180,7 +182,7 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 			}
 			// Try again with whatever is held by then.
 			s.writer.request(renew)
-			sleep(ctx, backoff(failures))
+			retry.Sleep(ctx, retry.Backoff(failures))
 			continue
 		}
 		failures = 0
@@ -373,7 +375,7 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 			if h != nil {
 				h.Degraded("Removing heartbeat marks failed", health.External(failed))
 			}
-			sleep(ctx, backoff(failures))
+			retry.Sleep(ctx, retry.Backoff(failures))
 			continue
 		}
 		if failures > 0 || failed == nil {

@@ -5,10 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/identityd/identityd/internal/retry"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -399,7 +400,7 @@ func (a *allocation) retry(ctx context.Context, err error) error {
 		return fmt.Errorf("%w: after %d attempts: %w", globalstore.ErrUnavailable, a.transients, err)
 	}
 	a.s.log.Debug("Retrying global identity allocation", "labels", a.key, "error", err)
-	sleep(ctx, backoff(a.transients))
+	retry.Sleep(ctx, retry.Backoff(a.transients))
 	return nil
 }
 
@@ -647,21 +648,4 @@ func transient(err error) bool {
 	// Not an answer of the API server: the connection broke, timed out or
 	// was refused (a restarting server).
 	return true
-}
-
-// backoff returns a jittered delay growing with n, from a few milliseconds
-// to a second.
-func backoff(n int) time.Duration {
-	d := 5 * time.Millisecond << min(n, 8)
-	d = min(d, time.Second)
-	return d/2 + rand.N(d/2+1)
-}
-
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-ctx.Done():
-	}
 }

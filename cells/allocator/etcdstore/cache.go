@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/identityd/identityd/internal/retry"
+
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -161,7 +163,7 @@ func (c *masterCache) cacheLoop(ctx context.Context) {
 			failures++
 			c.fail(err)
 			c.cacheLog.Warn("Listing "+c.what+" failed; retrying", "error", err, "attempt", failures)
-			sleep(ctx, backoff(failures))
+			retry.Sleep(ctx, retry.Backoff(failures))
 			continue
 		}
 		failures = 0
@@ -177,7 +179,7 @@ func (c *masterCache) cacheLoop(ctx context.Context) {
 		default:
 			c.fail(err)
 			c.cacheLog.Warn("Watch of "+c.what+" ended; listing again", "error", err)
-			sleep(ctx, backoff(1))
+			retry.Sleep(ctx, retry.Backoff(1))
 		}
 	}
 }

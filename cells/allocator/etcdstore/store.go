@@ -5,12 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"path"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/identityd/identityd/internal/retry"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -452,7 +453,7 @@ func (b *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 			}
 			b.log.Debug("Retrying global identity allocation", "labels", key, "error", err)
 			if !isLeaseNotFound(err) {
-				sleep(ctx, backoff(transient))
+				retry.Sleep(ctx, retry.Backoff(transient))
 			}
 			continue
 		}
@@ -469,11 +470,11 @@ func (b *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 			// Cilium's lock is held for one allocation; it is not a
 			// conflict with us, so only the context bounds the wait.
 			waits++
-			sleep(ctx, backoff(min(waits, 6)))
+			retry.Sleep(ctx, retry.Backoff(min(waits, 6)))
 			continue
 		case outWait:
 			hint, adoptRev = 0, 0
-			sleep(ctx, backoff(conflicts+1))
+			retry.Sleep(ctx, retry.Backoff(conflicts+1))
 		case outNewID:
 			hint, adoptRev = 0, 0
 		case outForeign:
@@ -970,23 +971,6 @@ func isLeaseNotFound(err error) bool {
 		rpctypes.ErrorDesc(err) == rpctypes.ErrorDesc(rpctypes.ErrGRPCLeaseNotFound)
 }
 
-// backoff returns a jittered delay growing with n, from a few milliseconds
-// to a second.
-func backoff(n int) time.Duration {
-	d := 5 * time.Millisecond << min(n, 8)
-	d = min(d, time.Second)
-	return d/2 + rand.N(d/2+1)
-}
-
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-ctx.Done():
-	}
-}
-
 // emit reports the cache's changes to the allocator, and protects master
 // keys this node still uses from deletion.
 func (b *Store) emit(changes []change) {
@@ -1079,7 +1063,7 @@ func (b *Store) restoreReferences(ctx context.Context) clientv3.LeaseID {
 			return lease
 		}
 		b.log.Warn("Restoring this node's identity references failed; retrying", "error", err, "attempt", attempt)
-		sleep(ctx, backoff(attempt))
+		retry.Sleep(ctx, retry.Backoff(attempt))
 	}
 	return 0
 }
