@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
@@ -19,28 +20,34 @@ type commandsParams struct {
 	cell.In
 
 	Allocator Allocator
+	Config    Config
 	// LocalSync is the checkpoint's, when the hive has one:
 	// identity/allocate waits for it for local identities.
 	LocalSync LocalIdentitySyncer `optional:"true"`
 }
 
 func newCellCommands(p commandsParams) hive.ScriptCmdsOut {
-	return newCommandsSync(p.Allocator, p.LocalSync)
+	return newCommandsSync(p.Allocator, p.LocalSync, p.Config.IdentityAllocationTimeout)
 }
 
 // newCommands returns the commands without a durability point to wait for.
-func newCommands(a Allocator) hive.ScriptCmdsOut { return newCommandsSync(a, nil) }
+func newCommands(a Allocator) hive.ScriptCmdsOut {
+	return newCommandsSync(a, nil, DefaultConfig.IdentityAllocationTimeout)
+}
 
-func newCommandsSync(a Allocator, sync LocalIdentitySyncer) hive.ScriptCmdsOut {
+// newCommandsSync returns the commands; identity/allocate allocates and
+// waits for sync within timeout, so that an answer never comes later than
+// the allocation's own bound (a stalled disk makes it fail instead).
+func newCommandsSync(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) hive.ScriptCmdsOut {
 	return hive.NewScriptCmds(map[string]script.Cmd{
-		"identity/allocate": allocateCmd(a, sync),
+		"identity/allocate": allocateCmd(a, sync, timeout),
 		"identity/release":  releaseCmd(a),
 		"identity/get":      getCmd(a),
 		"identity/list":     listCmd(a),
 	})
 }
 
-func allocateCmd(a Allocator, sync LocalIdentitySyncer) script.Cmd {
+func allocateCmd(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: "Allocate an identity for a label set (one label per argument)",
@@ -53,7 +60,8 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer) script.Cmd {
 				"A local identity is answered once it is in the checkpoint on disk, so that",
 				"a restart, even after SIGKILL, gives it its number back; --no-wait answers",
 				"at once, and such an answer may be lost by a SIGKILL. If the checkpoint",
-				"cannot be written, the reference is dropped again and the command fails.",
+				"cannot be written within --identity-allocation-timeout, the reference is",
+				"dropped again and the command fails.",
 			},
 			Flags: func(fs *pflag.FlagSet) {
 				shellfmt.AddFlag(fs)
@@ -74,13 +82,17 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer) script.Cmd {
 			if err != nil {
 				return nil, err
 			}
+			// One bound for the allocation and the wait for the disk
+			// together.
+			ctx, cancel := context.WithTimeout(s.Context(), timeout)
+			defer cancel()
 			old, _ := s.Flags.GetUint32("old-id")
-			id, allocated, err := a.Allocate(s.Context(), lbls, WithOldID(identity.NumericIdentity(old)))
+			id, allocated, err := a.Allocate(ctx, lbls, WithOldID(identity.NumericIdentity(old)))
 			if err != nil {
 				return nil, err
 			}
 			if noWait, _ := s.Flags.GetBool("no-wait"); !noWait && sync != nil && id.ID.HasLocalScope() {
-				if err := sync.Sync(s.Context()); err != nil {
+				if err := sync.Sync(ctx); err != nil {
 					// A failed command must not leave a reference
 					// nobody knows of: a retry would take another.
 					if _, rerr := a.Release(context.WithoutCancel(s.Context()), id); rerr != nil {

@@ -299,7 +299,8 @@ func (c *Checkpoint) Write() (Status, error) {
 // has already succeeded; callers that wait while a write is running share
 // the next one, so a burst of N concurrent calls costs about two writes,
 // not N. It fails with the write's error, or with ctx's error when ctx ends
-// first (the identities then wait for a later write).
+// first, even during a write (the identities are then in that write, if it
+// succeeds, or wait for a later one).
 //
 // Sync writes nothing before restoration has finished, and so loaded the
 // file (Allocator.WaitForRestoration; at once in a hive without
@@ -316,13 +317,26 @@ func (c *Checkpoint) Sync(ctx context.Context) error {
 	case <-ctx.Done():
 		return fmt.Errorf("checkpoint sync: waiting for the running write: %w", ctx.Err())
 	}
-	defer func() { <-c.wsem }()
-	if c.durable >= need {
-		// Written while this call waited for the running write.
-		return nil
+	// A write cannot be interrupted (an fsync on a stalled disk may take
+	// minutes), but its caller's wait can: the write goes on, holding
+	// wsem, and the identities are in the file once it ends.
+	done := make(chan error, 1)
+	go func() {
+		defer func() { <-c.wsem }()
+		if c.durable >= need {
+			// Written while this call waited for the running write.
+			done <- nil
+			return
+		}
+		_, err := c.write()
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("checkpoint sync: the write did not end in time: %w", ctx.Err())
 	}
-	_, err := c.write()
-	return err
 }
 
 // write is Write with wsem held.

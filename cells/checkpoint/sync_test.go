@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -26,7 +27,7 @@ import (
 
 // syncHive starts the checkpoint with its allocator, with a checkpoint
 // interval of an hour: only Sync writes while the test runs.
-func syncHive(t *testing.T, dir string) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
 	var (
 		cp    *Checkpoint
@@ -38,6 +39,9 @@ func syncHive(t *testing.T, dir string) (*hive.Hive, *Checkpoint, allocator.Allo
 	)
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = time.Hour })
+	for _, o := range overrides {
+		o(h)
+	}
 	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
 		t.Fatal(err)
 	}
@@ -207,5 +211,80 @@ func TestAllocateNotDurable(t *testing.T) {
 	// --no-wait answers without the checkpoint.
 	if err := e.ExecuteLine(s, "identity/allocate --no-wait cidr:10.4.0.0/16 reserved:world", io.Discard); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestAllocateDiskStalled checks that identity/allocate of a local label
+// set answers within --identity-allocation-timeout when the checkpoint's
+// fsync hangs: it fails, drops its reference, and the write that was
+// running still puts what it holds on disk once the disk answers.
+func TestAllocateDiskStalled(t *testing.T) {
+	dir := t.TempDir()
+	const timeout = time.Second
+	h, cp, alloc := syncHive(t, dir, func(h *hive.Hive) {
+		hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
+	})
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	cmds, err := h.ScriptCommands(hivetest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &script.Engine{Cmds: cmds}
+	s, err := script.NewState(t.Context(), dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stalled, resume := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	cp.mu.Lock()
+	cp.fault = func(step string) error {
+		if step == "fsync" {
+			once.Do(func() { close(stalled) })
+			<-resume
+		}
+		return nil
+	}
+	cp.mu.Unlock()
+
+	start := time.Now()
+	err = e.ExecuteLine(s, "identity/allocate cidr:10.5.0.0/16 reserved:world", io.Discard)
+	took := time.Since(start)
+	if err == nil {
+		t.Fatal("identity/allocate succeeded while the checkpoint's fsync hung")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("error %v, want one that wraps context.DeadlineExceeded", err)
+	}
+	// The bound plus what a loaded machine adds; the fsync hangs until
+	// the end of the test.
+	if took > timeout+5*time.Second {
+		t.Errorf("identity/allocate answered after %s, more than --identity-allocation-timeout (%s)", took, timeout)
+	}
+	select {
+	case <-stalled:
+	default:
+		t.Fatal("the command failed before the write reached fsync")
+	}
+	if id := alloc.LookupByLabels(cidr("10.5.0.0/16")); id != nil {
+		t.Fatalf("identity %d kept after the failed command", id.ID)
+	}
+
+	// The disk answers: the stalled write ends, and the next Sync writes
+	// again.
+	close(resume)
+	cp.mu.Lock() // held by the stalled write until it ends
+	cp.fault = nil
+	cp.mu.Unlock()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	id, _, err := alloc.Allocate(ctx, cidr("10.6.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !fileIDs(t, filepath.Join(dir, FileName))[id.ID] {
+		t.Fatalf("identity %d not in the checkpoint after the disk answered", id.ID)
 	}
 }
