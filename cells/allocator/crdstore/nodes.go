@@ -147,16 +147,87 @@ func (s *Store) heldIDs() []uint32 {
 	return slices.Compact(ids)
 }
 
+// ownRecord is the writer's view of this node's IdentityNode, kept by the
+// writer job alone.
+type ownRecord struct {
+	loaded bool
+	// rv is the resourceVersion of the last write (or read): the next
+	// write sends it as a precondition, so that a write by anyone else
+	// in between shows as a conflict.
+	rv string
+	// carried are the identities of the record an earlier process of
+	// this node left, kept in the record until that record's lease would
+	// have ended: a restart must not end the node's claims sooner than
+	// its death would have (the workloads of a restarted node allocate
+	// their identities again, but not at once).
+	carried      []uint32
+	carriedUntil time.Time
+	// sharedUntil is set when someone else wrote the record: health
+	// reports it for a lease.
+	sharedUntil time.Time
+}
+
+// load reads the record an earlier process left.
+func (s *Store) loadOwnRecord(ctx context.Context, rec *ownRecord) error {
+	var old IdentityNode
+	err := s.nodeClient.Get().Resource("identitynodes").Name(s.node).Do(ctx).Into(&old)
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return fmt.Errorf("reading IdentityNode %s: %w", s.node, err)
+	default:
+		rec.rv = old.ResourceVersion
+		until := old.Spec.RenewTime.Add(time.Duration(old.Spec.LeaseDurationSeconds) * time.Second)
+		if len(old.Spec.Identities) > 0 && time.Now().Before(until) {
+			rec.carried, rec.carriedUntil = slices.Clone(old.Spec.Identities), until
+			s.log.Info("Keeping the identities of this node's earlier record until its lease ends",
+				"node", s.node, "identities", len(rec.carried), "until", until)
+		}
+	}
+	rec.loaded = true
+	return nil
+}
+
+// idsToWrite is what the record lists now: the held identities and, until
+// their time ends, the carried ones.
+func (rec *ownRecord) idsToWrite(held []uint32, now time.Time) []uint32 {
+	if rec.carried == nil {
+		return held
+	}
+	if !now.Before(rec.carriedUntil) {
+		rec.carried = nil
+		return held
+	}
+	ids := append(slices.Clone(held), rec.carried...)
+	slices.Sort(ids)
+	return slices.Compact(ids)
+}
+
 // writeLoop is the IdentityNode writer job.
 func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
-	var last []uint32
-	written := false
-	failures := 0
+	var (
+		rec      ownRecord
+		last     []uint32
+		written  bool
+		failures int
+		carryEnd *time.Timer
+	)
+	defer func() {
+		if carryEnd != nil {
+			carryEnd.Stop()
+		}
+	}()
 	for {
+		var carryEnded <-chan time.Time
+		if carryEnd != nil {
+			carryEnded = carryEnd.C
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-s.writer.wake:
+		case <-carryEnded:
+			carryEnd = nil
 		}
 		// Let the changes of the next moment join this write: the
 		// record must follow allocations within seconds, not at
@@ -165,12 +236,22 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		if written {
 			retry.Sleep(ctx, nodeWriteWindow)
 		}
-		ids := s.heldIDs()
 		renew := s.writer.renew.Swap(false)
-		if written && !renew && slices.Equal(ids, last) {
-			continue
+		err := error(nil)
+		if !rec.loaded {
+			if err = s.loadOwnRecord(ctx, &rec); err == nil && rec.carried != nil {
+				carryEnd = time.NewTimer(time.Until(rec.carriedUntil))
+			}
 		}
-		if err := s.writeNode(ctx, ids); err != nil {
+		var ids []uint32
+		if err == nil {
+			ids = rec.idsToWrite(s.heldIDs(), time.Now())
+			if written && !renew && slices.Equal(ids, last) {
+				continue
+			}
+			err = s.writeNode(ctx, ids, &rec)
+		}
+		if err != nil {
 			if ctx.Err() != nil {
 				return
 			}
@@ -188,15 +269,22 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		failures = 0
 		last, written = ids, true
 		s.writer.lastOK.Store(time.Now().UnixNano())
-		if h != nil {
-			h.OK(fmt.Sprintf("IdentityNode %s lists %d identities", s.node, len(ids)))
+		if h == nil {
+			continue
 		}
+		if time.Now().Before(rec.sharedUntil) {
+			h.Degraded("IdentityNode "+s.node+" shared", health.External(fmt.Errorf(
+				"IdentityNode %s was written by someone else since this agent's last write: does another agent run with --node-name %s? Its uses and this agent's overwrite each other", s.node, s.node)))
+			continue
+		}
+		h.OK(fmt.Sprintf("IdentityNode %s lists %d identities", s.node, len(ids)))
 	}
 }
 
 // writeNode writes this node's IdentityNode with ids and a fresh renewal
-// time: a merge patch of its spec, or a create when it does not exist.
-func (s *Store) writeNode(ctx context.Context, ids []uint32) error {
+// time: a merge patch of its spec, with the resourceVersion of the last
+// write as precondition, or a create when it does not exist.
+func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) error {
 	if ids == nil {
 		ids = []uint32{}
 	}
@@ -206,13 +294,36 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32) error {
 		LeaseDurationSeconds: int32(s.cfg.IdentityNodeLeaseTTL / time.Second),
 	}
 	s.writer.writes.Add(1)
-	patch, err := json.Marshal(map[string]any{"spec": spec})
-	if err != nil {
-		return err
-	}
+	var err error
 	for range 3 {
-		err = s.nodeClient.Patch(types.MergePatchType).Resource("identitynodes").Name(s.node).Body(patch).Do(ctx).Error()
-		if !apierrors.IsNotFound(err) {
+		body := map[string]any{"spec": spec}
+		if rec.rv != "" {
+			body["metadata"] = map[string]any{"resourceVersion": rec.rv}
+		}
+		patch, merr := json.Marshal(body)
+		if merr != nil {
+			return merr
+		}
+		var got IdentityNode
+		err = s.nodeClient.Patch(types.MergePatchType).Resource("identitynodes").Name(s.node).Body(patch).Do(ctx).Into(&got)
+		switch {
+		case err == nil:
+			rec.rv = got.ResourceVersion
+			return nil
+		case apierrors.IsConflict(err):
+			// Nothing but this node's writer changes the record
+			// of a live node: another process does, under the same
+			// --node-name.
+			var cur IdentityNode
+			if gerr := s.nodeClient.Get().Resource("identitynodes").Name(s.node).Do(ctx).Into(&cur); gerr != nil {
+				return gerr
+			}
+			rec.rv = cur.ResourceVersion
+			rec.sharedUntil = time.Now().Add(s.cfg.IdentityNodeLeaseTTL)
+			s.log.Error("IdentityNode of this node was written by someone else; is --node-name used by two agents?",
+				"node", s.node, "identities", cur.Spec.Identities, "renew-time", cur.Spec.RenewTime.Time)
+			continue
+		case !apierrors.IsNotFound(err):
 			return err
 		}
 		obj := &IdentityNode{
@@ -220,8 +331,14 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32) error {
 			ObjectMeta: metav1.ObjectMeta{Name: s.node},
 			Spec:       spec,
 		}
-		err = s.nodeClient.Post().Resource("identitynodes").Body(obj).Do(ctx).Error()
-		if !apierrors.IsAlreadyExists(err) {
+		err = s.nodeClient.Post().Resource("identitynodes").Body(obj).Do(ctx).Into(&got)
+		switch {
+		case err == nil:
+			rec.rv = got.ResourceVersion
+			return nil
+		case apierrors.IsAlreadyExists(err):
+			rec.rv = ""
+		default:
 			return err
 		}
 	}

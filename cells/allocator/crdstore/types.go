@@ -1,7 +1,10 @@
 package crdstore
 
 import (
+	"encoding/json"
+	"fmt"
 	"slices"
+	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -71,6 +74,32 @@ type IdentityNodeSpec struct {
 	RenewTime metav1.MicroTime `json:"renewTime"`
 	// LeaseDurationSeconds is how long after RenewTime the record counts.
 	LeaseDurationSeconds int32 `json:"leaseDurationSeconds"`
+}
+
+// UnmarshalJSON reads renewTime as any RFC 3339 time, which is what the
+// CRD's date-time format lets anyone write (a hand-made record, another
+// tool): metav1.MicroTime alone takes six fractional digits only, and one
+// object it refuses would fail the decoding of the whole listing, and so
+// the watch of every node's record.
+func (in *IdentityNodeSpec) UnmarshalJSON(data []byte) error {
+	var raw struct {
+		Identities           []uint32 `json:"identities"`
+		RenewTime            *string  `json:"renewTime"`
+		LeaseDurationSeconds int32    `json:"leaseDurationSeconds"`
+	}
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return err
+	}
+	*in = IdentityNodeSpec{Identities: raw.Identities, LeaseDurationSeconds: raw.LeaseDurationSeconds}
+	if raw.RenewTime == nil || *raw.RenewTime == "" {
+		return nil
+	}
+	t, err := time.Parse(time.RFC3339Nano, *raw.RenewTime)
+	if err != nil {
+		return fmt.Errorf("renewTime: %w", err)
+	}
+	in.RenewTime = metav1.NewMicroTime(t.Local())
+	return nil
 }
 
 // IdentityNodeList is a list of IdentityNode objects.
