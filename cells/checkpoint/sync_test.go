@@ -178,6 +178,20 @@ func prefixN(i int) string { return fmt.Sprintf("10.3.%d.0/24", i) }
 
 func cidr(s string) labels.Labels { return labels.FromPrefix(mustPrefix(s), false) }
 
+// shellOf returns a script engine with the hive's commands, and its state.
+func shellOf(t *testing.T, h *hive.Hive, dir string) (*script.Engine, *script.State) {
+	t.Helper()
+	cmds, err := h.ScriptCommands(hivetest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := script.NewState(t.Context(), dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &script.Engine{Cmds: cmds}, s
+}
+
 // TestAllocateNotDurable checks that identity/allocate of a local label set
 // fails when the checkpoint cannot be written, and drops the reference it
 // took, so that a retry does not hold two.
@@ -185,15 +199,7 @@ func TestAllocateNotDurable(t *testing.T) {
 	dir := t.TempDir()
 	h, cp, alloc := syncHive(t, dir)
 	defer h.Stop(hivetest.Logger(t), context.Background())
-	cmds, err := h.ScriptCommands(hivetest.Logger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &script.Engine{Cmds: cmds}
-	s, err := script.NewState(t.Context(), dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, s := shellOf(t, h, dir)
 	cp.mu.Lock()
 	cp.blocked = errors.New("writing disabled: test")
 	cp.mu.Unlock()
@@ -225,15 +231,7 @@ func TestAllocateDiskStalled(t *testing.T) {
 		hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
 	})
 	defer h.Stop(hivetest.Logger(t), context.Background())
-	cmds, err := h.ScriptCommands(hivetest.Logger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &script.Engine{Cmds: cmds}
-	s, err := script.NewState(t.Context(), dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, s := shellOf(t, h, dir)
 	stalled, resume := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	cp.mu.Lock()
@@ -247,7 +245,7 @@ func TestAllocateDiskStalled(t *testing.T) {
 	cp.mu.Unlock()
 
 	start := time.Now()
-	err = e.ExecuteLine(s, "identity/allocate cidr:10.5.0.0/16 reserved:world", io.Discard)
+	err := e.ExecuteLine(s, "identity/allocate cidr:10.5.0.0/16 reserved:world", io.Discard)
 	took := time.Since(start)
 	if err == nil {
 		t.Fatal("identity/allocate succeeded while the checkpoint's fsync hung")

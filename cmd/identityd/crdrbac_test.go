@@ -96,6 +96,7 @@ var roleWithoutCRDWrites = []apiRequest{
 	{Group: "cilium.io", Resource: "ciliumidentities", Verb: "create"},
 	{Group: "cilium.io", Resource: "ciliumidentities", Verb: "patch"},
 	{Group: "cilium.io", Resource: "ciliumidentities", Verb: "delete"},
+	{Group: "identityd.io", Resource: "identitynodes", Verb: "get"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "list"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "watch"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "create"},

@@ -2,11 +2,16 @@ package main
 
 import (
 	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/k8stest"
 )
 
 // TestSameNodeNameRefused runs two agents as processes with one node name
@@ -61,4 +66,46 @@ func TestSameNodeNameRefused(t *testing.T) {
 	if o, err := run(t, "shell", "--state-dir", first, "--", "identity/allocate", "k8s:app=still-served"); err != nil {
 		t.Fatalf("first agent after the refused start: %v %s", err, o)
 	}
+}
+
+// TestCRDSameNodeNameRefused is TestSameNodeNameRefused in crd mode: the
+// second agent with the name of a running one refuses to start and names
+// it; once the first is killed (SIGKILL), an agent with the name takes its
+// record over, with the identities the first listed.
+func TestCRDSameNodeNameRefused(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs an API server and agent processes")
+	}
+	srv := k8stest.Start(t)
+	objs := newAPIObjects(t, srv)
+	first := startCRDAgent(t, filepath.Join(t.TempDir(), "first"), srv.Kubeconfig(), "same")
+	sh := first.dial()
+	id := allocate(t, sh, "k8s:app=same-name")
+	sh.Close()
+	waitUntil(t, 30*time.Second, "the first agent's IdentityNode lists the identity", objs.lists("same", id, true))
+
+	out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
+		"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(srv.Kubeconfig(), "same")...)...)
+	want := fmt.Sprintf(`node name is in use by another live agent: --node-name "same" is used by the agent of host %q, pid %d`, hostname(t), first.cmd.Process.Pid)
+	if err == nil || !strings.Contains(out, want) {
+		t.Fatalf("second agent with the same node name: %v, want %q in:\n%s", err, want, out)
+	}
+	if o, err := run(t, "shell", "--state-dir", first.dir, "--", "identity/allocate", "k8s:app=still-served"); err != nil {
+		t.Fatalf("first agent after the refused start: %v %s", err, o)
+	}
+
+	first.stop(syscall.SIGKILL)
+	startCRDAgent(t, filepath.Join(t.TempDir(), "second"), srv.Kubeconfig(), "same")
+	// The second agent lists what the first did until the first's lease
+	// would have ended.
+	waitUntil(t, 30*time.Second, "the new agent's record keeps the first's identity", objs.lists("same", id, true))
+}
+
+func hostname(t *testing.T) string {
+	t.Helper()
+	h, err := os.Hostname()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
 }

@@ -29,7 +29,7 @@ const (
 	ciliumSchemaVersionLabel = "io.cilium.k8s.crd.schema.version"
 	ciliumSchemaVersion      = "1.29.13"
 	ownSchemaVersionLabel    = "identityd.io/crd-schema-version"
-	ownSchemaVersion         = "1.0.0"
+	ownSchemaVersion         = "1.1.0"
 )
 
 // ErrCRDRegistration: a CRD the store needs is missing or outdated, and
@@ -139,6 +139,15 @@ func IdentityNodeCRD() *apiextensionsv1.CustomResourceDefinition {
 								},
 								"renewTime":            {Type: "string", Format: "date-time", Description: "When the node last wrote the record."},
 								"leaseDurationSeconds": {Type: "integer", Format: "int32", Minimum: &minLease, Description: "Seconds after renewTime during which the record counts."},
+								"holder": {
+									Type:        "object",
+									Description: "The agent process that writes the record: a second agent with the same node name refuses to start while it runs.",
+									Properties: map[string]apiextensionsv1.JSONSchemaProps{
+										"instance": {Type: "string"},
+										"host":     {Type: "string"},
+										"pid":      {Type: "integer", Format: "int64"},
+									},
+								},
 							},
 						},
 					},

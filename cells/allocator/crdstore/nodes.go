@@ -167,25 +167,59 @@ type ownRecord struct {
 	sharedUntil time.Time
 }
 
-// load reads the record an earlier process left.
-func (s *Store) loadOwnRecord(ctx context.Context, rec *ownRecord) error {
+// ErrNodeNameInUse: another live agent uses this node name: its
+// IdentityNode names another process that runs, and its lease has not
+// ended.
+var ErrNodeNameInUse = globalstore.ErrNodeNameInUse
+
+// claimNodeName reads the IdentityNode an earlier process of this node
+// left, at start: a live record of another running agent fails the start
+// (as the etcd store's node key does); the record of one that is gone (same
+// host, its process ended, or a record without a holder) is taken over, and
+// its identities carried (ownRecord). When the read fails, the writer reads
+// again before its first write.
+func (s *Store) claimNodeName(ctx context.Context) error {
+	var rec ownRecord
+	old, err := s.loadOwnRecord(ctx, &rec)
+	if err != nil {
+		s.log.Warn("Cannot read this node's IdentityNode at start; the writer reads it before its first write", "node", s.node, "error", err)
+		return nil
+	}
+	if old != nil && !old.Expired(metav1.Now()) {
+		if h := old.Spec.Holder; h != nil && h.Instance != s.claim.Instance && !s.claim.Gone(*h) {
+			return fmt.Errorf("%w: --node-name %q is used by the agent of %s (IdentityNode %s, renewed %s, lease %ds); give each agent its own node name",
+				ErrNodeNameInUse, s.node, h, s.node, old.Spec.RenewTime.UTC().Format(time.RFC3339), old.Spec.LeaseDurationSeconds)
+		}
+		if h := old.Spec.Holder; h != nil && h.Instance != s.claim.Instance {
+			s.log.Info("Took over the node name from an agent that is gone", "node", s.node, "previous", h.String())
+		}
+	}
+	s.claim.Hold()
+	s.startRecord = rec
+	return nil
+}
+
+// loadOwnRecord reads the record an earlier process left into rec, and
+// returns it (nil when there is none).
+func (s *Store) loadOwnRecord(ctx context.Context, rec *ownRecord) (*IdentityNode, error) {
 	var old IdentityNode
 	err := s.nodeClient.Get().Resource("identitynodes").Name(s.node).Do(ctx).Into(&old)
 	switch {
 	case apierrors.IsNotFound(err):
+		rec.loaded = true
+		return nil, nil
 	case err != nil:
-		return fmt.Errorf("reading IdentityNode %s: %w", s.node, err)
-	default:
-		rec.rv = old.ResourceVersion
-		until := old.Spec.RenewTime.Add(time.Duration(old.Spec.LeaseDurationSeconds) * time.Second)
-		if len(old.Spec.Identities) > 0 && time.Now().Before(until) {
-			rec.carried, rec.carriedUntil = slices.Clone(old.Spec.Identities), until
-			s.log.Info("Keeping the identities of this node's earlier record until its lease ends",
-				"node", s.node, "identities", len(rec.carried), "until", until)
-		}
+		return nil, fmt.Errorf("reading IdentityNode %s: %w", s.node, err)
+	}
+	rec.rv = old.ResourceVersion
+	until := old.Spec.RenewTime.Add(time.Duration(old.Spec.LeaseDurationSeconds) * time.Second)
+	if len(old.Spec.Identities) > 0 && time.Now().Before(until) {
+		rec.carried, rec.carriedUntil = slices.Clone(old.Spec.Identities), until
+		s.log.Info("Keeping the identities of this node's earlier record until its lease ends",
+			"node", s.node, "identities", len(rec.carried), "until", until)
 	}
 	rec.loaded = true
-	return nil
+	return &old, nil
 }
 
 // idsToWrite is what the record lists now: the held identities and, until
@@ -206,11 +240,14 @@ func (rec *ownRecord) idsToWrite(held []uint32, now time.Time) []uint32 {
 // writeLoop is the IdentityNode writer job.
 func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 	var (
-		rec      ownRecord
+		rec      = s.startRecord
 		last     []uint32
 		written  bool
 		failures int
 		carryEnd *time.Timer
+		// carryStarted: the timer of the carried identities' end was
+		// set (it is nil again once it fired).
+		carryStarted bool
 	)
 	defer func() {
 		if carryEnd != nil {
@@ -239,9 +276,11 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		renew := s.writer.renew.Swap(false)
 		err := error(nil)
 		if !rec.loaded {
-			if err = s.loadOwnRecord(ctx, &rec); err == nil && rec.carried != nil {
-				carryEnd = time.NewTimer(time.Until(rec.carriedUntil))
-			}
+			_, err = s.loadOwnRecord(ctx, &rec)
+		}
+		if err == nil && rec.carried != nil && carryEnd == nil && !carryStarted {
+			carryStarted = true
+			carryEnd = time.NewTimer(time.Until(rec.carriedUntil))
 		}
 		var ids []uint32
 		if err == nil {
@@ -292,6 +331,7 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) err
 		Identities:           ids,
 		RenewTime:            metav1.NewMicroTime(time.Now()),
 		LeaseDurationSeconds: int32(s.cfg.IdentityNodeLeaseTTL / time.Second),
+		Holder:               &s.claim,
 	}
 	s.writer.writes.Add(1)
 	var err error
@@ -320,8 +360,12 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) err
 			}
 			rec.rv = cur.ResourceVersion
 			rec.sharedUntil = time.Now().Add(s.cfg.IdentityNodeLeaseTTL)
+			holder := "none"
+			if cur.Spec.Holder != nil {
+				holder = cur.Spec.Holder.String()
+			}
 			s.log.Error("IdentityNode of this node was written by someone else; is --node-name used by two agents?",
-				"node", s.node, "identities", cur.Spec.Identities, "renew-time", cur.Spec.RenewTime.Time)
+				"node", s.node, "holder", holder, "identities", cur.Spec.Identities, "renew-time", cur.Spec.RenewTime.Time)
 			continue
 		case !apierrors.IsNotFound(err):
 			return err

@@ -2,8 +2,11 @@ package crdstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -11,6 +14,8 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 )
 
 // TestRestartKeepsEarlierRecord: a restarted node keeps listing the
@@ -117,36 +122,84 @@ func (l errorLog) has(sub string) bool {
 	return false
 }
 
-// TestDuplicateNodeName: two processes with the same --node-name write one
-// IdentityNode; each write carries the resourceVersion of the writer's
-// last one, so the second writer's write shows as a conflict and both
-// report it, instead of erasing each other's uses unnoticed.
+// TestDuplicateNodeName: a second agent with the node name of a live one
+// refuses to start, naming the first; a write of the record by anyone else
+// while the node runs shows as a conflict and is reported.
 func TestDuplicateNodeName(t *testing.T) {
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	logA := newErrorLog(testLogger(t).Handler())
-	logB := newErrorLog(testLogger(t).Handler())
 	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.log = slog.New(logA) })
 	x, _ := a.allocate(t, web(1))
 	cli.nodeLists(t, "node-a", x)
-	b := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.log = slog.New(logB) })
-	y, _ := b.allocate(t, web(2))
-	cli.nodeLists(t, "node-a", x, y) // b carries a's live record
-	a.allocate(t, web(3))
+
+	var err error
+	startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.startErr = &err })
+	if !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), a.store.claim.Instance) {
+		t.Fatalf("second agent with node-a: start error %v, want ErrNodeNameInUse naming instance %s", err, a.store.claim.Instance)
+	}
+	cli.nodeLists(t, "node-a", x)
+
+	// Someone else writes the record while node-a runs.
+	patch := []byte(`{"spec":{"identities":[]}}`)
+	if err := cli.nodes.Patch(types.MergePatchType).Resource("identitynodes").Name("node-a").Body(patch).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	y, _ := a.allocate(t, web(2))
 	const want = "written by someone else"
 	require(t, 30*time.Second, func() error {
 		if !logA.has(want) {
-			return fmt.Errorf("node-a logged no error %q after node-b wrote its record", want)
+			return fmt.Errorf("node-a logged no error %q after another writer changed its record", want)
 		}
 		return nil
 	})
-	b.allocate(t, web(4))
-	require(t, 30*time.Second, func() error {
-		if !logB.has(want) {
-			return fmt.Errorf("node-b logged no error %q after node-a wrote its record", want)
+	cli.nodeLists(t, "node-a", x, y)
+}
+
+// TestNodeNameHolders: whose record a starting node takes over. A live
+// record of another host blocks the name until its lease ends; one of this
+// host whose process has ended (a restart after SIGKILL) is taken over with
+// its identities; an expired one protects nothing.
+func TestNodeNameHolders(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	host, _ := os.Hostname()
+	ended := exec.Command("true")
+	if err := ended.Run(); err != nil {
+		t.Fatal(err)
+	}
+	record := func(name string, holder globalstore.NodeClaim, renewed time.Time) {
+		t.Helper()
+		obj := &IdentityNode{
+			TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityNode"},
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: IdentityNodeSpec{
+				Identities:           []uint32{70001},
+				RenewTime:            metav1.NewMicroTime(renewed),
+				LeaseDurationSeconds: 60,
+				Holder:               &holder,
+			},
 		}
-		return nil
-	})
+		if err := cli.nodes.Post().Resource("identitynodes").Body(obj).Do(context.Background()).Error(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record("remote", globalstore.NodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()}, time.Now())
+	record("remote-expired", globalstore.NodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()}, time.Now().Add(-2*time.Minute))
+	record("restarted", globalstore.NodeClaim{Instance: "deadbeef", Host: host, PID: ended.Process.Pid}, time.Now())
+
+	var err error
+	startNode(t, srv.RESTConfig(), "remote", func(o *nodeOpts) { o.startErr = &err })
+	if !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "feedface") {
+		t.Errorf("start on a live record of another host: %v, want ErrNodeNameInUse naming it", err)
+	}
+	startNode(t, srv.RESTConfig(), "remote-expired")
+	cli.nodeLists(t, "remote-expired")
+	r := startNode(t, srv.RESTConfig(), "restarted")
+	cli.nodeLists(t, "restarted", 70001)
+	if n, err := cli.node(t, "restarted"); err != nil || n.Spec.Holder == nil || n.Spec.Holder.Instance != r.store.claim.Instance {
+		t.Errorf("record after the take-over: %+v, %v; want holder %s", n.Spec, err, r.store.claim)
+	}
 }
 
 // TestRecordTimesInAnyRFC3339Form: the CRD's date-time format admits

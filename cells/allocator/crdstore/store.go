@@ -56,6 +56,10 @@ type Store struct {
 	rest    *rest.Config
 	cluster identity.ClusterInfo
 	node    string
+	// claim names this process in its IdentityNode (spec.holder).
+	claim globalstore.NodeClaim
+	// startRecord is what Start read of the IdentityNode, for the writer.
+	startRecord ownRecord
 
 	ciliumClient *rest.RESTClient
 	nodeClient   *rest.RESTClient
@@ -128,6 +132,7 @@ func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identit
 		cfg:     c,
 		cluster: cluster,
 		node:    string(node),
+		claim:   globalstore.NewNodeClaim(),
 		jobs:    jobs,
 		nodes:   newNodeCache(),
 		writer:  newNodeWriter(),
@@ -186,6 +191,9 @@ func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	if err := RegisterCRDs(ctx, s.rest); err != nil {
 		return err
 	}
+	if err := s.claimNodeName(ctx); err != nil {
+		return err
+	}
 	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel
 	s.jobs.Add(s.oneShot(life, "global-identities-watch", func(ctx context.Context, h cell.Health) {
@@ -231,6 +239,7 @@ func (s *Store) oneShot(life context.Context, name string, loop func(context.Con
 // start of this node rewrites it, and it ends with its lease otherwise.
 func (s *Store) Stop(ctx context.Context) error {
 	s.stopped.Store(true)
+	defer s.claim.Forget()
 	if s.cancel != nil {
 		s.cancel()
 	}

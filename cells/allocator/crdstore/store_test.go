@@ -8,6 +8,7 @@ import (
 	"maps"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -115,6 +116,9 @@ type nodeOpts struct {
 	cfg     Config
 	refs    *refSet
 	log     *slog.Logger
+	// startErr, when set, takes the error of the store's Start instead
+	// of failing the test; the node is returned unstarted on error.
+	startErr *error
 }
 
 func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOpts)) *testNode {
@@ -148,7 +152,14 @@ func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOp
 		tb.Fatalf("node %s has no CRD store", name)
 	}
 	if err := n.store.Start(ctx, n.ev, n.refs); err != nil {
-		tb.Fatalf("starting the store of node %s: %v", name, err)
+		if o.startErr == nil {
+			tb.Fatalf("starting the store of node %s: %v", name, err)
+		}
+		*o.startErr = err
+		if err := n.h.Stop(log, ctx); err != nil {
+			tb.Errorf("stopping node %s: %v", name, err)
+		}
+		return n
 	}
 	select {
 	case <-n.ev.synced:
@@ -637,5 +648,23 @@ func TestAdoptFromStaleCache(t *testing.T) {
 	}
 	if cli.marked(t, id) {
 		t.Error("the adopted identity is still marked")
+	}
+}
+
+// TestAllocateServerDown: with the API server gone, a new label set fails
+// within its context with ErrUnavailable, in words that name the store in
+// general rather than etcd.
+func TestAllocateServerDown(t *testing.T) {
+	srv := startServer(t)
+	a := startNode(t, srv.RESTConfig(), "node-a")
+	srv.Stop(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	_, _, err := a.store.Allocate(ctx, web(1), a.refs.record)
+	if !errors.Is(err, globalstore.ErrUnavailable) {
+		t.Fatalf("allocate with the API server stopped: %v, want ErrUnavailable", err)
+	}
+	if msg := err.Error(); !strings.Contains(msg, "global identity store unavailable") || strings.Contains(msg, "kvstore") {
+		t.Errorf("error %q should say the global identity store is unavailable, and not name the kvstore", msg)
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 )
 
 // The API groups, versions and resources of the objects the store keeps.
@@ -74,6 +76,9 @@ type IdentityNodeSpec struct {
 	RenewTime metav1.MicroTime `json:"renewTime"`
 	// LeaseDurationSeconds is how long after RenewTime the record counts.
 	LeaseDurationSeconds int32 `json:"leaseDurationSeconds"`
+	// Holder names the agent process that writes the record, so that a
+	// second agent with the same node name refuses to start.
+	Holder *globalstore.NodeClaim `json:"holder,omitempty"`
 }
 
 // UnmarshalJSON reads renewTime as any RFC 3339 time, which is what the
@@ -83,14 +88,15 @@ type IdentityNodeSpec struct {
 // the watch of every node's record.
 func (in *IdentityNodeSpec) UnmarshalJSON(data []byte) error {
 	var raw struct {
-		Identities           []uint32 `json:"identities"`
-		RenewTime            *string  `json:"renewTime"`
-		LeaseDurationSeconds int32    `json:"leaseDurationSeconds"`
+		Identities           []uint32               `json:"identities"`
+		RenewTime            *string                `json:"renewTime"`
+		LeaseDurationSeconds int32                  `json:"leaseDurationSeconds"`
+		Holder               *globalstore.NodeClaim `json:"holder"`
 	}
 	if err := json.Unmarshal(data, &raw); err != nil {
 		return err
 	}
-	*in = IdentityNodeSpec{Identities: raw.Identities, LeaseDurationSeconds: raw.LeaseDurationSeconds}
+	*in = IdentityNodeSpec{Identities: raw.Identities, LeaseDurationSeconds: raw.LeaseDurationSeconds, Holder: raw.Holder}
 	if raw.RenewTime == nil || *raw.RenewTime == "" {
 		return nil
 	}

@@ -483,7 +483,7 @@ func startNodeErr(t *testing.T, c *etcdtest.Cluster, name string, cluster func(*
 }
 
 // putClaim writes a node key by hand, on a lease of its own.
-func putClaim(t *testing.T, cli *clientv3.Client, node string, claim nodeClaim) {
+func putClaim(t *testing.T, cli *clientv3.Client, node string, claim globalstore.NodeClaim) {
 	t.Helper()
 	lease, err := cli.Grant(testCtx(t, 10*time.Second), 60)
 	if err != nil {
@@ -520,7 +520,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 
 	// An agent on another host holds the name: refused.
 	host, _ := os.Hostname()
-	putClaim(t, cli, "remote", nodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()})
+	putClaim(t, cli, "remote", globalstore.NodeClaim{Instance: "feedface", Host: host + "-elsewhere", PID: os.Getpid()})
 	if err := startNodeErr(t, c, "remote", nil); !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "-elsewhere") {
 		t.Fatalf("name held on another host: %v", err)
 	}
@@ -531,7 +531,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 	if err := gone.Run(); err != nil {
 		t.Fatal(err)
 	}
-	putClaim(t, cli, "restarted", nodeClaim{Instance: "deadbeef", Host: host, PID: gone.Process.Pid})
+	putClaim(t, cli, "restarted", globalstore.NodeClaim{Instance: "deadbeef", Host: host, PID: gone.Process.Pid})
 	n3 := startEtcdNode(t, c, "restarted")
 	if v, _, _ := getValue(t, cli, NodeKeyPrefix+"restarted"); !strings.Contains(v, n3.backend.claim.Instance) {
 		t.Fatalf("the key of a gone agent was not taken over: %q", v)
@@ -545,19 +545,19 @@ func TestEtcdSameNodeName(t *testing.T) {
 	}
 	zombie.Process.Kill()
 	deadline := time.Now().Add(10 * time.Second)
-	for processAlive(zombie.Process.Pid) {
+	for globalstore.ProcessAlive(zombie.Process.Pid) {
 		if time.Now().After(deadline) {
 			t.Fatal("a killed, unreaped process counts as running")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	putClaim(t, cli, "killed", nodeClaim{Instance: "cafebabe", Host: host, PID: zombie.Process.Pid})
+	putClaim(t, cli, "killed", globalstore.NodeClaim{Instance: "cafebabe", Host: host, PID: zombie.Process.Pid})
 	n4 := startEtcdNode(t, c, "killed")
 	if v, _, _ := getValue(t, cli, NodeKeyPrefix+"killed"); !strings.Contains(v, n4.backend.claim.Instance) {
 		t.Fatalf("the key of a killed, unreaped agent was not taken over: %q", v)
 	}
 	zombie.Wait()
-	if !processAlive(os.Getpid()) {
+	if !globalstore.ProcessAlive(os.Getpid()) {
 		t.Fatal("this process counts as gone")
 	}
 }
@@ -612,7 +612,7 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	}
 
 	// Another agent's node key.
-	putClaim(t, cli, "busy", nodeClaim{Instance: "0123456789abcdef", Host: "elsewhere", PID: 1})
+	putClaim(t, cli, "busy", globalstore.NodeClaim{Instance: "0123456789abcdef", Host: "elsewhere", PID: 1})
 	if _, err := n.backend.SyncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -1,17 +1,10 @@
 package etcdstore
 
 import (
-	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"os"
-	"sync"
 	"sync/atomic"
-	"syscall"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -27,31 +20,7 @@ import (
 const NodeKeyPrefix = IdentitiesPrefix + "/identityd-nodes/"
 
 // ErrNodeNameInUse: another live agent uses this node name on the etcd.
-var ErrNodeNameInUse = errors.New("node name is in use by another live agent")
-
-// nodeClaim is the value of a node key.
-type nodeClaim struct {
-	Instance string `json:"instance"`
-	Host     string `json:"host"`
-	PID      int    `json:"pid"`
-}
-
-func (c nodeClaim) String() string {
-	return fmt.Sprintf("host %q, pid %d, instance %s", c.Host, c.PID, c.Instance)
-}
-
-// liveInstances holds the instances of the backends of this process that
-// claimed their node name: a claim with this process's host and PID that
-// is not among them was left by a hive of this process that is gone,
-// while one that is among them belongs to another hive that runs beside.
-var liveInstances sync.Map
-
-func newNodeClaim() nodeClaim {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	host, _ := os.Hostname()
-	return nodeClaim{Instance: hex.EncodeToString(b[:]), Host: host, PID: os.Getpid()}
-}
+var ErrNodeNameInUse = globalstore.ErrNodeNameInUse
 
 // NodeStats counts what the checks of this node's keys found since the
 // backend was created.
@@ -108,18 +77,18 @@ func (b *Store) claimNodeName(ctx context.Context) error {
 			return fmt.Errorf("%w: claiming node name %q: %w", globalstore.ErrUnavailable, b.node, err)
 		}
 		if resp.Succeeded {
-			liveInstances.Store(b.claim.Instance, struct{}{})
+			b.claim.Hold()
 			return nil
 		}
 		kvs := resp.Responses[0].GetResponseRange().GetKvs()
 		if len(kvs) == 0 {
 			continue // deleted meanwhile
 		}
-		var other nodeClaim
+		var other globalstore.NodeClaim
 		if err := json.Unmarshal(kvs[0].Value, &other); err != nil || other.Instance == "" {
 			return fmt.Errorf("%w: --node-name %q: %s holds %q, which is not an identityd node key", ErrNodeNameInUse, b.node, key, kvs[0].Value)
 		}
-		if other.Instance != b.claim.Instance && !b.claimIsStale(other) {
+		if other.Instance != b.claim.Instance && !b.claim.Gone(other) {
 			return fmt.Errorf("%w: --node-name %q is used by the agent of %s (key %s, on lease %x); give each agent its own node name",
 				ErrNodeNameInUse, b.node, other, key, kvs[0].Lease)
 		}
@@ -136,50 +105,17 @@ func (b *Store) claimNodeName(ctx context.Context) error {
 			if other.Instance != b.claim.Instance {
 				b.log.Info("Took over the node name from an agent that is gone", "node", b.node, "previous", other.String())
 			}
-			liveInstances.Store(b.claim.Instance, struct{}{})
+			b.claim.Hold()
 			return nil
 		}
 	}
 	return fmt.Errorf("%w: claiming node name %q: the key kept changing", globalstore.ErrConflict, b.node)
 }
 
-// claimIsStale reports whether the agent that wrote other is certainly
-// gone: it ran on this host and its process has ended, or it was a hive
-// of this process that is no longer running.
-func (b *Store) claimIsStale(other nodeClaim) bool {
-	if other.Host != b.claim.Host {
-		return false
-	}
-	if other.PID == b.claim.PID {
-		_, live := liveInstances.Load(other.Instance)
-		return !live
-	}
-	return !processAlive(other.PID)
-}
-
-// processAlive reports whether pid names a running process of this host. A
-// zombie (killed, not yet reaped by its parent) is not running: its agent
-// holds nothing any more.
-func processAlive(pid int) bool {
-	if pid <= 0 || errors.Is(syscall.Kill(pid, 0), syscall.ESRCH) {
-		return false
-	}
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return !errors.Is(err, os.ErrNotExist)
-	}
-	// The state follows the command name, which is in parentheses and
-	// may hold anything, so look after the last ")".
-	if i := bytes.LastIndexByte(stat, ')'); i >= 0 && i+2 < len(stat) {
-		return stat[i+2] != 'Z' && stat[i+2] != 'X'
-	}
-	return true
-}
-
 // releaseNodeName forgets this backend's claim in the process; the key
 // itself goes with the lease.
 func (b *Store) releaseNodeName() {
-	liveInstances.Delete(b.claim.Instance)
+	b.claim.Forget()
 }
 
 // checkNodeName reads this node's key during the periodic sync: a missing
@@ -195,7 +131,7 @@ func (b *Store) checkNodeName(ctx context.Context, cli *clientv3.Client) error {
 	if len(resp.Kvs) == 0 {
 		return b.claimNodeName(ctx)
 	}
-	var other nodeClaim
+	var other globalstore.NodeClaim
 	if json.Unmarshal(resp.Kvs[0].Value, &other) != nil || other.Instance != b.claim.Instance {
 		b.nameConflict(fmt.Errorf("%w: node key %s holds %q", ErrNodeNameInUse, key, resp.Kvs[0].Value))
 	}

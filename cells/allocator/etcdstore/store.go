@@ -167,7 +167,7 @@ type Store struct {
 	// claim is what this node's key says (see claimNodeName); the checks
 	// of the node's keys count what they find in nodeStats and report a
 	// conflict to health (nil outside a hive with health).
-	claim        nodeClaim
+	claim        globalstore.NodeClaim
 	nodeStats    nodeCounters
 	conflictSeen atomic.Bool
 	health       cell.Health
@@ -197,7 +197,7 @@ func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, sha
 		leaseSeen:   make(chan struct{}, 1),
 		lostMasters: map[identity.NumericIdentity]struct{}{},
 		repairWake:  make(chan struct{}, 1),
-		claim:       newNodeClaim(),
+		claim:       globalstore.NewNodeClaim(),
 		// A burst of one keeps every window of the interval within the
 		// limit.
 		gcLimiter: rate.NewLimiter(rate.Every(perDeletion), 1),

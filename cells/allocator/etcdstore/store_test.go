@@ -671,12 +671,19 @@ func TestEtcdLeaseLostBeforeRecord(t *testing.T) {
 				rev = kv.ModRevision
 				return string(kv.Value) == id.String() && kv.Lease != revoked && kv.Lease != 0
 			})
-			// The record holds the rewrite's revision: the release
-			// deletes it.
-			r := refs.ByID(id)
-			if r == nil || r.Token() != rev {
-				t.Fatalf("recorded reference %v, want the token %d of the rewrite", r, rev)
-			}
+			// The record takes the rewrite's revision once the
+			// repair's write has returned, a moment after etcd shows
+			// the key: the release deletes it.
+			var r *globalstore.Reference
+			eventually.Within(t, time.Minute, "the record holds the token of the rewrite", func() bool {
+				resp, err := cli.Get(ctx, ref)
+				if err != nil || len(resp.Kvs) != 1 {
+					return false
+				}
+				rev = resp.Kvs[0].ModRevision
+				r = refs.ByID(id)
+				return r != nil && r.Token() == rev
+			})
 			if err := b.Release(ctx, r); err != nil {
 				t.Fatal(err)
 			}

@@ -163,6 +163,7 @@ var (
 	// ErrConflict: other writers kept winning the races for the label set
 	// or its candidate IDs until the attempts ran out.
 	ErrConflict = errors.New("global identity allocation kept conflicting with other writers")
-	// ErrUnavailable: the store did not answer, or refused the request.
-	ErrUnavailable = errors.New("kvstore unavailable")
+	// ErrUnavailable: the store (etcd, or the Kubernetes API server) did not
+	// answer, or refused the request.
+	ErrUnavailable = errors.New("global identity store unavailable")
 )
