@@ -60,6 +60,9 @@ type Store struct {
 	claim globalstore.NodeClaim
 	// startRecord is what Start read of the IdentityNode, for the writer.
 	startRecord ownRecord
+	// contention orders the creates of nodes that race on the same
+	// label sets (contention.go).
+	contention contention
 
 	ciliumClient *rest.RESTClient
 	nodeClient   *rest.RESTClient
@@ -394,6 +397,9 @@ type allocation struct {
 	key                   string
 	lbls                  labels.Labels
 	conflicts, transients int
+	// waited: the allocation has waited once for nodes that rank
+	// before this one (contention.go).
+	waited bool
 }
 
 // retry counts a failed request and waits before the next, or returns the
@@ -493,8 +499,19 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 	s := a.s
 	for {
 		if e == nil {
+			if d := s.createDelay(a.key); d > 0 && !a.waited {
+				a.waited = true
+				if e = s.ids.waitFor(ctx, id, d); e != nil {
+					if e.key == a.key {
+						s.contention.lost()
+					}
+					continue
+				}
+			}
+			began := time.Now()
 			err := s.create(ctx, id, a.lbls)
 			if err == nil {
+				s.contention.won(time.Since(began))
 				return true, true, nil
 			}
 			if !apierrors.IsAlreadyExists(err) {
@@ -513,6 +530,9 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 				if e, err = a.read(ctx, id); err != nil {
 					return false, false, err
 				}
+			}
+			if e != nil && e.key == a.key {
+				s.contention.lost()
 			}
 			continue
 		}
