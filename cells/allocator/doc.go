@@ -74,6 +74,7 @@
 // With a LocalIdentitySyncer in the hive (the checkpoint cell provides
 // one), identity/allocate answers a local identity only once it is in the
 // checkpoint on disk, unless --no-wait; if the checkpoint cannot be written
+// within --identity-allocation-timeout (counted from the command's start)
 // it drops the reference it took and fails.
 //
 // # Order by contract
