@@ -226,14 +226,14 @@ func (a *identityAllocator) reportHealth() {
 	select {
 	case <-a.synced:
 		if a.backend == nil {
-			a.health.OK("Local identities only: no kvstore in the hive")
+			a.health.OK("Local identities only: no global identity store in the hive")
 		} else {
 			a.health.OK("Global identities listed and watched")
 		}
 	default:
 		// The kvstore's doing: the listing goes on and reports OK when it
 		// completes; restarting the agent would not help.
-		a.health.Degraded("Global identities not listed yet", health.External(errors.New("the first listing of the kvstore did not complete")))
+		a.health.Degraded("Global identities not listed yet", health.External(errors.New("the first listing of the global identity store did not complete")))
 	}
 }
 

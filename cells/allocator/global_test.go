@@ -444,3 +444,28 @@ func BenchmarkGlobalHitParallel(b *testing.B) {
 		}
 	})
 }
+
+// TestHealthWithoutGlobalStore: a hive without a store of global
+// identities reports the allocator OK for local identities, in words that
+// do not assume etcd.
+func TestHealthWithoutGlobalStore(t *testing.T) {
+	var sh *cell.SimpleHealth
+	h := hive.New(cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell,
+		cell.Invoke(func(s *cell.SimpleHealth) { sh = s }))
+	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(hivetest.Logger(t), context.Background())
+	var status string
+	eventually.True(t, "the allocator reports its health", func() bool {
+		// The simple provider gives the allocator its root scope.
+		c := sh
+		c.Lock()
+		defer c.Unlock()
+		status = c.Status
+		return c.Level == cell.StatusOK
+	})
+	if want := "no global identity store in the hive"; !strings.Contains(status, want) || strings.Contains(status, "kvstore") {
+		t.Errorf("allocator health %q, want it to say %q and not name the kvstore", status, want)
+	}
+}

@@ -7,7 +7,6 @@ import (
 	"strconv"
 	"strings"
 	"text/tabwriter"
-	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/script"
@@ -26,7 +25,11 @@ func scriptCommands(c *Client) hive.ScriptCmdsOut {
 }
 
 func statusCmd(c *Client) script.Cmd {
-	return script.Command(
+	var status func(context.Context) Status
+	if c != nil {
+		status = c.Status
+	}
+	return shellfmt.StatusCommand(
 		script.CmdUsage{
 			Summary: "Show the Kubernetes API server connection: server, settings, version, last error",
 			Detail: []string{
@@ -35,31 +38,8 @@ func statusCmd(c *Client) script.Cmd {
 				"limit, the server's version and the last request error. With",
 				"-o json or yaml, prints the same as one object.",
 			},
-			Flags: shellfmt.AddFlag,
 		},
-		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			if len(args) > 0 {
-				return nil, script.ErrUsage
-			}
-			if c == nil {
-				return nil, errNotConfigured
-			}
-			format, err := shellfmt.Format(s.Flags)
-			if err != nil {
-				return nil, err
-			}
-			ctx, cancel := context.WithTimeout(s.Context(), 10*time.Second)
-			defer cancel()
-			st := c.Status(ctx)
-			out := ""
-			if format == shellfmt.Table {
-				out = FormatStatus(st)
-			} else if out, err = shellfmt.Render(format, []statusView{viewOf(st)}); err != nil {
-				return nil, err
-			}
-			return func(*script.State) (string, string, error) { return out, "", nil }, nil
-		},
-	)
+		status, FormatStatus, viewOf, errNotConfigured)
 }
 
 // statusView is Status as k8s/status prints it with -o json or yaml, with

@@ -4,11 +4,13 @@ package shellfmt
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
 	"text/tabwriter"
+	"time"
 
 	"github.com/cilium/hive/script"
 	"github.com/spf13/pflag"
@@ -135,4 +137,34 @@ func Output[T Tabular](fs *pflag.FlagSet, objs []T) (script.WaitFunc, error) {
 		return nil, err
 	}
 	return func(*script.State) (string, string, error) { return out, "", nil }, nil
+}
+
+// StatusCommand returns a command without arguments that asks status for
+// the state of a connection (within 10s) and prints it: as text by table,
+// or with -o json or yaml as the one object view makes of it. A nil status
+// (the hive has no such connection) fails with missing.
+func StatusCommand[S any, V Tabular](usage script.CmdUsage, status func(context.Context) S, table func(S) string, view func(S) V, missing error) script.Cmd {
+	usage.Flags = AddFlag
+	return script.Command(usage, func(s *script.State, args ...string) (script.WaitFunc, error) {
+		if len(args) > 0 {
+			return nil, script.ErrUsage
+		}
+		if status == nil {
+			return nil, missing
+		}
+		format, err := Format(s.Flags)
+		if err != nil {
+			return nil, err
+		}
+		ctx, cancel := context.WithTimeout(s.Context(), 10*time.Second)
+		defer cancel()
+		st := status(ctx)
+		out := ""
+		if format == Table {
+			out = table(st)
+		} else if out, err = Render(format, []V{view(st)}); err != nil {
+			return nil, err
+		}
+		return func(*script.State) (string, string, error) { return out, "", nil }, nil
+	})
 }
