@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/hive/cell"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -129,7 +130,11 @@ func TestDuplicateNodeName(t *testing.T) {
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	logA := newErrorLog(testLogger(t).Handler())
-	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.log = slog.New(logA) })
+	var healthA *cell.SimpleHealth
+	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) {
+		o.log = slog.New(logA)
+		o.cells = []cell.Cell{cell.SimpleHealthCell, cell.Invoke(func(h *cell.SimpleHealth) { healthA = h })}
+	})
 	x, _ := a.allocate(t, web(1))
 	cli.nodeLists(t, "node-a", x)
 
@@ -154,6 +159,18 @@ func TestDuplicateNodeName(t *testing.T) {
 		return nil
 	})
 	cli.nodeLists(t, "node-a", x, y)
+	// The writer's health says so, for a lease, after the writes that
+	// succeed again.
+	writer := healthA.GetChild("job-identity-node-writer")
+	if writer == nil {
+		t.Fatal("no health scope job-identity-node-writer")
+	}
+	writer.Lock()
+	level, status := writer.Level, writer.Status
+	writer.Unlock()
+	if level != cell.StatusDegraded || !strings.Contains(status, "shared") {
+		t.Errorf("identity-node-writer health %s %q after another writer, want Degraded naming the shared record", level, status)
+	}
 }
 
 // TestNodeNameHolders: whose record a starting node takes over. A live

@@ -116,6 +116,8 @@ type nodeOpts struct {
 	cfg     Config
 	refs    *refSet
 	log     *slog.Logger
+	// cells are added to the node's hive (a health provider, say).
+	cells []cell.Cell
 	// startErr, when set, takes the error of the store's Start instead
 	// of failing the test; the node is returned unstarted on error.
 	startErr *error
@@ -128,7 +130,7 @@ func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOp
 		f(&o)
 	}
 	n := &testNode{tb: tb, name: name, refs: o.refs, ev: newEventLog()}
-	n.h = hive.New(
+	n.h = hive.New(append([]cell.Cell{
 		job.Cell,
 		cell.Provide(
 			func() *rest.Config { return rc },
@@ -137,7 +139,7 @@ func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOp
 		),
 		Cell,
 		cell.Invoke(func(s *Store) { n.store = s }),
-	)
+	}, o.cells...)...)
 	hive.AddConfigOverride(n.h, func(c *Config) { *c = o.cfg })
 	log := o.log
 	if log == nil {
