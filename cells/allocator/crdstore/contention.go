@@ -81,13 +81,16 @@ func (s *Store) createDelay(key string) time.Duration {
 
 // createRank is the number of live nodes that rank before this one for
 // key: the nodes are ordered by a hash of the label set and the node name,
-// so each label set has its own order and every node computes the same.
+// so each label set has its own order and every node computes the same. It
+// reads the node cache in place: it runs before every create while the
+// races last.
 func (s *Store) createRank(key string) int {
-	nodes, _ := s.nodes.Nodes()
 	now := metav1.Now()
 	mine := rendezvous(key, s.node)
 	rank := 0
-	for _, n := range nodes {
+	s.nodes.mu.RLock()
+	defer s.nodes.mu.RUnlock()
+	for _, n := range s.nodes.byName {
 		if n.Name != s.node && !n.Expired(now) && rendezvous(key, n.Name) < mine {
 			rank++
 		}

@@ -185,14 +185,13 @@ func (s *Store) claimNodeName(ctx context.Context) error {
 		s.log.Warn("Cannot read this node's IdentityNode at start; the writer reads it before its first write", "node", s.node, "error", err)
 		return nil
 	}
-	if old != nil && !old.Expired(metav1.Now()) {
-		if h := old.Spec.Holder; h != nil && h.Instance != s.claim.Instance && !s.claim.Gone(*h) {
+	if old != nil && old.Spec.Holder != nil && old.Spec.Holder.Instance != s.claim.Instance && !old.Expired(metav1.Now()) {
+		h := *old.Spec.Holder
+		if !s.claim.Gone(h) {
 			return fmt.Errorf("%w: --node-name %q is used by the agent of %s (IdentityNode %s, renewed %s, lease %ds); give each agent its own node name",
 				ErrNodeNameInUse, s.node, h, s.node, old.Spec.RenewTime.UTC().Format(time.RFC3339), old.Spec.LeaseDurationSeconds)
 		}
-		if h := old.Spec.Holder; h != nil && h.Instance != s.claim.Instance {
-			s.log.Info("Took over the node name from an agent that is gone", "node", s.node, "previous", h.String())
-		}
+		s.log.Info("Took over the node name from an agent that is gone", "node", s.node, "previous", h.String())
 	}
 	s.claim.Hold()
 	s.startRecord = rec
@@ -244,10 +243,9 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		last     []uint32
 		written  bool
 		failures int
+		// carryEnd fires when the carried identities leave the
+		// record; nil while none are carried or once it fired.
 		carryEnd *time.Timer
-		// carryStarted: the timer of the carried identities' end was
-		// set (it is nil again once it fired).
-		carryStarted bool
 	)
 	defer func() {
 		if carryEnd != nil {
@@ -274,12 +272,13 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 			retry.Sleep(ctx, nodeWriteWindow)
 		}
 		renew := s.writer.renew.Swap(false)
-		err := error(nil)
+		var err error
 		if !rec.loaded {
 			_, err = s.loadOwnRecord(ctx, &rec)
 		}
-		if err == nil && rec.carried != nil && carryEnd == nil && !carryStarted {
-			carryStarted = true
+		if err == nil && rec.carried != nil && carryEnd == nil {
+			// Armed again only if it fired a moment before the
+			// wall clock reached the end.
 			carryEnd = time.NewTimer(time.Until(rec.carriedUntil))
 		}
 		var ids []uint32
