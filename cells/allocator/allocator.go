@@ -16,6 +16,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/identitymetrics"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -29,7 +30,7 @@ type params struct {
 	Table     statedb.RWTable[Entry]
 	Backend   globalstore.Backend `optional:"true"`
 	Remote    globalstore.Remote  `optional:"true"`
-	Metrics   *allocationMetrics
+	Metrics   *identitymetrics.Allocation
 	Jobs      job.Registry
 	Health    cell.Health `optional:"true"`
 
@@ -89,7 +90,7 @@ type identityAllocator struct {
 	backend globalstore.Backend
 	// mesh is the source of remote clusters' identities, or nil.
 	mesh    globalstore.Remote
-	metrics *allocationMetrics
+	metrics *identitymetrics.Allocation
 	health  cell.Health // nil outside a hive with a health provider
 	synced  chan struct{}
 	once    sync.Once
@@ -311,7 +312,7 @@ func (a *identityAllocator) allocate(ctx context.Context, lbls labels.Labels, o 
 	} else {
 		id, allocated, err = a.global.acquire(ctx, lbls, o)
 	}
-	a.metrics.observe(scope, err, monotonicNow()-start)
+	a.metrics.Observe(scope, err, monotonicNow()-start)
 	return id, allocated, err
 }
 

@@ -14,8 +14,9 @@ import (
 
 // Allocator hands out numeric identities for label sets. Reserved label sets
 // resolve to their fixed identity, local scopes are served from memory, and
-// global label sets go to the global backend (etcd). Every method is safe for
-// concurrent use.
+// global label sets go to the store of global identities (etcd, or the
+// Kubernetes API server in crd mode). Every method is safe for concurrent
+// use.
 type Allocator interface {
 	// Allocate returns the identity of lbls and takes a reference on it.
 	// allocated is true when the identity did not exist before. Options
@@ -71,7 +72,7 @@ type Allocator interface {
 	WaitForRestoration(ctx context.Context) error
 
 	// WaitForInitialGlobalIdentities returns once the global identities
-	// were listed from the kvstore (at once without a kvstore), or with
+	// were listed from the global store (at once without one), or with
 	// the context's error.
 	WaitForInitialGlobalIdentities(ctx context.Context) error
 

@@ -9,21 +9,12 @@ import (
 )
 
 // Cell provides the Allocator, the read-only identities table
-// (statedb.Table[Entry]), the identity/* shell commands and the cluster's
+// (statedb.Table[Entry]), the identity/* shell commands, the cluster's
 // identity.ClusterInfo (--cluster-id, --cluster-name,
 // --max-connected-clusters) that the stores take their ID range from, the
-// configured identity.AllocationMode (--identity-allocation-mode) and the
-// stores' shared globalstore.Config. Global identities go to the Backend of
-// the globalstore.Driver of that mode (etcdstore.Cell's for kvstore,
-// crdstore.Cell's for crd); a globalstore.Backend provided on its own
-// (tests) is used instead. Without a backend, allocating a global label set
-// fails with ErrNoGlobalBackend; crd mode without a crd driver fails the
-// hive's start. A globalstore.Remote (clustermesh.Cell's) adds remote
-// clusters' identities to lookups and Observe.
-//
-// Other cells register with it: identity handlers (NewHandler), the
-// restoration that local allocations wait for (NewRestoration) and the
-// finalizers its stop hook runs (NewFinalizer).
+// configured identity.AllocationMode and the stores' shared
+// globalstore.Config. Which store serves global identities, and how other
+// cells register with the allocator: the package documentation.
 var Cell = cell.Module(
 	"allocator",
 	"Security identity allocator",

@@ -30,11 +30,6 @@ func newCellCommands(p commandsParams) hive.ScriptCmdsOut {
 	return newCommandsSync(p.Allocator, p.LocalSync, p.Config.IdentityAllocationTimeout)
 }
 
-// newCommands returns the commands without a durability point to wait for.
-func newCommands(a Allocator) hive.ScriptCmdsOut {
-	return newCommandsSync(a, nil, DefaultConfig.IdentityAllocationTimeout)
-}
-
 // newCommandsSync returns the commands; identity/allocate allocates and
 // waits for sync within timeout, so that an answer never comes later than
 // the allocation's own bound (a stalled disk makes it fail instead).
@@ -117,20 +112,17 @@ type entryFinder interface {
 
 // entryFor finds the entry of an identity, with its reference count.
 func entryFor(a Allocator, id *identity.Identity) Entry {
+	// A reserved identity stands for more than its own label set (the
+	// host with any other labels): the entry shows the set that resolved
+	// to it.
 	if f, ok := a.(entryFinder); ok {
 		e := f.entry(id)
-		// A reserved identity stands for more than its own label set
-		// (the host with any other labels): show the set that resolved
-		// to it.
 		e.Identity = id
 		return e
 	}
 	// Another implementation of Allocator: only List knows.
 	for _, e := range a.List() {
 		if e.Identity.ID == id.ID {
-			// A reserved identity stands for more than its own label
-			// set (the host with any other labels): show the set that
-			// resolved to it.
 			e.Identity = id
 			return e
 		}

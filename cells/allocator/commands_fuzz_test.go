@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cilium/hive"
 	"github.com/cilium/hive/script"
 
 	"github.com/identityd/identityd/identity"
@@ -71,4 +72,9 @@ func FuzzCommandLine(f *testing.F) {
 			}
 		}
 	})
+}
+
+// newCommands returns the commands without a durability point to wait for.
+func newCommands(a Allocator) hive.ScriptCmdsOut {
+	return newCommandsSync(a, nil, DefaultConfig.IdentityAllocationTimeout)
 }

@@ -16,8 +16,8 @@
 //     handed out with a warning, and only then ErrLocalSpaceExhausted.
 //   - Global label sets go to the globalstore.Backend of the store driver
 //     of --identity-allocation-mode (kvstore: cells/allocator/etcdstore,
-//     with the kvstore cell; crd: cells/allocator/crdstore). The allocator counts this node's
-//     references itself: only a label set's first reference and last
+//     with the kvstore cell; crd: cells/allocator/crdstore). The
+//     allocator counts this node's references itself: only a label set's first reference and last
 //     release reach the backend, and a set this node holds costs no
 //     request. Without a backend, a global label set fails with
 //     ErrNoGlobalBackend.
@@ -43,25 +43,20 @@
 //   - the statedb table "identities" (statedb.Table[Entry], indexes
 //     EntryIDIndex and EntryLabelsIndex), with the reference count and the
 //     source (reserved, local, global, restored) of every identity. The
-//     table is written at most every 10ms and with at most a quarter of a
-//     core: a row costs more statedb work than an allocation does, so during
-//     a burst of new identities the table lags further behind and catches
-//     up after the burst. A burst is
-//     written in transactions of at most 1,024 rows with rests between
-//     them, so that the writer never holds a processor for long.
+//     table is written in short, paced transactions, so during a burst of
+//     new identities it lags behind and catches up after the burst
+//     (docs/architecture.md).
 //
-// Allocation never waits for any of them. During a burst (a dispatcher
-// pass that took 256 changes or more) the dispatcher waits a millisecond
-// before its next pass, so that observers and handlers get larger batches
-// and the allocating goroutines are not slowed by a hand-over per change.
+// Allocation never waits for any of them. During a burst the dispatcher
+// pauses briefly between passes, so that observers and handlers get larger
+// batches and the allocating goroutines are not slowed by a hand-over per
+// change.
 //
 // # Flags
 //
-//	--cluster-id                   this cluster's ID (0)
-//	--cluster-name                 this cluster's name ("default")
-//	--max-connected-clusters       255 or 511 (255)
-//	--identity-allocation-mode     where global identities live: kvstore or crd (kvstore)
-//	--identity-allocation-timeout  bound on every call that waits for the global store (2m)
+// The Config's fields, each with its flag: --cluster-id, --cluster-name,
+// --max-connected-clusters, --identity-allocation-mode,
+// --identity-allocation-timeout and Cilium's reserved-identity options.
 //
 // # Shell commands
 //
@@ -93,8 +88,9 @@
 //
 // The allocator imports no store: it consumes the contract of
 // cells/allocator/globalstore. The Backend of the globalstore.Driver of the
-// configured mode (or a globalstore.Backend provided on its own) serves
-// global label sets, a globalstore.Remote (cells/allocator/clustermesh)
+// configured mode serves global label sets; a globalstore.Backend provided
+// on its own (tests) is used instead, and crd mode without a crd driver
+// fails the hive's start. A globalstore.Remote (cells/allocator/clustermesh)
 // adds other clusters' identities, source "remote", to lookups, Observe
 // and handlers. The allocator's start hook starts both with its own
 // globalstore.Events, and its stop hook stops them.

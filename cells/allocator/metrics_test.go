@@ -30,7 +30,7 @@ func TestAllocationDurationMetric(t *testing.T) {
 	for _, s := range []struct{ scope, outcome string }{
 		{"local", "success"}, {"local", "failure"}, {"global", "failure"}, {"global", "success"}, {"remote-node", "success"},
 	} {
-		h := a.metrics.duration.WithLabelValues(s.scope, s.outcome)
+		h := a.metrics.Duration.WithLabelValues(s.scope, s.outcome)
 		var m dto.Metric
 		if err := h.(prometheus.Metric).Write(&m); err != nil {
 			t.Fatal(err)
@@ -42,10 +42,10 @@ func TestAllocationDurationMetric(t *testing.T) {
 			t.Errorf("%s: %d observations, want %d", k, got[k], w)
 		}
 	}
-	if n := testutil.CollectAndCount(a.metrics.duration); n != 6 {
+	if n := testutil.CollectAndCount(a.metrics.Duration); n != 6 {
 		t.Errorf("%d series, want the 6 pre-resolved ones", n)
 	}
-	if _, err := testutil.CollectAndLint(a.metrics.duration); err != nil {
+	if _, err := testutil.CollectAndLint(a.metrics.Duration); err != nil {
 		t.Error(err)
 	}
 }
