@@ -39,7 +39,7 @@ const ciliumBinaryEnv = "IDENTITYD_CILIUM_CRDNODE"
 // ciliumBinary builds internal/ciliumanchor/crdnode once per source and
 // toolchain into the user cache directory, as testproc does for the
 // servers of the main module.
-func ciliumBinary(t *testing.T) string {
+func ciliumBinary(t testing.TB) string {
 	t.Helper()
 	if p := os.Getenv(ciliumBinaryEnv); p != "" {
 		return p
@@ -100,7 +100,7 @@ type ciliumAnswer struct {
 // ciliumAgent is a running crdnode process: Cilium v1.16.2's
 // CachingIdentityAllocator in CRD mode with its CiliumIdentity informer.
 type ciliumAgent struct {
-	t      *testing.T
+	t      testing.TB
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	lines  chan string
@@ -108,7 +108,7 @@ type ciliumAgent struct {
 	done   chan struct{}
 }
 
-func startCilium(t *testing.T, bin, kubeconfig string, args ...string) *ciliumAgent {
+func startCilium(t testing.TB, bin, kubeconfig string, args ...string) *ciliumAgent {
 	t.Helper()
 	dir := t.TempDir()
 	logf, err := os.Create(filepath.Join(dir, "crdnode.log"))
@@ -183,7 +183,7 @@ func (a *ciliumAgent) ask(lbls labels.Labels) ciliumAnswer {
 	return ciliumAnswer{}
 }
 
-func parseAnswer(t *testing.T, line string) ciliumAnswer {
+func parseAnswer(t testing.TB, line string) ciliumAnswer {
 	t.Helper()
 	f := strings.SplitN(line, "\t", 3)
 	if f[0] == "error" && len(f) == 3 {

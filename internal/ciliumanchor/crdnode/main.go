@@ -7,10 +7,12 @@
 // as a process beside identityd's CRD store on one API server, to check that
 // both see, create and adopt each other's identities with equal IDs.
 //
-//	crdnode -kubeconfig FILE [-lookup] [-register-crd] [-cluster-id N] [-timeout D]
+//	crdnode -kubeconfig FILE [-lookup] [-register-crd] [-cluster-id N] [-timeout D] [-parallel N] [-qps Q -burst B]
 //
 // It reads one label set per line from stdin and answers each on a line of
-// its own, as soon as it is settled:
+// its own, as soon as it is settled (with -parallel N, N label sets at a
+// time, as N of an agent's endpoints would ask, so answers may come in
+// another order than the input's):
 //
 //	<id>\t<labels>          allocated (or, with -lookup, found; 0: none)
 //	error\t<labels>\t<msg>  Cilium gave up within -timeout
@@ -24,6 +26,9 @@
 // as the CRD backend reads an object), or labels in text form separated by
 // spaces, as identityd's shell takes them (no quoting: use JSON for values
 // with spaces). Empty lines are skipped.
+//
+// -qps and -burst are the client's rate limit, as Cilium's --k8s-client-qps
+// and --k8s-client-burst (client-go's defaults, 5 and 10, without them).
 //
 // -register-crd installs or updates the CiliumIdentity CRD from Cilium's
 // pregenerated schema the way Cilium's operator does, before anything else.
@@ -70,12 +75,15 @@ func main() {
 	clusterID := flag.Uint("cluster-id", 0, "Cilium's --cluster-id: the range of IDs allocated")
 	timeout := flag.Duration("timeout", 30*time.Second, "how long one label set may take before it is answered with an error")
 	debug := flag.Bool("debug", false, "log Cilium's debug messages to stderr")
+	parallel := flag.Int("parallel", 1, "how many label sets are allocated at a time")
+	qps := flag.Float64("qps", 0, "the client's queries per second (Cilium's --k8s-client-qps; 0: client-go's default)")
+	burst := flag.Int("burst", 0, "the client's burst (Cilium's --k8s-client-burst; 0: client-go's default)")
 	flag.Parse()
-	if *kubeconfig == "" || flag.NArg() != 0 {
-		fmt.Fprintln(os.Stderr, "usage: crdnode -kubeconfig FILE [-lookup] [-register-crd] [-cluster-id N] [-timeout D] < label sets")
+	if *kubeconfig == "" || flag.NArg() != 0 || *parallel < 1 {
+		fmt.Fprintln(os.Stderr, "usage: crdnode -kubeconfig FILE [-lookup] [-register-crd] [-cluster-id N] [-timeout D] [-parallel N] [-qps Q -burst B] < label sets")
 		os.Exit(2)
 	}
-	if err := run(*kubeconfig, *lookup, *registerCRD, uint32(*clusterID), *timeout, *debug); err != nil {
+	if err := run(*kubeconfig, *lookup, *registerCRD, uint32(*clusterID), *timeout, *parallel, float32(*qps), *burst, *debug); err != nil {
 		fmt.Fprintln(os.Stderr, "crdnode:", err)
 		os.Exit(1)
 	}
@@ -87,7 +95,7 @@ type owner struct{}
 func (owner) UpdateIdentities(added, deleted identity.IdentityMap) {}
 func (owner) GetNodeSuffix() string                                { return "crdnode" }
 
-func run(kubeconfig string, lookupOnly, registerCRD bool, clusterID uint32, timeout time.Duration, debug bool) error {
+func run(kubeconfig string, lookupOnly, registerCRD bool, clusterID uint32, timeout time.Duration, parallel int, qps float32, burst int, debug bool) error {
 	logging.DefaultLogger.SetOutput(os.Stderr)
 	logging.DefaultLogger.SetLevel(logrus.InfoLevel)
 	if debug {
@@ -101,6 +109,7 @@ func run(kubeconfig string, lookupOnly, registerCRD bool, clusterID uint32, time
 	if err != nil {
 		return fmt.Errorf("reading %s: %w", kubeconfig, err)
 	}
+	cfg.QPS, cfg.Burst = qps, burst
 	if registerCRD {
 		ext, err := apiextensionsclient.NewForConfig(cfg)
 		if err != nil {
@@ -126,40 +135,61 @@ func run(kubeconfig string, lookupOnly, registerCRD bool, clusterID uint32, time
 		return err
 	}
 
+	var out sync.Mutex
+	answer := func(format string, args ...any) {
+		out.Lock()
+		defer out.Unlock()
+		fmt.Printf(format, args...)
+	}
+	lines := make(chan string)
+	var workers sync.WaitGroup
+	for range parallel {
+		workers.Go(func() {
+			for line := range lines {
+				settle(m, failures, line, lookupOnly, timeout, answer)
+			}
+		})
+	}
 	in := bufio.NewScanner(os.Stdin)
 	in.Buffer(make([]byte, 64<<10), 1<<20)
 	for in.Scan() {
-		line := strings.TrimSpace(in.Text())
-		if line == "" {
-			continue
+		if line := strings.TrimSpace(in.Text()); line != "" {
+			lines <- line
 		}
-		lbls, err := parseLine(line)
-		if err != nil {
-			fmt.Printf("error\t%s\t%v\n", line, err)
-			continue
-		}
-		k := (&key.GlobalIdentity{LabelArray: lbls.LabelArray()}).GetKey()
-		ctx, cancel := context.WithTimeout(context.Background(), timeout)
-		if lookupOnly {
-			var n identity.NumericIdentity
-			if id := m.LookupIdentity(ctx, lbls); id != nil {
-				n = id.ID
-			}
-			fmt.Printf("%d\t%s\n", n, k)
-		} else {
-			id, _, err := m.AllocateIdentity(ctx, lbls, false, 0)
-			if err != nil {
-				if last := failures.take(k); last != "" {
-					err = fmt.Errorf("%w; last attempt: %s", err, last)
-				}
-				fmt.Printf("error\t%s\t%s\n", k, oneLine(err.Error()))
-			} else {
-				fmt.Printf("%d\t%s\n", id.ID, k)
-			}
-		}
-		cancel()
 	}
+	close(lines)
+	workers.Wait()
 	return in.Err()
+}
+
+// settle allocates (or looks up) the label set of one input line and
+// answers it.
+func settle(m *cache.CachingIdentityAllocator, failures *lastFailure, line string, lookupOnly bool, timeout time.Duration, answer func(string, ...any)) {
+	lbls, err := parseLine(line)
+	if err != nil {
+		answer("error\t%s\t%v\n", line, err)
+		return
+	}
+	k := (&key.GlobalIdentity{LabelArray: lbls.LabelArray()}).GetKey()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if lookupOnly {
+		var n identity.NumericIdentity
+		if id := m.LookupIdentity(ctx, lbls); id != nil {
+			n = id.ID
+		}
+		answer("%d\t%s\n", n, k)
+		return
+	}
+	id, _, err := m.AllocateIdentity(ctx, lbls, false, 0)
+	if err != nil {
+		if last := failures.take(k); last != "" {
+			err = fmt.Errorf("%w; last attempt: %s", err, last)
+		}
+		answer("error\t%s\t%s\n", k, oneLine(err.Error()))
+		return
+	}
+	answer("%d\t%s\n", id.ID, k)
 }
 
 // parseLine reads one label set with Cilium's own label parsing.
