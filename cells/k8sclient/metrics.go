@@ -93,42 +93,16 @@ func (m *requestMetrics) observe(verb, resource string, code int, err error, d t
 	}
 }
 
-// newClientMetrics contributes the client's collector; nothing when the
-// client is not needed (nil).
+// newClientMetrics contributes the client's collector: the request metrics
+// and whether the API server answered the last request; nothing when the
+// client is not needed (nil). A scrape sends no request.
 func newClientMetrics(c *Client) metrics.CollectorOut {
 	if c == nil {
 		return metrics.CollectorOut{}
 	}
-	return metrics.NewCollector(&clientCollector{
-		client: c,
-		connected: prometheus.NewDesc(metrics.Namespace+"_k8s_connected",
-			"1 when the last Kubernetes API request got an answer from a serving API server (not 401 or 5xx), else 0",
-			nil, nil),
-	})
-}
-
-// clientCollector reports the request metrics and whether the API server
-// answered the last request. A scrape sends no request.
-type clientCollector struct {
-	client    *Client
-	connected *prometheus.Desc
-}
-
-// Describe implements prometheus.Collector.
-func (c *clientCollector) Describe(ch chan<- *prometheus.Desc) {
-	m := c.client.metrics
-	m.requests.Describe(ch)
-	m.duration.Describe(ch)
-	m.errors.Describe(ch)
-	ch <- c.connected
-}
-
-// Collect implements prometheus.Collector.
-func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
-	m := c.client.metrics
-	m.requests.Collect(ch)
-	m.duration.Collect(ch)
-	m.errors.Collect(ch)
-	up := serverState(c.client.stateNow.Load()) == stateAnswering
-	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up))
+	connected := metrics.NewDesc("k8s_connected",
+		"1 when the last Kubernetes API request got an answer from a serving API server (not 401 or 5xx), else 0")
+	return metrics.NewCollector(metrics.NewScrapeCollector(func(m metrics.Scrape) {
+		m.Gauge(connected, metrics.BoolValue(serverState(c.stateNow.Load()) == stateAnswering))
+	}, connected).Include(c.metrics.requests, c.metrics.duration, c.metrics.errors))
 }

@@ -160,31 +160,56 @@ const statusScrapeTimeout = 5 * time.Second
 // and its connectivity. Each scrape sends one Status request per endpoint,
 // which shows in the Status method's request count.
 type clientCollector struct {
+	*metrics.ScrapeCollector
 	client *Client
 
 	// run is the context of the client's run that the scrapes' status
 	// requests derive from: from the start until the client's stop path
 	// ends. nil before the start, when there is no connection to ask.
 	run atomic.Pointer[runContext]
-
-	requests, connected, endpoints, lease *prometheus.Desc
 }
 
 func newClientCollector(client *Client) *clientCollector {
-	ns := metrics.Namespace
-	return &clientCollector{
-		client: client,
-		requests: prometheus.NewDesc(ns+"_kvstore_requests_total",
+	var (
+		requests = metrics.NewDesc("kvstore_requests_total",
 			"Number of etcd requests this node sent, by gRPC method (streams count once when opened; LeaseGrant counts lease creations and re-creations)",
-			[]string{"method"}, nil),
-		connected: prometheus.NewDesc(ns+"_kvstore_connected",
-			"1 when at least one etcd endpoint answered a status request during this scrape, else 0", nil, nil),
-		endpoints: prometheus.NewDesc(ns+"_kvstore_endpoints",
+			"method")
+		connected = metrics.NewDesc("kvstore_connected",
+			"1 when at least one etcd endpoint answered a status request during this scrape, else 0")
+		endpoints = metrics.NewDesc("kvstore_endpoints",
 			"Number of configured etcd endpoints, by whether they answered during this scrape",
-			[]string{"state"}, nil),
-		lease: prometheus.NewDesc(ns+"_kvstore_lease_held",
-			"1 when this node holds an etcd lease for its keys, else 0", nil, nil),
+			"state")
+		lease = metrics.NewDesc("kvstore_lease_held",
+			"1 when this node holds an etcd lease for its keys, else 0")
+	)
+	c := &clientCollector{client: client}
+	c.ScrapeCollector = metrics.NewScrapeCollector(func(m metrics.Scrape) {
+		st := c.status()
+		up := st.Connected()
+		m.Gauge(connected, metrics.BoolValue(up > 0))
+		m.Gauge(endpoints, float64(up), "connected")
+		m.Gauge(endpoints, float64(len(st.Endpoints)-up), "unreachable")
+		m.Gauge(lease, metrics.BoolValue(st.LeaseID != 0))
+		// Counts are read after the status requests so that those are in;
+		// from the counters themselves, without RequestCounts' copy.
+		client.counts.Range(func(method, n any) bool {
+			m.Counter(requests, float64(n.(*atomic.Uint64).Load()), method.(string))
+			return true
+		})
+	}, requests, connected, endpoints, lease).Include(client.metrics.duration, client.metrics.quorum)
+	return c
+}
+
+// status asks every endpoint for its status within the scrape's bound.
+func (c *clientCollector) status() Status {
+	run := c.run.Load()
+	if run == nil {
+		// Before the start: no connection, every endpoint unreachable.
+		return Status{Endpoints: make([]EndpointStatus, len(c.client.Endpoints()))}
 	}
+	ctx, cancel := context.WithTimeout(run.ctx, statusScrapeTimeout)
+	defer cancel()
+	return c.client.Status(ctx)
 }
 
 // runContext is one run of the client, as the scrapes see it.
@@ -211,40 +236,4 @@ func (c *clientCollector) Stop(cell.HookContext) error {
 		context.AfterFunc(c.client.stop.Load().expired, run.cancel)
 	}
 	return nil
-}
-
-// Describe implements prometheus.Collector.
-func (c *clientCollector) Describe(ch chan<- *prometheus.Desc) {
-	c.client.metrics.duration.Describe(ch)
-	c.client.metrics.quorum.Describe(ch)
-	ch <- c.requests
-	ch <- c.connected
-	ch <- c.endpoints
-	ch <- c.lease
-}
-
-// Collect implements prometheus.Collector.
-func (c *clientCollector) Collect(ch chan<- prometheus.Metric) {
-	c.client.metrics.duration.Collect(ch)
-	c.client.metrics.quorum.Collect(ch)
-	var st Status
-	if run := c.run.Load(); run != nil {
-		ctx, cancel := context.WithTimeout(run.ctx, statusScrapeTimeout)
-		st = c.client.Status(ctx)
-		cancel()
-	} else {
-		// Before the start: no connection, every endpoint unreachable.
-		st = Status{Endpoints: make([]EndpointStatus, len(c.client.Endpoints()))}
-	}
-	up := st.Connected()
-	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, metrics.BoolValue(up > 0))
-	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(up), "connected")
-	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(len(st.Endpoints)-up), "unreachable")
-	ch <- prometheus.MustNewConstMetric(c.lease, prometheus.GaugeValue, metrics.BoolValue(st.LeaseID != 0))
-	// Counts are read after the status requests so that those are in;
-	// from the counters themselves, without RequestCounts' copy.
-	c.client.counts.Range(func(method, n any) bool {
-		ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(n.(*atomic.Uint64).Load()), method.(string))
-		return true
-	})
 }

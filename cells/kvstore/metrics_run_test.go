@@ -2,6 +2,7 @@ package kvstore
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -63,7 +64,7 @@ func endpointsGauge(t *testing.T, col *clientCollector, state string) float64 {
 	go func() { col.Collect(ch); close(ch) }()
 	v := -1.0
 	for m := range ch {
-		if m.Desc() != col.endpoints {
+		if !strings.Contains(m.Desc().String(), `fqName: "identityd_kvstore_endpoints"`) {
 			continue
 		}
 		var d dto.Metric

@@ -38,9 +38,13 @@
 // serves in a goroutine that ends at that Shutdown.
 //
 // Every cell contributes its own collectors, defined in the metrics.go
-// file of its package and provided with NewCollector: metrics recorded as
-// events happen (the allocation and etcd request histograms) and metrics
-// read from the cell's state at scrape time alike. This package is the
+// file of its package and provided with NewCollector, in one pattern: a
+// ScrapeCollector names the metrics (NewDesc) and reads the values the cell
+// keeps (its atomic counters, its tables) at scrape time, and includes the
+// vectors the cell records as events happen (the etcd and Kubernetes
+// request histograms). The allocator's collector lives in
+// internal/identitymetrics, which imports no cell, and implements
+// prometheus.Collector itself. This package is the
 // bottom of the import graph: it holds the registry, the endpoint and the
 // definitions the cells share, and imports no cell, so a hive has exactly
 // the metrics of the cells it composes.

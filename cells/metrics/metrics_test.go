@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/cells/health"
@@ -257,5 +258,48 @@ func TestInvalidFlag(t *testing.T) {
 	err := th.h.Populate(hivetest.Logger(t))
 	if err == nil || !strings.Contains(err.Error(), "invalid --prometheus-serve-addr") {
 		t.Fatalf("got %v", err)
+	}
+}
+
+// TestScrapeCollector: the collector describes the metrics it was given
+// and those it includes, reads its values at each scrape (not when it is
+// built), and passes the registry's consistency checks.
+func TestScrapeCollector(t *testing.T) {
+	var n float64
+	hits := metrics.NewDesc("test_hits_total", "Hits", "kind")
+	level := metrics.NewDesc("test_level", "Level")
+	events := prometheus.NewCounter(prometheus.CounterOpts{Namespace: metrics.Namespace, Name: "test_events_total", Help: "Events"})
+	col := metrics.NewScrapeCollector(func(m metrics.Scrape) {
+		m.Counter(hits, n, "a")
+		m.Counter(hits, 2*n, "b")
+		m.Gauge(level, n/2)
+	}, hits, level).Include(events)
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(col); err != nil {
+		t.Fatal(err)
+	}
+	n = 4
+	events.Add(3)
+	want := `# HELP identityd_test_events_total Events
+# TYPE identityd_test_events_total counter
+identityd_test_events_total 3
+# HELP identityd_test_hits_total Hits
+# TYPE identityd_test_hits_total counter
+identityd_test_hits_total{kind="a"} 4
+identityd_test_hits_total{kind="b"} 8
+# HELP identityd_test_level Level
+# TYPE identityd_test_level gauge
+identityd_test_level 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want)); err != nil {
+		t.Fatal(err)
+	}
+	n = 6
+	again := `# HELP identityd_test_level Level
+# TYPE identityd_test_level gauge
+identityd_test_level 3
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(again), "identityd_test_level"); err != nil {
+		t.Errorf("second scrape: %v", err)
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/cilium/hive/job"
-	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/time/rate"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -549,56 +548,35 @@ func newGCMetrics(b globalstore.Backend) metrics.CollectorOut {
 	return metrics.NewCollector(newGCCollector(s))
 }
 
-// gcCollector reads the collector's counters at scrape time. Its names
+// newGCCollector reads the collector's counters at scrape time. Its names
 // are those of the etcd store's collection with crd_ in front; like them,
 // entries and runs are gauges holding totals since the agent started.
-type gcCollector struct {
-	store *Store
-
-	entries, runs, kept, nodes *prometheus.Desc
-}
-
-func newGCCollector(s *Store) *gcCollector {
-	ns := metrics.Namespace
-	return &gcCollector{
-		store: s,
-		entries: prometheus.NewDesc(ns+"_crd_identity_gc_entries",
+func newGCCollector(s *Store) *metrics.ScrapeCollector {
+	var (
+		entries = metrics.NewDesc("crd_identity_gc_entries",
 			"Number of CiliumIdentity objects the garbage collection marked, deleted, skipped (a precondition refused the delete: a use won) or unmarked (fenced) since the agent started, by status",
-			[]string{metrics.LabelStatus}, nil),
-		runs: prometheus.NewDesc(ns+"_crd_identity_gc_runs",
+			metrics.LabelStatus)
+		runs = metrics.NewDesc("crd_identity_gc_runs",
 			"Number of CRD identity garbage collection runs since the agent started, by outcome (a run in progress counts as success)",
-			[]string{metrics.LabelOutcome}, nil),
-		kept: prometheus.NewDesc(ns+"_crd_identity_gc_kept",
+			metrics.LabelOutcome)
+		kept = metrics.NewDesc("crd_identity_gc_kept",
 			"Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it) or fenced (a later identity's probe sequence needs it)",
-			[]string{labelReason}, nil),
-		nodes: prometheus.NewDesc(ns+"_crd_identity_gc_nodes_deleted_total",
-			"Number of IdentityNode objects the garbage collection deleted a lease after their lease ended",
-			nil, nil),
-	}
-}
-
-// Describe implements prometheus.Collector.
-func (c *gcCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.entries, c.runs, c.kept, c.nodes} {
-		ch <- d
-	}
-}
-
-// Collect implements prometheus.Collector.
-func (c *gcCollector) Collect(ch chan<- prometheus.Metric) {
-	gc := c.store.gc
-	gauge := func(d *prometheus.Desc, v uint64, lv ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), lv...)
-	}
-	gauge(c.entries, gc.marked.Load(), gcStatusMarked)
-	gauge(c.entries, gc.deleted.Load(), metrics.GCStatusDeleted)
-	gauge(c.entries, gc.skipped.Load(), gcStatusSkipped)
-	gauge(c.entries, gc.unmarked.Load(), gcStatusUnmarked)
-	// failed is read first, so that the difference is never negative.
-	failed := gc.failed.Load()
-	gauge(c.runs, gc.runs.Load()-failed, metrics.OutcomeSuccess)
-	gauge(c.runs, failed, metrics.OutcomeFailure)
-	gauge(c.kept, gc.keptUsed.Load(), gcKeptUsed)
-	gauge(c.kept, gc.keptFenced.Load(), gcKeptFenced)
-	ch <- prometheus.MustNewConstMetric(c.nodes, prometheus.CounterValue, float64(gc.nodesDeleted.Load()))
+			labelReason)
+		nodes = metrics.NewDesc("crd_identity_gc_nodes_deleted_total",
+			"Number of IdentityNode objects the garbage collection deleted a lease after their lease ended")
+	)
+	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
+		gc := s.gc
+		m.Gauge(entries, float64(gc.marked.Load()), gcStatusMarked)
+		m.Gauge(entries, float64(gc.deleted.Load()), metrics.GCStatusDeleted)
+		m.Gauge(entries, float64(gc.skipped.Load()), gcStatusSkipped)
+		m.Gauge(entries, float64(gc.unmarked.Load()), gcStatusUnmarked)
+		// failed is read first, so that the difference is never negative.
+		failed := gc.failed.Load()
+		m.Gauge(runs, float64(gc.runs.Load()-failed), metrics.OutcomeSuccess)
+		m.Gauge(runs, float64(failed), metrics.OutcomeFailure)
+		m.Gauge(kept, float64(gc.keptUsed.Load()), gcKeptUsed)
+		m.Gauge(kept, float64(gc.keptFenced.Load()), gcKeptFenced)
+		m.Counter(nodes, float64(gc.nodesDeleted.Load()))
+	}, entries, runs, kept, nodes)
 }
