@@ -14,7 +14,6 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
@@ -26,6 +25,7 @@ import (
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/allocatortest"
 	"github.com/identityd/identityd/internal/scriptengine"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -44,11 +44,9 @@ func node(t testing.TB, backend globalstore.Backend, cfg func(*allocator.Config)
 	if cfg != nil {
 		hive.AddConfigOverride(h, cfg)
 	}
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
+	if _, err := testhive.TryStart(t, h, nil); err != nil {
 		return nil, h, err
 	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
 	return a, h, nil
 }
 
@@ -283,11 +281,9 @@ func modeNode(t *testing.T, mode string, cells ...cell.Cell) (allocator.Allocato
 	if err := flags.Parse([]string{"--identity-allocation-mode=" + mode}); err != nil {
 		t.Fatal(err)
 	}
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
+	if _, err := testhive.TryStart(t, h, nil); err != nil {
 		return nil, "", err
 	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
 	return a, m, nil
 }
 
@@ -452,10 +448,7 @@ func TestHealthWithoutGlobalStore(t *testing.T) {
 	var sh *cell.SimpleHealth
 	h := hive.New(cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell,
 		cell.Invoke(func(s *cell.SimpleHealth) { sh = s }))
-	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(hivetest.Logger(t), context.Background())
+	testhive.Start(t, h)
 	var status string
 	eventually.True(t, "the allocator reports its health", func() bool {
 		// The simple provider gives the allocator its root scope.

@@ -1,19 +1,18 @@
 package allocator_test
 
 import (
-	"context"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -47,11 +46,7 @@ func TestHandlerMayDependOnAllocator(t *testing.T) {
 		}),
 		cell.Invoke(func(x allocator.Allocator) { a = x }),
 	)
-	log := hivetest.Logger(t)
-	if err := hv.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer hv.Stop(log, context.Background())
+	testhive.Start(t, hv)
 	id, _, err := a.Allocate(t.Context(), labels.MustParse("cidr:10.0.0.0/8", "reserved:world"))
 	if err != nil {
 		t.Fatal(err)

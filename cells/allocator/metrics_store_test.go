@@ -6,7 +6,6 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -20,6 +19,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/metricstest"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -46,11 +46,7 @@ func TestScrapeGC(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	// The test runs the GC itself, so that the counts are exact.
 	hive.AddConfigOverride(h, func(c *globalstore.Config) { c.IdentityGCInterval = 0 })
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	testhive.Start(t, h)
 	etcd, ok := backend.(*etcdstore.Store)
 	if !ok {
 		t.Fatalf("global backend is %T, want the etcd backend", backend)
@@ -117,11 +113,7 @@ func TestScrapeNodeChecks(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *kvstore.Config) { c.NodeName = "scraped" })
 	// The test runs the checks itself, so that the counts are exact.
 	hive.AddConfigOverride(h, func(c *etcdstore.Config) { c.KVStorePeriodicSync = 0 })
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	testhive.Start(t, h)
 	etcd := backend.(*etcdstore.Store)
 	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{
 		`identityd_kvstore_node_name_conflicts_total`:  0,

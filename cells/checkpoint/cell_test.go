@@ -1,7 +1,6 @@
 package checkpoint_test
 
 import (
-	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -20,6 +19,7 @@ import (
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -67,11 +67,8 @@ func fileIdentities(t *testing.T, dir string) map[identity.NumericIdentity]strin
 
 func TestFinalWriteOnStop(t *testing.T) {
 	dir := t.TempDir()
-	log := hivetest.Logger(t)
 	h, cp, alloc := newHive(t, dir, time.Hour)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, h)
 	id, _, err := alloc.Allocate(t.Context(), cidr("10.1.0.0/16"))
 	if err != nil {
 		t.Fatal(err)
@@ -79,9 +76,7 @@ func TestFinalWriteOnStop(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, checkpoint.FileName)); err == nil {
 		t.Fatal("checkpoint written before the interval elapsed")
 	}
-	if err := h.Stop(log, context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	running.Stop()
 	got := fileIdentities(t, dir)
 	if got[id.ID] != id.Labels.String() || len(got) != 1 {
 		t.Fatalf("final checkpoint holds %v, want %d %s", got, id.ID, id.Labels)
@@ -101,7 +96,6 @@ func TestFinalWriteOnStop(t *testing.T) {
 // identity released there keeps its place: the next start restores it.
 func TestHookOrder(t *testing.T) {
 	dir := t.TempDir()
-	log := hivetest.Logger(t)
 	var early, late *identity.Identity
 	user := cell.Invoke(func(lc cell.Lifecycle, a allocator.Allocator) {
 		lc.Append(cell.Hook{
@@ -119,12 +113,8 @@ func TestHookOrder(t *testing.T) {
 		})
 	})
 	h, _, _ := newHive(t, dir, time.Hour, user)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Stop(log, context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, h)
+	running.Stop()
 	got := fileIdentities(t, dir)
 	if got[early.ID] != early.Labels.String() {
 		t.Errorf("identity %d released in a stop hook is not kept in the checkpoint: %v", early.ID, got)
@@ -141,7 +131,6 @@ func TestHookOrder(t *testing.T) {
 // again under another number during the stop is kept only under that one.
 func TestReleasesInStopHooksKeepNumbers(t *testing.T) {
 	dir := t.TempDir()
-	log := hivetest.Logger(t)
 	var held []*identity.Identity
 	var again *identity.Identity
 	user := cell.Invoke(func(lc cell.Lifecycle, a allocator.Allocator) {
@@ -169,12 +158,8 @@ func TestReleasesInStopHooksKeepNumbers(t *testing.T) {
 		})
 	})
 	h, _, _ := newHive(t, dir, time.Hour, user)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Stop(log, context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, h)
+	running.Stop()
 	got := fileIdentities(t, dir)
 	if again.ID == held[0].ID {
 		t.Fatalf("the label set released and allocated again kept its number %d; the test needs a new one", again.ID)
@@ -222,10 +207,7 @@ func TestReleasesInStopHooksKeepNumbers(t *testing.T) {
 		}})
 	})
 	h2, _, _ := newHive(t, dir, time.Hour, loader)
-	if err := h2.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h2.Stop(log, context.Background())
+	testhive.Start(t, h2)
 	for i, id := range held[1:] {
 		if restored[i].ID != id.ID {
 			t.Errorf("%s got %d after the restart, had %d", id.Labels, restored[i].ID, id.ID)
@@ -235,12 +217,8 @@ func TestReleasesInStopHooksKeepNumbers(t *testing.T) {
 
 func TestTriggeredWrites(t *testing.T) {
 	dir := t.TempDir()
-	log := hivetest.Logger(t)
 	h, cp, alloc := newHive(t, dir, 0)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	testhive.Start(t, h)
 
 	waitFor := func(what string, cond func(map[identity.NumericIdentity]string) bool) {
 		t.Helper()
@@ -283,11 +261,8 @@ func TestTriggeredWrites(t *testing.T) {
 
 func TestCoalescedWrites(t *testing.T) {
 	dir := t.TempDir()
-	log := hivetest.Logger(t)
 	h, cp, alloc := newHive(t, dir, 300*time.Millisecond)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, h)
 	for i := range 50 {
 		if _, _, err := alloc.Allocate(t.Context(), cidr(netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 5, byte(i), 0}), 24).String())); err != nil {
 			t.Fatal(err)
@@ -298,9 +273,7 @@ func TestCoalescedWrites(t *testing.T) {
 	if writes < 1 || writes > 3 {
 		t.Errorf("%d writes for 50 changes within 700ms at an interval of 300ms", writes)
 	}
-	if err := h.Stop(log, context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	running.Stop()
 	if got := fileIdentities(t, dir); len(got) != 50 {
 		t.Errorf("checkpoint holds %d identities, want 50", len(got))
 	}
@@ -314,14 +287,9 @@ func TestNoChangeKeepsFile(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, checkpoint.FileName), old, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	log := hivetest.Logger(t)
 	h, _, _ := newHive(t, dir, 0)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Stop(log, context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, h)
+	running.Stop()
 	data, _ := os.ReadFile(filepath.Join(dir, checkpoint.FileName))
 	if string(data) != string(old) {
 		t.Fatalf("checkpoint replaced: %s", data)
@@ -338,7 +306,6 @@ func TestCorruptFileAgentStarts(t *testing.T) {
 	if err := os.WriteFile(path, corrupt, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	log := hivetest.Logger(t)
 	var rep checkpoint.Report
 	restore := cell.Invoke(func(lc cell.Lifecycle, cp *checkpoint.Checkpoint) {
 		lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
@@ -348,9 +315,7 @@ func TestCorruptFileAgentStarts(t *testing.T) {
 		}})
 	})
 	h, cp, alloc := newHive(t, dir, time.Hour, restore)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, h)
 	if rep.Corrupt == nil || rep.SetAside == "" || rep.Valid != 0 {
 		t.Fatalf("report %+v", rep)
 	}
@@ -361,9 +326,7 @@ func TestCorruptFileAgentStarts(t *testing.T) {
 	if _, _, err := alloc.Allocate(t.Context(), cidr("10.6.0.0/16")); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Stop(log, context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	running.Stop()
 	if got := fileIdentities(t, dir); len(got) != 1 {
 		t.Fatalf("checkpoint holds %v", got)
 	}

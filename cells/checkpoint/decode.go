@@ -254,7 +254,7 @@ func (d *decoder) labelMap() (ls labels.Labels, lerr, err error) {
 	d.scan.Advance()
 	d.labels = d.labels[:0]
 	err = d.scan.EachField(func(name []byte) error {
-		mapKey := internKey(name)
+		mapKey := intern(name)
 		l, lbad, err := d.label(mapKey)
 		if err != nil {
 			return err
@@ -354,7 +354,7 @@ func (d *decoder) label(mapKey string) (l labels.Label, bad, err error) {
 				l.Key = string(s)
 			}
 		case fieldSource:
-			l.Source = internSource(s)
+			l.Source = intern(s)
 		default:
 			l.Value = string(s)
 		}
@@ -375,36 +375,25 @@ func (d *decoder) label(mapKey string) (l labels.Label, bad, err error) {
 	return l, nil, nil
 }
 
-// internSource returns the package constant for a known source, so that
-// decoding does not allocate a string for each label's source.
-func internSource(b []byte) string {
-	switch string(b) {
-	case labels.SourceCIDR:
-		return labels.SourceCIDR
-	case labels.SourceReserved:
-		return labels.SourceReserved
-	case labels.SourceFQDN:
-		return labels.SourceFQDN
-	case labels.SourceK8s:
-		return labels.SourceK8s
-	case labels.SourceUnspec:
-		return labels.SourceUnspec
+// interned holds the strings that most labels of a checkpoint repeat: the
+// sources, and the keys of reserved labels, which most local identities
+// carry. Decoding returns these constants rather than allocating a string
+// for each label (a map index with string(b) does not allocate).
+var interned = map[string]string{}
+
+func init() {
+	for _, s := range []string{
+		labels.SourceCIDR, labels.SourceReserved, labels.SourceFQDN, labels.SourceK8s, labels.SourceUnspec,
+		labels.IDNameWorld, labels.IDNameWorldIPv4, labels.IDNameWorldIPv6, labels.IDNameRemoteNode,
+	} {
+		interned[s] = s
 	}
-	return string(b)
 }
 
-// internKey does the same for the keys of reserved labels, which most
-// local identities carry.
-func internKey(b []byte) string {
-	switch string(b) {
-	case labels.IDNameWorld:
-		return labels.IDNameWorld
-	case labels.IDNameWorldIPv4:
-		return labels.IDNameWorldIPv4
-	case labels.IDNameWorldIPv6:
-		return labels.IDNameWorldIPv6
-	case labels.IDNameRemoteNode:
-		return labels.IDNameRemoteNode
+// intern returns b as a string, the constant of interned when there is one.
+func intern(b []byte) string {
+	if s, ok := interned[string(b)]; ok {
+		return s
 	}
 	return string(b)
 }

@@ -7,12 +7,12 @@ import (
 	"io/fs"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/atomicfile"
 )
 
 // FileName is the checkpoint's name in the state directory, the same as
@@ -26,10 +26,8 @@ const FileName = "local_allocator_state.json"
 // A larger file is treated as corrupt instead of being read into memory.
 const MaxFileSize = 256 << 20
 
-// tempSuffix names the temporary file of a write. It is fixed rather than
-// random so that a write interrupted by a crash leaves at most one stray
-// file, which the next write replaces.
-const tempSuffix = ".tmp"
+// tempSuffix names the temporary file of a write.
+const tempSuffix = atomicfile.TempSuffix
 
 // WriteFile replaces path with data atomically and durably: data goes to
 // a temporary file in the same directory (mode 0600), which is fsynced,
@@ -38,67 +36,13 @@ const tempSuffix = ".tmp"
 // content, never a mix. On error the previous file is untouched and the
 // temporary file removed.
 func WriteFile(path string, data []byte) error {
-	return writeFile(path, data, nil)
+	return atomicfile.Write(path, data)
 }
 
 // writeFile is WriteFile with a hook that runs between the steps, for
 // tests of failures at each of them.
-func writeFile(path string, data []byte, fault func(step string) error) (err error) {
-	tmp := path + tempSuffix
-	// A leftover from a crashed write may exist with any mode; creating
-	// afresh with O_EXCL guarantees 0600 and that nobody else holds it.
-	if err := os.Remove(tmp); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("remove stale temporary file: %w", err)
-	}
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return fmt.Errorf("create temporary file: %w", err)
-	}
-	renamed := false
-	defer func() {
-		if f != nil {
-			f.Close()
-		}
-		if !renamed {
-			os.Remove(tmp)
-		}
-	}()
-	step := func(name string, fn func() error) error {
-		if fault != nil {
-			if err := fault(name); err != nil {
-				return fmt.Errorf("%s: %w", name, err)
-			}
-		}
-		if err := fn(); err != nil {
-			return fmt.Errorf("%s: %w", name, err)
-		}
-		return nil
-	}
-	if err := step("write", func() error { _, err := f.Write(data); return err }); err != nil {
-		return err
-	}
-	if err := step("fsync", f.Sync); err != nil {
-		return err
-	}
-	err = step("close", f.Close)
-	f = nil
-	if err != nil {
-		return err
-	}
-	if err := step("rename", func() error { return os.Rename(tmp, path) }); err != nil {
-		return err
-	}
-	renamed = true
-	return step("fsync directory", func() error { return syncDir(filepath.Dir(path)) })
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
+func writeFile(path string, data []byte, fault func(step string) error) error {
+	return atomicfile.WriteSteps(path, data, fault)
 }
 
 // LoadResult is what Load found.

@@ -22,11 +22,13 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
 // syncHive starts the checkpoint with its allocator, with a checkpoint
-// interval of an hour: only Sync writes while the test runs.
+// interval of an hour: only Sync writes while the test runs. The hive
+// stops when the test ends.
 func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
 	var (
@@ -42,9 +44,7 @@ func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hi
 	for _, o := range overrides {
 		o(h)
 	}
-	if err := h.Start(hivetest.Logger(t), t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	testhive.Start(t, h)
 	return h, cp, alloc
 }
 
@@ -66,8 +66,7 @@ func fileIDs(t *testing.T, path string) map[identity.NumericIdentity]bool {
 // new since a write that began after the call does not write again.
 func TestSyncWritesAtOnce(t *testing.T) {
 	dir := t.TempDir()
-	h, cp, alloc := syncHive(t, dir)
-	defer h.Stop(hivetest.Logger(t), context.Background())
+	_, cp, alloc := syncHive(t, dir)
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 
@@ -95,7 +94,8 @@ func TestSyncWritesAtOnce(t *testing.T) {
 func TestSyncCoalesces(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		dir := t.TempDir()
-		h, cp, alloc := syncHive(t, dir)
+		// The hive stops at the test's cleanup, inside the bubble.
+		_, cp, alloc := syncHive(t, dir)
 		ctx := t.Context()
 		const callers = 64
 		var want []identity.NumericIdentity
@@ -142,9 +142,6 @@ func TestSyncCoalesces(t *testing.T) {
 			t.Fatalf("Sync with an ended context: %v", err)
 		}
 		<-cp.wsem
-		if err := h.Stop(hivetest.Logger(t), context.Background()); err != nil {
-			t.Fatal(err)
-		}
 	})
 }
 
@@ -153,8 +150,7 @@ func TestSyncCoalesces(t *testing.T) {
 // could not be kept aside.
 func TestSyncBlockedFile(t *testing.T) {
 	dir := t.TempDir()
-	h, cp, alloc := syncHive(t, dir)
-	defer h.Stop(hivetest.Logger(t), context.Background())
+	_, cp, alloc := syncHive(t, dir)
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	cp.mu.Lock()
@@ -198,7 +194,6 @@ func shellOf(t *testing.T, h *hive.Hive, dir string) (*script.Engine, *script.St
 func TestAllocateNotDurable(t *testing.T) {
 	dir := t.TempDir()
 	h, cp, alloc := syncHive(t, dir)
-	defer h.Stop(hivetest.Logger(t), context.Background())
 	e, s := shellOf(t, h, dir)
 	cp.mu.Lock()
 	cp.blocked = errors.New("writing disabled: test")
@@ -230,7 +225,6 @@ func TestAllocateDiskStalled(t *testing.T) {
 	h, cp, alloc := syncHive(t, dir, func(h *hive.Hive) {
 		hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
 	})
-	defer h.Stop(hivetest.Logger(t), context.Background())
 	e, s := shellOf(t, h, dir)
 	stalled, resume := make(chan struct{}), make(chan struct{})
 	var once sync.Once

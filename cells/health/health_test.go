@@ -17,6 +17,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -116,11 +117,7 @@ func TestFinishedJobsLeaveModuleOK(t *testing.T) {
 			}),
 		),
 	)
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	testhive.Start(t, h)
 	for range 3 {
 		<-finished
 	}
@@ -212,10 +209,7 @@ func TestModuleScopes(t *testing.T) {
 		),
 	)
 	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	testhive.Start(t, h)
 
 	cmds, err := h.ScriptCommands(log)
 	if err != nil {

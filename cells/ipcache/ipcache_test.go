@@ -24,14 +24,16 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
 type node struct {
-	ipc   *ipcache.IPCache
-	alloc allocator.Allocator
-	hive  *hive.Hive
-	dir   string
+	ipc     *ipcache.IPCache
+	alloc   allocator.Allocator
+	hive    *hive.Hive
+	running *testhive.Running // set by start
+	dir     string
 }
 
 // newNode builds a hive with the ipcache on the file backend in a fresh
@@ -65,10 +67,11 @@ func (n *node) start(t testing.TB) {
 		// Benchmark output is for figures, not start-up logs.
 		log = hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))
 	}
-	if err := n.hive.Start(log, context.Background()); err != nil {
+	r, err := testhive.TryStart(t, n.hive, log)
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { n.hive.Stop(log, context.Background()) })
+	n.running = r
 }
 
 func startNode(t testing.TB) *node {
@@ -562,9 +565,7 @@ func TestPruneWaitsForInitializer(t *testing.T) {
 	}
 
 	// On stop the file holds the table.
-	if err := n.hive.Stop(hivetest.Logger(t), context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	n.running.Stop()
 	m, info, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindFile, FilePath: file})
 	if err != nil {
 		t.Fatal(err)
@@ -680,10 +681,7 @@ func TestConfigValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			n := newNode(t, tc.cfg)
-			err := n.hive.Start(hivetest.Logger(t), context.Background())
-			if err == nil {
-				n.hive.Stop(hivetest.Logger(t), context.Background())
-			}
+			_, err := testhive.TryStart(t, n.hive, nil)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("start error %v, want one containing %q", err, tc.want)
 			}

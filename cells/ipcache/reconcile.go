@@ -73,9 +73,7 @@ func (o ops) Delete(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revision, 
 func (o ops) UpdateBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*Entry]) {
 	m, err := o.c.waitReady(ctx)
 	if err != nil {
-		for i := range batch {
-			batch[i].Result = err
-		}
+		failBatch(batch, err)
 		return
 	}
 	defer o.c.triggerSync()
@@ -95,9 +93,7 @@ func (o ops) UpdateBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconci
 func (o ops) DeleteBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*Entry]) {
 	m, err := o.c.waitReady(ctx)
 	if err != nil {
-		for i := range batch {
-			batch[i].Result = err
-		}
+		failBatch(batch, err)
 		return
 	}
 	defer o.c.triggerSync()
@@ -110,6 +106,13 @@ func (o ops) DeleteBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconci
 	}
 	for i := range batch {
 		batch[i].Result = m.Delete(keys[i])
+	}
+}
+
+// failBatch gives every entry of batch the result err.
+func failBatch(batch []reconciler.BatchEntry[*Entry], err error) {
+	for i := range batch {
+		batch[i].Result = err
 	}
 }
 

@@ -1,7 +1,6 @@
 package k8sclient_test
 
 import (
-	"context"
 	"errors"
 	"net"
 	"os"
@@ -20,6 +19,7 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // node is one agent's hive running the Kubernetes client cell, with
@@ -30,7 +30,6 @@ type node struct {
 	client   *k8sclient.Client
 	health   *health.Provider
 	registry *prometheus.Registry
-	once     sync.Once
 }
 
 // newNode builds a node in mode (empty: no mode in the hive).
@@ -72,24 +71,10 @@ func newNode(t testing.TB, mode identity.AllocationMode, configure func(*k8sclie
 	return n
 }
 
+// start starts the node's hive, which stops when the test ends.
 func (n *node) start() error {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	err := n.h.Start(hivetest.Logger(n.t), ctx)
-	if err == nil {
-		n.t.Cleanup(n.stop)
-	}
+	_, err := testhive.TryStart(n.t, n.h, nil)
 	return err
-}
-
-func (n *node) stop() {
-	n.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		if err := n.h.Stop(hivetest.Logger(n.t), ctx); err != nil {
-			n.t.Errorf("stop: %v", err)
-		}
-	})
 }
 
 // noCluster hides a pod's in-cluster settings from the test.

@@ -7,26 +7,25 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // node is one agent's hive running the kvstore cell.
 type node struct {
-	t      testing.TB
-	h      *hive.Hive
-	client *kvstore.Client
-	once   sync.Once
+	t       testing.TB
+	h       *hive.Hive
+	client  *kvstore.Client
+	running *testhive.Running
 }
 
 func newNode(t testing.TB, stateDir string, configure func(*kvstore.Config)) *node {
@@ -48,23 +47,17 @@ func newNode(t testing.TB, stateDir string, configure func(*kvstore.Config)) *no
 }
 
 func (n *node) start() error {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	err := n.h.Start(hivetest.Logger(n.t), ctx)
+	r, err := testhive.TryStart(n.t, n.h, nil)
 	if err == nil {
-		n.t.Cleanup(n.stop)
+		n.running = r
 	}
 	return err
 }
 
 func (n *node) stop() {
-	n.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		if err := n.h.Stop(hivetest.Logger(n.t), ctx); err != nil {
-			n.t.Errorf("stop: %v", err)
-		}
-	})
+	if n.running != nil {
+		n.running.Stop()
+	}
 }
 
 // startNode starts a node against the cluster (nil: embedded etcd).

@@ -4,13 +4,11 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -18,6 +16,7 @@ import (
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // connectivityScope is the health scope of the kvstore's connectivity job.
@@ -26,9 +25,9 @@ const connectivityScope = "kvstore.job-etcd-connectivity"
 // healthNode is the kvstore cell in a hive with health and jobs, as the
 // agent runs it.
 type healthNode struct {
-	p    *health.Provider
-	c    *kvstore.Client
-	stop func() error
+	p       *health.Provider
+	c       *kvstore.Client
+	running *testhive.Running
 }
 
 // startHealthNode runs the kvstore cell with health and jobs, as the agent
@@ -59,22 +58,7 @@ func newHealthNode(t *testing.T, etcd *etcdtest.Cluster, configure func(*kvstore
 			configure(c)
 		}
 	})
-	log := hivetest.Logger(t)
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	if err := h.Start(log, ctx); err != nil {
-		t.Fatal(err)
-	}
-	var once sync.Once
-	n.stop = func() (err error) {
-		once.Do(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			err = h.Stop(log, ctx)
-		})
-		return err
-	}
-	t.Cleanup(func() { n.stop() })
+	n.running = testhive.Start(t, h)
 	return n
 }
 
@@ -266,9 +250,7 @@ func TestKeepaliveJob(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if err := n.stop(); err != nil {
-		t.Fatalf("stop: %v", err)
-	}
+	n.running.Stop()
 	if err := <-lateWrite; err != nil {
 		t.Fatalf("write with the lease in a stop hook: %v", err)
 	}

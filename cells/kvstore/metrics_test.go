@@ -1,18 +1,17 @@
 package kvstore_test
 
 import (
-	"context"
 	"testing"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/internal/metricstest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 func TestScrapeKVStore(t *testing.T) {
@@ -28,11 +27,7 @@ func TestScrapeKVStore(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *kvstore.Config) { c.NodeName = "metrics-node" })
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	testhive.Start(t, h)
 
 	if _, err := client.Lease(t.Context()); err != nil {
 		t.Fatal(err)

@@ -2,7 +2,6 @@ package kvstore_test
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +21,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // syncBuffer is a log sink that the hive's goroutines may write to while
@@ -116,19 +116,8 @@ func newCRDNode(t *testing.T, stateDir string, configure func(*kvstore.Config)) 
 }
 
 func (n *crdNode) start(t *testing.T) error {
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	if err := n.h.Start(n.log, ctx); err != nil {
-		return err
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		if err := n.h.Stop(n.log, ctx); err != nil {
-			t.Errorf("stop: %v", err)
-		}
-	})
-	return nil
+	_, err := testhive.TryStart(t, n.h, n.log)
+	return err
 }
 
 // TestCRDModeWithoutEndpoints: in crd mode without --kvstore-endpoints the

@@ -1,7 +1,6 @@
 package metrics_test
 
 import (
-	"context"
 	"errors"
 	"io"
 	"net/http"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -64,16 +64,8 @@ func newHive(t *testing.T, addr string, extra ...cell.Cell) *testHive {
 
 func (th *testHive) start(t *testing.T) error {
 	t.Helper()
-	log := hivetest.Logger(t)
-	if err := th.h.Start(log, t.Context()); err != nil {
-		return err
-	}
-	t.Cleanup(func() {
-		if err := th.h.Stop(log, context.Background()); err != nil {
-			t.Error(err)
-		}
-	})
-	return nil
+	_, err := testhive.TryStart(t, th.h, nil)
+	return err
 }
 
 func get(t *testing.T, url string) (int, string) {

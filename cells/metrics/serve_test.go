@@ -1,7 +1,6 @@
 package metrics_test
 
 import (
-	"context"
 	"io"
 	"net/http"
 	"strings"
@@ -9,12 +8,12 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // blockingCollector holds a scrape until released.
@@ -49,10 +48,7 @@ func TestServeJobStop(t *testing.T) {
 		cell.Provide(func() metrics.CollectorOut { return metrics.NewCollector(bc) }),
 		cell.Invoke(func(x *health.Provider) { p = x }),
 	)
-	log := hivetest.Logger(t)
-	if err := th.h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	running := testhive.Start(t, th.h)
 	addr := th.server.Addr()
 	if code, body := get(t, "http://"+addr+metrics.HealthPath); code != http.StatusOK ||
 		!strings.Contains(body, "job-"+metrics.ServeJob+`: level=OK message="Serving on `+addr+`"`) {
@@ -79,15 +75,14 @@ func TestServeJobStop(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("scrape did not reach the collector")
 	}
-	stopped := make(chan error, 1)
+	stopped := make(chan struct{})
 	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		stopped <- th.h.Stop(log, ctx)
+		running.Stop() // fails the test on an error
+		close(stopped)
 	}()
 	select {
-	case err := <-stopped:
-		t.Fatalf("stop returned while a scrape was in flight: %v", err)
+	case <-stopped:
+		t.Fatal("stop returned while a scrape was in flight")
 	case <-time.After(500 * time.Millisecond):
 	}
 	close(bc.released)
@@ -100,10 +95,7 @@ func TestServeJobStop(t *testing.T) {
 		t.Fatal("scrape in flight at stop did not finish")
 	}
 	select {
-	case err := <-stopped:
-		if err != nil {
-			t.Fatalf("stop: %v", err)
-		}
+	case <-stopped:
 	case <-time.After(30 * time.Second):
 		t.Fatal("stop did not return after the scrape finished")
 	}

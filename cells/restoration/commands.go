@@ -78,10 +78,7 @@ func statusCmd(r *Restorer) script.Cmd {
 			},
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			if len(args) > 0 {
-				return nil, script.ErrUsage
-			}
-			format, err := shellfmt.Format(s.Flags)
+			format, err := shellfmt.NoArgsFormat(s, args)
 			if err != nil {
 				return nil, err
 			}

@@ -20,18 +20,20 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
 // agent is a hive with the cells restoration works with, on a state
 // directory that outlives it, with the file map backend.
 type agent struct {
-	h     *hive.Hive
-	log   *slog.Logger
-	alloc allocator.Allocator
-	ipc   *ipcache.IPCache
-	r     *restoration.Restorer
-	cp    *checkpoint.Checkpoint
+	h       *hive.Hive
+	running *testhive.Running // nil until start
+	log     *slog.Logger
+	alloc   allocator.Allocator
+	ipc     *ipcache.IPCache
+	r       *restoration.Restorer
+	cp      *checkpoint.Checkpoint
 }
 
 // newAgent builds the hive; extra cells are appended after restoration.Cell
@@ -67,13 +69,17 @@ func newAgentWith(tb testing.TB, dir string, grace time.Duration, log *slog.Logg
 	return a
 }
 
+// start starts the hive, which stops at stop or when the test ends, and
+// waits for restoration to be ready.
 func (a *agent) start(tb testing.TB) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := a.h.Start(a.log, ctx); err != nil {
+	r, err := testhive.TryStart(tb, a.h, a.log)
+	if err != nil {
 		tb.Fatalf("start: %s", err)
 	}
+	a.running = r
 	select {
 	case <-a.r.Ready():
 	case <-ctx.Done():
@@ -81,8 +87,14 @@ func (a *agent) start(tb testing.TB) {
 	}
 }
 
+// stop stops the hive; a second stop does nothing.
 func (a *agent) stop(tb testing.TB) {
 	tb.Helper()
+	if a.running != nil {
+		a.running.Stop()
+		return
+	}
+	// A hive started without start, as the benchmark's.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := a.h.Stop(a.log, ctx); err != nil {

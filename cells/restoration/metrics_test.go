@@ -1,7 +1,6 @@
 package restoration_test
 
 import (
-	"context"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -11,7 +10,6 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 
@@ -24,16 +22,18 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/internal/ipcachemap"
 	"github.com/identityd/identityd/internal/metricstest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // restoringAgent runs the allocator, checkpoint, ipcache (file map) and
 // restoration with metrics on a free port, on a state directory that
 // outlives it, so that a second one restores the first's.
 type restoringAgent struct {
-	h   *hive.Hive
-	ipc *ipcache.IPCache
-	r   *restoration.Restorer
-	srv *metrics.Server
+	h       *hive.Hive
+	running *testhive.Running
+	ipc     *ipcache.IPCache
+	r       *restoration.Restorer
+	srv     *metrics.Server
 }
 
 func startRestoringAgent(t *testing.T, dir string, grace time.Duration) *restoringAgent {
@@ -53,9 +53,7 @@ func startRestoringAgent(t *testing.T, dir string, grace time.Duration) *restori
 	hive.AddConfigOverride(a.h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
 	hive.AddConfigOverride(a.h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	hive.AddConfigOverride(a.h, func(c *restoration.Config) { c.IdentityRestoreGracePeriod = grace })
-	if err := a.h.Start(hivetest.Logger(t), t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	a.running = testhive.Start(t, a.h)
 	select {
 	case <-a.r.Ready():
 	case <-time.After(time.Minute):
@@ -66,9 +64,7 @@ func startRestoringAgent(t *testing.T, dir string, grace time.Duration) *restori
 
 func (a *restoringAgent) stop(t *testing.T) {
 	t.Helper()
-	if err := a.h.Stop(hivetest.Logger(t), context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	a.running.Stop()
 }
 
 func TestScrapeRestoration(t *testing.T) {

@@ -17,7 +17,6 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
@@ -32,6 +31,7 @@ import (
 	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/ipcachemap"
 	"github.com/identityd/identityd/internal/scriptengine"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 const testOwner ipcache.ResourceID = "test"
@@ -564,9 +564,8 @@ func runOrder(t *testing.T, perm []int) {
 	}
 	t.Logf("cells in order: %v", listed)
 	var (
-		r    *restoration.Restorer
-		ipc  *ipcache.IPCache
-		logs = hivetest.Logger(t)
+		r   *restoration.Restorer
+		ipc *ipcache.IPCache
 	)
 	cells = append(cells, cell.Invoke(func(rr *restoration.Restorer, c *ipcache.IPCache) { r, ipc = rr, c }))
 	h := hive.New(cells...)
@@ -577,15 +576,7 @@ func runOrder(t *testing.T, perm []int) {
 
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	if err := h.Start(logs, ctx); err != nil {
-		t.Fatalf("start: %v", err)
-	}
-	stopped := false
-	defer func() {
-		if !stopped {
-			h.Stop(logs, context.Background())
-		}
-	}()
+	running := testhive.Start(t, h)
 	select {
 	case <-r.Ready():
 	case <-ctx.Done():
@@ -627,10 +618,7 @@ func runOrder(t *testing.T, perm []int) {
 		t.Errorf("after %d map samples: %s", samples, violation)
 	}
 
-	stopped = true
-	if err := h.Stop(logs, ctx); err != nil {
-		t.Fatalf("stop: %v", err)
-	}
+	running.Stop()
 	p.mu.Lock()
 	late, lateErr := p.late, p.lateErr
 	p.mu.Unlock()
@@ -675,11 +663,7 @@ func TestAllocationsWaitForRestoration(t *testing.T) {
 		cell.Invoke(func(a allocator.Allocator) { alloc = a }),
 	)
 	hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
-	log := hivetest.Logger(t)
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	testhive.Start(t, h)
 	ctx := t.Context()
 
 	begin := time.Now()

@@ -1,7 +1,6 @@
 package statedir
 
 import (
-	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -10,20 +9,24 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
+
+	"github.com/identityd/identityd/internal/testhive"
 )
 
-func start(t *testing.T, path string) (*Dir, *hive.Hive, error) {
+// start starts a hive with the state directory at path; it stops when the
+// test ends. A start that fails leaves nothing to stop: the directory's
+// hook is the hive's only one.
+func start(t *testing.T, path string) (*Dir, *testhive.Running, error) {
 	var d *Dir
 	h := hive.New(Cell, cell.Invoke(func(x *Dir) { d = x }))
 	hive.AddConfigOverride(h, func(c *Config) { c.StateDir = path })
-	err := h.Start(hivetest.Logger(t), context.Background())
-	return d, h, err
+	r, err := testhive.TryStart(t, h, nil)
+	return d, r, err
 }
 
 func TestCreatesAndLocks(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "a", "state")
-	d, h, err := start(t, path)
+	d, r, err := start(t, path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,30 +38,22 @@ func TestCreatesAndLocks(t *testing.T) {
 		t.Fatal("Join")
 	}
 	// A second agent on the same directory fails with a clear error.
-	_, h2, err := start(t, path)
-	if !errors.Is(err, ErrLocked) {
+	if _, _, err := start(t, path); !errors.Is(err, ErrLocked) {
 		t.Fatalf("second start: %v, want ErrLocked", err)
 	}
-	h2.Stop(hivetest.Logger(t), context.Background())
 	// After the first stops, the directory can be taken again.
-	if err := h.Stop(hivetest.Logger(t), context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	_, h3, err := start(t, path)
-	if err != nil {
+	r.Stop()
+	if _, _, err := start(t, path); err != nil {
 		t.Fatalf("start after stop: %v", err)
 	}
-	h3.Stop(hivetest.Logger(t), context.Background())
 }
 
 func TestTightensMode(t *testing.T) {
 	path := t.TempDir()
 	os.Chmod(path, 0o755)
-	_, h, err := start(t, path)
-	if err != nil {
+	if _, _, err := start(t, path); err != nil {
 		t.Fatal(err)
 	}
-	defer h.Stop(hivetest.Logger(t), context.Background())
 	if fi, _ := os.Stat(path); fi.Mode().Perm() != 0o700 {
 		t.Fatalf("mode %v, want 0700", fi.Mode().Perm())
 	}
@@ -67,9 +62,7 @@ func TestTightensMode(t *testing.T) {
 func TestNotADirectory(t *testing.T) {
 	file := filepath.Join(t.TempDir(), "f")
 	os.WriteFile(file, nil, 0o600)
-	_, h, err := start(t, file)
-	h.Stop(hivetest.Logger(t), context.Background())
-	if err == nil {
+	if _, _, err := start(t, file); err == nil {
 		t.Fatal("a file was accepted as the state directory")
 	}
 }
@@ -89,8 +82,7 @@ func TestOwnedByAnotherUser(t *testing.T) {
 	if err := os.Chown(path, 65534, 65534); err != nil {
 		t.Fatal(err)
 	}
-	_, h, err := start(t, path)
-	h.Stop(hivetest.Logger(t), context.Background())
+	_, _, err := start(t, path)
 	if !errors.Is(err, ErrNotOwner) {
 		t.Fatalf("start on another user's directory: %v, want ErrNotOwner", err)
 	}
@@ -110,11 +102,11 @@ func TestOwnedByAnotherUser(t *testing.T) {
 	if err := os.Chown(path, 0, 0); err != nil {
 		t.Fatal(err)
 	}
-	_, h, err = start(t, path)
+	_, r, err := start(t, path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	h.Stop(hivetest.Logger(t), context.Background())
+	r.Stop()
 	if fi, _ := os.Stat(path); fi.Mode().Perm() != 0o700 {
 		t.Fatalf("mode %v, want 0700", fi.Mode().Perm())
 	}

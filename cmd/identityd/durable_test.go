@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"net/netip"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -50,11 +49,7 @@ func TestDurableAnswerRestart(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs the binary")
 	}
-	bin := filepath.Join(t.TempDir(), "identityd")
-	build := exec.Command("go", "build", "-o", bin, ".")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %s\n%s", err, out)
-	}
+	bin := agentBinary(t)
 	backends := []struct {
 		name  string
 		flags func(t *testing.T) []string

@@ -79,12 +79,10 @@ func (p *Pool) put(id ID) {
 func (p *Pool) LeaseAvailableID() ID {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if len(p.available) == 0 {
-		return NoID
+	id := p.takeRandom()
+	if id != NoID {
+		p.leased[id] = struct{}{}
 	}
-	id := p.available[rand.IntN(len(p.available))]
-	p.take(id)
-	p.leased[id] = struct{}{}
 	return id
 }
 
@@ -92,6 +90,12 @@ func (p *Pool) LeaseAvailableID() ID {
 func (p *Pool) AllocateID() ID {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.takeRandom()
+}
+
+// takeRandom takes a random available ID out of the available ones, or
+// returns NoID when there is none.
+func (p *Pool) takeRandom() ID {
 	if len(p.available) == 0 {
 		return NoID
 	}
@@ -105,10 +109,9 @@ func (p *Pool) AllocateID() ID {
 func (p *Pool) Release(id ID) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if _, ok := p.leased[id]; !ok {
+	if !p.endLease(id) {
 		return false
 	}
-	delete(p.leased, id)
 	p.put(id)
 	return true
 }
@@ -118,6 +121,11 @@ func (p *Pool) Release(id ID) bool {
 func (p *Pool) Use(id ID) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.endLease(id)
+}
+
+// endLease removes id's lease and reports whether it had one.
+func (p *Pool) endLease(id ID) bool {
 	if _, ok := p.leased[id]; !ok {
 		return false
 	}

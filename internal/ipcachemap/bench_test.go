@@ -81,21 +81,7 @@ func BenchmarkSnapshot(b *testing.B) {
 	entries := testEntries(n)
 	for _, kind := range []string{"bpf", "file"} {
 		b.Run(kind, func(b *testing.B) {
-			m := benchOpen(b, kind, n)
-			if err := m.UpdateBatch(entries); err != nil {
-				b.Fatal(err)
-			}
-			rounds := 0
-			before := totalAlloc()
-			for b.Loop() {
-				got, err := Snapshot(m)
-				if err != nil || len(got) != n {
-					b.Fatalf("snapshot: %d entries, %v", len(got), err)
-				}
-				rounds++
-			}
-			b.ReportMetric(float64(n*rounds)/b.Elapsed().Seconds(), "entries/s")
-			b.ReportMetric(float64(totalAlloc()-before)/float64(n*rounds), "alloc-B/entry")
+			benchSnapshot(b, benchOpen(b, kind, n), entries)
 		})
 	}
 }
@@ -125,20 +111,25 @@ func BenchmarkBPF1M(b *testing.B) {
 		b.ReportMetric(kernelPerEntry, "kernel-B/entry")
 	})
 	b.Run("snapshot", func(b *testing.B) {
-		m := benchOpen(b, "bpf", n)
-		if err := m.UpdateBatch(entries); err != nil {
-			b.Fatal(err)
-		}
-		rounds := 0
-		before := totalAlloc()
-		for b.Loop() {
-			got, err := Snapshot(m)
-			if err != nil || len(got) != n {
-				b.Fatalf("snapshot: %d entries, %v", len(got), err)
-			}
-			rounds++
-		}
-		b.ReportMetric(float64(n*rounds)/b.Elapsed().Seconds(), "entries/s")
-		b.ReportMetric(float64(totalAlloc()-before)/float64(n*rounds), "alloc-B/entry")
+		benchSnapshot(b, benchOpen(b, "bpf", n), entries)
 	})
+}
+
+// benchSnapshot fills m with entries and measures Snapshot of it.
+func benchSnapshot(b *testing.B, m Map, entries []Entry) {
+	n := len(entries)
+	if err := m.UpdateBatch(entries); err != nil {
+		b.Fatal(err)
+	}
+	rounds := 0
+	before := totalAlloc()
+	for b.Loop() {
+		got, err := Snapshot(m)
+		if err != nil || len(got) != n {
+			b.Fatalf("snapshot: %d entries, %v", len(got), err)
+		}
+		rounds++
+	}
+	b.ReportMetric(float64(n*rounds)/b.Elapsed().Seconds(), "entries/s")
+	b.ReportMetric(float64(totalAlloc()-before)/float64(n*rounds), "alloc-B/entry")
 }

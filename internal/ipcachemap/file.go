@@ -10,13 +10,15 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/identityd/identityd/internal/atomicfile"
 )
 
 // tmpSuffix names the one temporary file a sync writes before renaming it
 // over the map file. A fixed name (the state directory's lock guarantees a
 // single writer) means a crash leaves at most one stale temp file, which the
 // next open removes.
-const tmpSuffix = ".tmp"
+const tmpSuffix = atomicfile.TempSuffix
 
 func openFile(cfg Config) (Map, OpenInfo, error) {
 	info := OpenInfo{Kind: KindFile}
@@ -410,51 +412,12 @@ func (f *fileMap) Close() error {
 }
 
 // writeFileAtomic replaces path with data so that a crash at any moment
-// leaves either the old or the new contents: write a temporary file in the
-// same directory, fsync it, rename it over path, fsync the directory.
-func writeFileAtomic(path string, data []byte) (err error) {
-	tmp := path + tmpSuffix
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return fmt.Errorf("cannot create %s: %w", tmp, err)
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(tmp)
-		}
-	}()
-	// A temp file left by an older version may have another mode, which
-	// O_TRUNC keeps.
-	if err := f.Chmod(0o600); err != nil {
-		return fmt.Errorf("cannot chmod %s: %w", tmp, err)
-	}
-	if _, err := f.Write(data); err != nil {
-		return fmt.Errorf("cannot write %s: %w", tmp, err)
-	}
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("cannot fsync %s: %w", tmp, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("cannot close %s: %w", tmp, err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return fmt.Errorf("cannot rename %s to %s: %w", tmp, path, err)
-	}
-	if err := syncDir(filepath.Dir(path)); err != nil {
-		return fmt.Errorf("cannot fsync directory of %s: %w", path, err)
+// leaves either the old or the new contents.
+func writeFileAtomic(path string, data []byte) error {
+	if err := atomicfile.Write(path, data); err != nil {
+		return fmt.Errorf("cannot replace %s: %w", path, err)
 	}
 	return nil
-}
-
-// syncDir makes a rename in dir durable.
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
 
 // moveAside renames a corrupt file to <path>.corrupt-<unix time>, adding
@@ -479,7 +442,7 @@ func moveAsideAs(path, base, sep string) (string, error) {
 		if err := os.Rename(path, aside); err != nil {
 			return "", err
 		}
-		_ = syncDir(filepath.Dir(path))
+		_ = atomicfile.SyncDir(filepath.Dir(path))
 		return aside, nil
 	}
 	return "", fmt.Errorf("too many files named %s*", base)

@@ -42,6 +42,15 @@ func Format(fs *pflag.FlagSet) (string, error) {
 	return "", fmt.Errorf("unknown output format %q (want table, json or yaml)", f)
 }
 
+// NoArgsFormat is Format for a command that takes no arguments: it fails
+// with script.ErrUsage (which prints the usage) when args are given.
+func NoArgsFormat(s *script.State, args []string) (string, error) {
+	if len(args) > 0 {
+		return "", script.ErrUsage
+	}
+	return Format(s.Flags)
+}
+
 // Tabular is an object that can print itself as table rows.
 type Tabular interface {
 	TableHeader() []string

@@ -25,10 +25,7 @@ func clusterMeshStatusCmd(m *Mesh) script.Cmd {
 			Flags: shellfmt.AddFlag,
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			if len(args) != 0 {
-				return nil, script.ErrUsage
-			}
-			format, err := shellfmt.Format(s.Flags)
+			format, err := shellfmt.NoArgsFormat(s, args)
 			if err != nil {
 				return nil, err
 			}

@@ -14,7 +14,6 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -27,6 +26,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -97,7 +97,6 @@ type meshNode struct {
 	alloc allocator.Allocator
 	mesh  *Mesh
 	h     *hive.Hive
-	stop  func()
 }
 
 func startMeshNode(tb testing.TB, c *etcdtest.Cluster, id uint32, name, meshDir string, timeout time.Duration) *meshNode {
@@ -121,23 +120,10 @@ func startMeshNode(tb testing.TB, c *etcdtest.Cluster, id uint32, name, meshDir 
 		cfg.ClusterMeshConfig = meshDir
 		cfg.ClusterMeshRemoteTimeout = timeout
 	})
-	log := hivetest.Logger(tb)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := n.h.Start(log, ctx); err != nil {
+	// The node stops when the test ends.
+	if _, err := testhive.TryStart(tb, n.h, nil); err != nil {
 		tb.Fatalf("starting node of %s: %v", name, err)
 	}
-	var once sync.Once
-	n.stop = func() {
-		once.Do(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			if err := n.h.Stop(log, ctx); err != nil {
-				tb.Errorf("stopping node of %s: %v", name, err)
-			}
-		})
-	}
-	tb.Cleanup(n.stop)
 	return n
 }
 
