@@ -230,7 +230,9 @@ func TestRecordTimesInAnyRFC3339Form(t *testing.T) {
 	forms := map[string]string{
 		"seconds": now.Format(time.RFC3339),
 		"nanos":   now.Format(time.RFC3339Nano),
-		"offset":  now.In(time.FixedZone("", 2*3600)).Format("2006-01-02T15:04:05.000+02:00"),
+		// -07:00 is the layout's zone; a literal +02:00 would be read
+		// as "+" and the day of the month.
+		"offset": now.In(time.FixedZone("", 2*3600)).Format("2006-01-02T15:04:05.000-07:00"),
 	}
 	for name, ts := range forms {
 		body := fmt.Appendf(nil, `{"apiVersion":"identityd.io/v1","kind":"IdentityNode","metadata":{"name":%q},"spec":{"identities":[70000],"renewTime":%q,"leaseDurationSeconds":60}}`, name, ts)
