@@ -41,6 +41,7 @@
 //	identityd_crd_ignored_objects_total           object versions left out of the cache
 //	identityd_crd_split_label_sets_total          label sets that came to have two objects
 //	identityd_crd_split_label_sets                label sets with two objects now
+//	identityd_crd_identities_taken_total          IDs this node uses found with another label set's object
 //	identityd_crd_heartbeat_marks_removed_total   marks removed by this node
 //	identityd_crd_identity_node_writes_total{outcome}
 //	identityd_crd_identity_gc_entries{status}     marked, deleted, skipped, unmarked

@@ -37,6 +37,8 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		allocations = metrics.NewDesc("crd_allocations_total",
 			"Number of global identity allocations by outcome: created, adopted, conflict (other writers kept winning), exhausted (the range is full), error",
 			metrics.LabelOutcome)
+		taken = metrics.NewDesc("crd_identities_taken_total",
+			"Number of times a global identity this node uses was found with a CiliumIdentity of another label set (the ID was freed while this node's record was gone and given to another label set, or its object rewritten)")
 		unmarked = metrics.NewDesc("crd_heartbeat_marks_removed_total",
 			"Number of heartbeat marks this node removed from CiliumIdentity objects it uses or depends on")
 		nodeWrites = metrics.NewDesc("crd_identity_node_writes_total",
@@ -52,10 +54,11 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		m.Counter(allocations, float64(s.stats.conflict.Load()), outcomeConflict)
 		m.Counter(allocations, float64(s.stats.exhausted.Load()), outcomeExhausted)
 		m.Counter(allocations, float64(s.stats.failed.Load()), outcomeError)
+		m.Counter(taken, float64(s.stats.taken.Load()))
 		m.Counter(unmarked, float64(s.stats.unmarked.Load()))
 		// Failures are read first so that successes are never negative.
 		failed := s.writer.failures.Load()
 		m.Counter(nodeWrites, float64(s.writer.writes.Load()-failed), metrics.OutcomeSuccess)
 		m.Counter(nodeWrites, float64(failed), metrics.OutcomeFailure)
-	}, ignored, splits, splitNow, allocations, unmarked, nodeWrites)
+	}, ignored, splits, splitNow, allocations, taken, unmarked, nodeWrites)
 }

@@ -3,7 +3,9 @@ package crdstore
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -468,16 +470,25 @@ func (s *Store) markSeen(id identity.NumericIdentity, lbls labels.Labels) {
 	}
 }
 
+// errIdentityTaken: the CiliumIdentity of an ID this node uses holds
+// another label set.
+var errIdentityTaken = errors.New("a global identity this node uses belongs to another label set")
+
 // recreate writes back the object of an identity this node still uses
 // after someone deleted it (the collector deletes only unused ones; an
 // administrator or a collector that does not see identityd's records may
 // not): another node would otherwise give the ID to another label set
 // while this node's users hold it, as Cilium's agents re-create it. When
-// the ID was taken meanwhile, nothing can make both right: it is logged.
+// the ID was given to another label set meanwhile (or its object rewritten),
+// nothing can make both right, and other nodes apply that label set's
+// policy to this node's users of the ID: it returns errIdentityTaken.
 func (s *Store) recreate(ctx context.Context, id identity.NumericIdentity) error {
 	ref := s.refs.ByID(id)
-	if ref == nil || s.ids.get(id) != nil {
+	if ref == nil {
 		return nil
+	}
+	if e := s.ids.get(id); e != nil {
+		return takenBy(id, ref.Labels, e.lbls, nil)
 	}
 	err := s.create(ctx, id, ref.Labels)
 	switch {
@@ -486,20 +497,33 @@ func (s *Store) recreate(ctx context.Context, id identity.NumericIdentity) error
 		return nil
 	case apierrors.IsAlreadyExists(err):
 		var obj CiliumIdentity
-		if gerr := s.ciliumClient.Get().Resource("ciliumidentities").Name(id.String()).Do(ctx).Into(&obj); gerr == nil {
-			if got, perr := parseSecurityLabels(obj.SecurityLabels); perr != nil || !got.Equal(ref.Labels) {
-				s.log.Error("Global identity this node uses now belongs to another label set", "id", id, "labels", ref.Labels.Canonical())
-			}
+		if err := s.ciliumClient.Get().Resource("ciliumidentities").Name(id.String()).Do(ctx).Into(&obj); err != nil {
+			return err
 		}
-		return nil
+		got, perr := parseSecurityLabels(obj.SecurityLabels)
+		return takenBy(id, ref.Labels, got, perr)
 	}
 	return err
+}
+
+// takenBy returns errIdentityTaken unless the object of id holds mine.
+func takenBy(id identity.NumericIdentity, mine, theirs labels.Labels, parseErr error) error {
+	switch {
+	case parseErr != nil:
+		return fmt.Errorf("%w: %d is %s on this node; its CiliumIdentity's security-labels are not a label set: %w", errIdentityTaken, id, mine.Canonical(), parseErr)
+	case !theirs.Equal(mine):
+		return fmt.Errorf("%w: %d is %s on this node, %s in its CiliumIdentity", errIdentityTaken, id, mine.Canonical(), theirs.Canonical())
+	}
+	return nil
 }
 
 // unmarkLoop is the job that removes marks from identities this node
 // uses, and re-creates deleted ones it uses.
 func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 	failures := 0
+	// taken holds the IDs this node uses whose objects hold another
+	// label set, with what was found.
+	taken := map[identity.NumericIdentity]error{}
 	for {
 		select {
 		case <-ctx.Done():
@@ -508,11 +532,29 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 		}
 		var failed error
 		marked, lost := s.unmarks.take()
+		// IDs found taken are looked at again every round: released,
+		// given back, or deleted (and then re-created).
+		for id := range taken {
+			if !slices.Contains(lost, id) {
+				lost = append(lost, id)
+			}
+		}
 		for _, id := range lost {
-			if err := s.recreate(ctx, id); err != nil {
+			err := s.recreate(ctx, id)
+			switch {
+			case errors.Is(err, errIdentityTaken):
+				if taken[id] == nil {
+					s.stats.taken.Add(1)
+					s.log.Error("Global identity this node uses now belongs to another label set; other nodes apply that label set's policy to it until this node's users release it",
+						"id", id, "error", err)
+				}
+				taken[id] = err
+				continue
+			case err != nil:
 				failed = err
 				s.unmarks.lost(id)
 			}
+			delete(taken, id)
 		}
 		for _, id := range marked {
 			e := s.ids.get(id)
@@ -538,11 +580,17 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 			retry.Sleep(ctx, retry.Backoff(failures))
 			continue
 		}
-		if failures > 0 || failed == nil {
-			failures = 0
-			if h != nil {
-				h.OK("No marked identity in use")
-			}
+		failures = 0
+		if h == nil {
+			continue
 		}
+		if len(taken) > 0 {
+			// Not ready, but not dead: the users of the IDs decide
+			// when they are released.
+			h.Degraded("A global identity this node uses belongs to another label set",
+				health.External(errors.Join(slices.Collect(maps.Values(taken))...)))
+			continue
+		}
+		h.OK("No marked identity in use")
 	}
 }

@@ -102,7 +102,7 @@ var _ globalstore.Backend = (*Store)(nil)
 // allocStats counts allocations by outcome.
 type allocStats struct {
 	created, adopted, conflict, exhausted, failed atomic.Uint64
-	unmarked, reads                               atomic.Uint64
+	unmarked, reads, taken                        atomic.Uint64
 }
 
 // New returns the store of the cluster's ID range on the API server of cfg,
@@ -335,10 +335,11 @@ func (s *Store) emit(changes []change) {
 			continue
 		}
 		s.events.Delete(c.id, c.lbls)
-		if !s.stopped.Load() && s.refs != nil {
-			if r := s.refs.ByID(c.id); r != nil && r.Labels.Equal(c.lbls) {
-				s.unmarks.lost(c.id)
-			}
+		// Whatever label set the object held: an object of another one
+		// under an ID this node uses (the ID was taken) leaves room to
+		// re-create this node's own.
+		if !s.stopped.Load() && s.refs != nil && s.refs.ByID(c.id) != nil {
+			s.unmarks.lost(c.id)
 		}
 	}
 }
@@ -657,6 +658,8 @@ func (s *Store) unmark(ctx context.Context, id identity.NumericIdentity, rv stri
 func (s *Store) Release(ctx context.Context, ref *globalstore.Reference) error {
 	if !s.stopped.Load() {
 		s.writer.request(false)
+		// An ID found taken stops being reported once released.
+		s.unmarks.signal()
 	}
 	return nil
 }

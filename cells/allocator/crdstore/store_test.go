@@ -548,6 +548,80 @@ func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
 	})
 }
 
+// TestTakenIdentityReported: the object of an identity node-a uses comes
+// to hold another label set, as when the ID was freed while node-a's record
+// was gone and another node created it for its own label set. Other nodes
+// now apply that label set's policy to node-a's users of the ID: node-a
+// cannot take the ID back, but it reports it (health degraded, counted once)
+// for as long as it lasts, and re-creates its own object once the other
+// label set's is deleted.
+func TestTakenIdentityReported(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	var healthA *cell.SimpleHealth
+	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) {
+		o.cells = []cell.Cell{cell.SimpleHealthCell, cell.Invoke(func(h *cell.SimpleHealth) { healthA = h })}
+	})
+	id, _ := a.allocate(t, web(1))
+	obj, err := cli.identity(t, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	obj.SecurityLabels = securityLabels(web(999))
+	if err := cli.cilium.Put().Resource("ciliumidentities").Name(id.String()).Body(obj).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	unmark := func() (cell.Level, string) {
+		scope := healthA.GetChild("job-identity-unmark")
+		if scope == nil {
+			return "", "no health scope job-identity-unmark"
+		}
+		scope.Lock()
+		defer scope.Unlock()
+		return scope.Level, scope.Status + " " + fmt.Sprint(scope.Error)
+	}
+	taken := func() error {
+		if level, status := unmark(); level != cell.StatusDegraded || !strings.Contains(status, web(999).Canonical()) {
+			return fmt.Errorf("identity-unmark health %s %q while %d holds another label set", level, status, id)
+		}
+		if n := a.store.stats.taken.Load(); n != 1 {
+			return fmt.Errorf("taken identities counted %d times, want 1", n)
+		}
+		return nil
+	}
+	require(t, 20*time.Second, taken)
+
+	// Other rounds of the loop (a release wakes it) keep reporting it,
+	// and count it once.
+	other, _ := a.allocate(t, web(2))
+	a.release(t, other)
+	cli.nodeLists(t, "node-a", id)
+	time.Sleep(200 * time.Millisecond)
+	if err := taken(); err != nil {
+		t.Fatal(err)
+	}
+	expectSamples(t, samples(t, a.store), map[string]float64{"identityd_crd_identities_taken_total": 1})
+
+	// The other label set's object goes: node-a's comes back, and so does
+	// its health.
+	if err := cli.cilium.Delete().Resource("ciliumidentities").Name(id.String()).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	require(t, 20*time.Second, func() error {
+		obj, err := cli.identity(t, id)
+		if err != nil {
+			return err
+		}
+		if back, err := parseSecurityLabels(obj.SecurityLabels); err != nil || !back.Equal(web(1)) {
+			return fmt.Errorf("%d holds %v", id, obj.SecurityLabels)
+		}
+		if level, status := unmark(); level != cell.StatusOK {
+			return fmt.Errorf("identity-unmark health %s %q after the ID came back", level, status)
+		}
+		return nil
+	})
+}
+
 func TestSpaceExhausted(t *testing.T) {
 	cluster := identity.ClusterInfo{ID: 3, Name: "c3", MaxConnectedClusters: 511}
 	s, err := New(hivetest.Logger(t), &rest.Config{Host: "https://127.0.0.1:1"}, cluster, "node-a", DefaultConfig, nil)

@@ -804,3 +804,80 @@ func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 		t.Fatalf("health after the split ended: %v", bad)
 	}
 }
+
+// TestEtcdTakenIdentityReported gives the ID of a label set node1 uses to
+// another label set while node1's keys are gone, as happens when node1's
+// lease is lost for longer than its TTL and a GC run frees the ID: other
+// nodes now apply the other label set's policy to node1's users of the ID.
+// node1 cannot take the ID back, but it must not look healthy: its watch
+// delivers the changed master key (a delete and a create), node1 tries to
+// re-create its own and finds the ID taken: it reports it (health degraded,
+// counted) at once and at every check, until the ID is back.
+func TestEtcdTakenIdentityReported(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
+	prov := health.NewProvider()
+	n1.backend.health = prov.Root().NewScope("node-name")
+	ctx := testCtx(t, time.Minute)
+	l := labels.MustParse("k8s:app=taken")
+	mine, _, err := n1.alloc.Allocate(ctx, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One change, as a relist after a compaction shows a delete and a
+	// re-create: node1's reference is gone and the master key names
+	// another label set, which another node references.
+	other := labels.MustParse("k8s:app=newcomer").Canonical()
+	if _, err := cli.Txn(ctx).Then(
+		clientv3.OpDelete(refKey(l, "node1")),
+		clientv3.OpPut(masterKey(mine.ID), other),
+		clientv3.OpPut(path.Join(IdentitiesPrefix, "value", other, "other"), mine.ID.String()),
+	).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	eventually.True(t, "node1 reports the taken ID from its watch", func() bool {
+		ok, _ := prov.Healthy()
+		return !ok && n1.backend.NodeStats().TakenIdentities > 0
+	})
+	if v, _, _ := getValue(t, cli, masterKey(mine.ID)); v != other {
+		t.Fatalf("master key of %d = %q after node1's repair, want the other label set's", mine.ID, v)
+	}
+
+	// Every check finds it again while it lasts.
+	before := n1.backend.NodeStats().TakenIdentities
+	if n, err := n1.backend.SyncReferences(ctx); err != nil || n != 0 {
+		t.Fatalf("sync while the ID is taken: %d written, %v", n, err)
+	}
+	if ok, _ := prov.Healthy(); ok {
+		t.Fatal("health is OK after a check while the ID this node uses belongs to another label set")
+	}
+	if got := n1.backend.NodeStats().TakenIdentities; got != before+1 {
+		t.Fatalf("taken identities %d after a check, want %d", got, before+1)
+	}
+	if _, _, ok := getValue(t, cli, refKey(l, "node1")); ok {
+		t.Fatal("node1 wrote its reference while its ID belongs to another label set")
+	}
+
+	// The other label set's users are gone and the GC deletes its master
+	// key: node1 re-creates its own and is healthy after the next check.
+	if _, err := cli.Txn(ctx).Then(
+		clientv3.OpDelete(path.Join(IdentitiesPrefix, "value", other, "other")),
+		clientv3.OpDelete(masterKey(mine.ID)),
+	).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	eventually.True(t, "node1 re-creates its master key once the ID is free", func() bool {
+		v, _, ok := getValue(t, cli, masterKey(mine.ID))
+		return ok && v == l.Canonical()
+	})
+	if _, err := n1.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, bad := prov.Healthy(); !ok {
+		t.Fatalf("health after the ID came back: %v", bad)
+	}
+	if v, _, ok := getValue(t, cli, refKey(l, "node1")); !ok || v != mine.ID.String() {
+		t.Fatalf("node1's reference after the ID came back: %q %v", v, ok)
+	}
+}

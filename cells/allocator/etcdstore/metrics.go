@@ -44,6 +44,8 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 			"Number of this node's identity reference keys found missing or changed in etcd and written again")
 		splits = metrics.NewDesc("kvstore_split_label_sets_total",
 			"Number of times a reference of this node was not written again because other nodes reference its global label set under another ID")
+		taken = metrics.NewDesc("kvstore_identities_taken_total",
+			"Number of times the master key of a global identity this node uses was found holding another label set (the ID was freed while this node's keys were gone and given to another label set)")
 	)
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
 		gc, node := &s.gc, &s.nodeStats
@@ -58,5 +60,6 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		m.Counter(conflicts, float64(node.conflicts.Load()))
 		m.Counter(rewritten, float64(node.rewritten.Load()))
 		m.Counter(splits, float64(node.splits.Load()))
-	}, gcEntries, gcRuns, conflicts, rewritten, splits)
+		m.Counter(taken, float64(node.taken.Load()))
+	}, gcEntries, gcRuns, conflicts, rewritten, splits, taken)
 }

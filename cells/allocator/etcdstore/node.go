@@ -35,10 +35,13 @@ type NodeStats struct {
 	// SplitLabelSets counts references this node did not write again
 	// because other nodes reference the label set under another ID.
 	SplitLabelSets uint64
+	// TakenIdentities counts checks that found the master key of a
+	// global identity this node uses holding another label set.
+	TakenIdentities uint64
 }
 
 type nodeCounters struct {
-	conflicts, rewritten, splits atomic.Uint64
+	conflicts, rewritten, splits, taken atomic.Uint64
 }
 
 // NodeStats returns the counters of the node key and reference checks.
@@ -47,6 +50,7 @@ func (b *Store) NodeStats() NodeStats {
 		NameConflicts:       b.nodeStats.conflicts.Load(),
 		ReferencesRewritten: b.nodeStats.rewritten.Load(),
 		SplitLabelSets:      b.nodeStats.splits.Load(),
+		TakenIdentities:     b.nodeStats.taken.Load(),
 	}
 }
 

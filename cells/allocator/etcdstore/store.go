@@ -1185,12 +1185,32 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 			// The ID was given to another label set while this
 			// node's keys were gone. Nothing can make both right;
 			// the node keeps using the ID until its users release it.
-			b.log.Error("Global identity this node uses now belongs to another label set", "id", id, "labels", key)
+			b.idTaken(id, key, string(kvs[0].Value))
 			return false, nil
 		}
 		// References changed under the read: read again.
 	}
 	return false, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", globalstore.ErrConflict, id, key)
+}
+
+// idTaken reports that the master key of an ID this node uses holds
+// another label set: the ID was freed while this node's keys were gone (a
+// lease lost for longer than its TTL, then a GC run) and another node gave
+// it to that label set, or someone rewrote the key. Other nodes now apply
+// that label set's policy to this node's users of the ID, so it is not only
+// logged: it turns the node-name health scope degraded until a check finds
+// the ID released or its master key back, and it is counted.
+func (b *Store) idTaken(id identity.NumericIdentity, key, other string) {
+	b.nodeStats.taken.Add(1)
+	b.conflictSeen.Store(true)
+	b.log.Error("Global identity this node uses now belongs to another label set in etcd; other nodes apply that label set's policy to it until this node's users release it",
+		"id", id, "labels", key, "etcd", other)
+	if b.health != nil {
+		// Not ready, but not dead, as for a split label set: the
+		// users of the ID decide when it is released.
+		b.health.Degraded("A global identity this node uses belongs to another label set in etcd",
+			health.External(fmt.Errorf("%d: this node %s, etcd %s", id, key, other)))
+	}
 }
 
 // splitConflict reports that other nodes use another ID for a label set
