@@ -1,7 +1,6 @@
 package k8sclient
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -25,10 +24,6 @@ func scriptCommands(c *Client) hive.ScriptCmdsOut {
 }
 
 func statusCmd(c *Client) script.Cmd {
-	var status func(context.Context) Status
-	if c != nil {
-		status = c.Status
-	}
 	return shellfmt.StatusCommand(
 		script.CmdUsage{
 			Summary: "Show the Kubernetes API server connection: server, settings, version, last error",
@@ -39,7 +34,7 @@ func statusCmd(c *Client) script.Cmd {
 				"-o json or yaml, prints the same as one object.",
 			},
 		},
-		status, FormatStatus, viewOf, errNotConfigured)
+		c, (*Client).Status, FormatStatus, viewOf, errNotConfigured)
 }
 
 // statusView is Status as k8s/status prints it with -o json or yaml, with

@@ -1,7 +1,6 @@
 package kvstore
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -25,10 +24,6 @@ func scriptCommands(c *Client) hive.ScriptCmdsOut {
 var errNoClient = errors.New("no etcd client: --identity-allocation-mode=crd without --kvstore-endpoints")
 
 func statusCmd(c *Client) script.Cmd {
-	var status func(context.Context) Status
-	if c != nil {
-		status = c.Status
-	}
 	return shellfmt.StatusCommand(
 		script.CmdUsage{
 			Summary: "Show the etcd connection: mode, endpoints, leader, revision, lease, last error",
@@ -38,7 +33,7 @@ func statusCmd(c *Client) script.Cmd {
 				"yaml, prints the same as one object with its endpoints.",
 			},
 		},
-		status, FormatStatus, viewOf, errNoClient)
+		c, (*Client).Status, FormatStatus, viewOf, errNoClient)
 }
 
 // statusView is Status as kvstore/status prints it with -o json or yaml:

@@ -148,11 +148,15 @@ func Output[T Tabular](fs *pflag.FlagSet, objs []T) (script.WaitFunc, error) {
 	return func(*script.State) (string, string, error) { return out, "", nil }, nil
 }
 
-// StatusCommand returns a command without arguments that asks status for
-// the state of a connection (within 10s) and prints it: as text by table,
-// or with -o json or yaml as the one object view makes of it. A nil status
-// (the hive has no such connection) fails with missing.
-func StatusCommand[S any, V Tabular](usage script.CmdUsage, status func(context.Context) S, table func(S) string, view func(S) V, missing error) script.Cmd {
+// StatusCommand returns a command without arguments that asks conn's
+// status method for the state of a connection (within 10s) and prints it:
+// as text by table, or with -o json or yaml as the one object view makes
+// of it. A nil conn (the hive has no such connection) fails with missing.
+func StatusCommand[C any, S any, V Tabular](usage script.CmdUsage, conn *C, method func(*C, context.Context) S, table func(S) string, view func(S) V, missing error) script.Cmd {
+	var status func(context.Context) S
+	if conn != nil {
+		status = func(ctx context.Context) S { return method(conn, ctx) }
+	}
 	usage.Flags = AddFlag
 	return script.Command(usage, func(s *script.State, args ...string) (script.WaitFunc, error) {
 		if len(args) > 0 {

@@ -192,6 +192,37 @@ func (c *masterCache) fail(err error) {
 	}
 }
 
+// listPrefix reads every key under prefix, listPageSize keys a request,
+// all at the revision of the first request, which it returns: one
+// consistent snapshot however many pages it takes. Each request is bounded
+// by reqCtx; each key goes to fn.
+func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, reqCtx func(context.Context) (context.Context, context.CancelFunc), fn func(*mvccpb.KeyValue), opts ...clientv3.OpOption) (int64, error) {
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	from, rev := prefix, int64(0)
+	for {
+		page := append([]clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(listPageSize)}, opts...)
+		if rev != 0 {
+			page = append(page, clientv3.WithRev(rev))
+		}
+		rctx, cancel := reqCtx(ctx)
+		resp, err := cli.Get(rctx, from, page...)
+		cancel()
+		if err != nil {
+			return 0, err
+		}
+		if rev == 0 {
+			rev = resp.Header.Revision
+		}
+		for _, kv := range resp.Kvs {
+			fn(kv)
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return rev, nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
 // list reads every master key at one revision, page by page, and replaces
 // the cache with it. It returns the revision read.
 func (c *masterCache) list(ctx context.Context) (int64, error) {
@@ -199,39 +230,19 @@ func (c *masterCache) list(ctx context.Context) (int64, error) {
 	if cli == nil {
 		return 0, kvstore.ErrStopped
 	}
-	end := clientv3.GetPrefixRangeEnd(MasterKeyPrefix)
 	fresh := map[identity.NumericIdentity]*masterEntry{}
 	rejected := map[string]string{}
-	from, rev := MasterKeyPrefix, int64(0)
-	for {
-		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(listPageSize)}
-		if rev != 0 {
-			// Later pages read the first page's revision, so the
-			// listing is one consistent snapshot.
-			opts = append(opts, clientv3.WithRev(rev))
-		}
-		rctx, cancel := c.cacheRequestContext(ctx)
-		resp, err := cli.Get(rctx, from, opts...)
-		cancel()
+	rev, err := listPrefix(ctx, cli, MasterKeyPrefix, c.cacheRequestContext, func(kv *mvccpb.KeyValue) {
+		id, e, err := c.parseMaster(kv)
 		if err != nil {
-			return 0, fmt.Errorf("listing %s: %w", MasterKeyPrefix, err)
+			rejected[string(kv.Key)] = string(kv.Value)
+			c.reject(kv, err)
+			return
 		}
-		if rev == 0 {
-			rev = resp.Header.Revision
-		}
-		for _, kv := range resp.Kvs {
-			id, e, err := c.parseMaster(kv)
-			if err != nil {
-				rejected[string(kv.Key)] = string(kv.Value)
-				c.reject(kv, err)
-				continue
-			}
-			fresh[id] = e
-		}
-		if !resp.More || len(resp.Kvs) == 0 {
-			break
-		}
-		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+		fresh[id] = e
+	})
+	if err != nil {
+		return 0, fmt.Errorf("listing %s: %w", MasterKeyPrefix, err)
 	}
 	c.replace(fresh, rejected, rev)
 	if c.hooks.listed != nil {

@@ -1,6 +1,8 @@
 package etcdstore
 
 import (
+	"context"
+	"fmt"
 	"log/slog"
 	"testing"
 
@@ -8,6 +10,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -95,5 +98,49 @@ func TestMasterCacheCreatedEntries(t *testing.T) {
 	}
 	if got, _ := c.lookupLabels(id); !got.Equal(other) {
 		t.Fatalf("cache has %v for %d, want %v", got, id, other)
+	}
+}
+
+// TestListPrefixPages lists more keys than fit a page: every key comes
+// once, in key order, and a key written while the listing runs is not in
+// it, because every page reads the first page's revision.
+func TestListPrefixPages(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	ctx := t.Context()
+	const prefix = "test/list/"
+	n := 2*listPageSize + 7
+	for i := 0; i < n; i += 100 {
+		var ops []clientv3.Op
+		for j := i; j < min(i+100, n); j++ {
+			ops = append(ops, clientv3.OpPut(fmt.Sprintf("%s%05d", prefix, j), "v"))
+		}
+		if _, err := cli.Txn(ctx).Then(ops...).Commit(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var keys []string
+	noBound := func(ctx context.Context) (context.Context, context.CancelFunc) { return context.WithCancel(ctx) }
+	rev, err := listPrefix(ctx, cli, prefix, noBound, func(kv *mvccpb.KeyValue) {
+		if len(keys) == 0 {
+			if _, err := cli.Put(ctx, prefix+"99999", "late"); err != nil {
+				t.Error(err)
+			}
+		}
+		keys = append(keys, string(kv.Key))
+	}, clientv3.WithKeysOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(keys) != n {
+		t.Fatalf("listed %d keys, want %d", len(keys), n)
+	}
+	for i, k := range keys {
+		if want := fmt.Sprintf("%s%05d", prefix, i); k != want {
+			t.Fatalf("key %d is %s, want %s", i, k, want)
+		}
+	}
+	if resp, err := cli.Get(ctx, prefix+"99999"); err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].ModRevision <= rev {
+		t.Fatalf("the late key (%v, %v) was not written after the listing's revision %d", resp, err, rev)
 	}
 }

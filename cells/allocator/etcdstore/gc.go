@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync/atomic"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/cilium/hive/job"
@@ -149,33 +150,16 @@ func (b *Store) RunGC(ctx context.Context) (deleted, skipped int, err error) {
 // value need not be.
 func (b *Store) referencedLabelSets(ctx context.Context, cli *clientv3.Client) (map[string]struct{}, int64, error) {
 	out := map[string]struct{}{}
-	end := clientv3.GetPrefixRangeEnd(ReferenceKeyPrefix)
-	from, rev := ReferenceKeyPrefix, int64(0)
-	for {
-		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(listPageSize), clientv3.WithKeysOnly()}
-		if rev != 0 {
-			opts = append(opts, clientv3.WithRev(rev))
+	rev, err := listPrefix(ctx, cli, ReferenceKeyPrefix, b.requestContext, func(kv *mvccpb.KeyValue) {
+		// The node name follows the last "/"; label strings may hold
+		// "/" themselves.
+		key := string(kv.Key)
+		if i := strings.LastIndexByte(key, '/'); i >= len(ReferenceKeyPrefix) {
+			out[key[:i]] = struct{}{}
 		}
-		rctx, cancel := b.requestContext(ctx)
-		resp, err := cli.Get(rctx, from, opts...)
-		cancel()
-		if err != nil {
-			return nil, 0, fmt.Errorf("%w: listing reference keys: %w", globalstore.ErrUnavailable, err)
-		}
-		if rev == 0 {
-			rev = resp.Header.Revision
-		}
-		for _, kv := range resp.Kvs {
-			// The node name follows the last "/"; label strings
-			// may hold "/" themselves.
-			key := string(kv.Key)
-			if i := strings.LastIndexByte(key, '/'); i >= len(ReferenceKeyPrefix) {
-				out[key[:i]] = struct{}{}
-			}
-		}
-		if !resp.More || len(resp.Kvs) == 0 {
-			return out, rev, nil
-		}
-		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}, clientv3.WithKeysOnly())
+	if err != nil {
+		return nil, 0, fmt.Errorf("%w: listing reference keys: %w", globalstore.ErrUnavailable, err)
 	}
+	return out, rev, nil
 }
