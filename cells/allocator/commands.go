@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/durability"
 	"github.com/identityd/identityd/internal/shellfmt"
 	"github.com/identityd/identityd/labels"
 )
@@ -79,7 +80,7 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) s
 			}
 			// One bound for the allocation and the wait for the disk
 			// together.
-			ctx, cancel := context.WithTimeout(s.Context(), timeout)
+			ctx, cancel := durability.Bound(s.Context(), timeout)
 			defer cancel()
 			old, _ := s.Flags.GetUint32("old-id")
 			id, allocated, err := a.Allocate(ctx, lbls, WithOldID(identity.NumericIdentity(old)))
@@ -91,9 +92,9 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) s
 					// A failed command must not leave a reference
 					// nobody knows of: a retry would take another.
 					if _, rerr := a.Release(context.WithoutCancel(s.Context()), id); rerr != nil {
-						return nil, fmt.Errorf("identity %d allocated but not durable: %w; dropping the reference failed too: %w", id.ID, err, rerr)
+						return nil, fmt.Errorf("identity %d allocated but not durable%s: %w; dropping the reference failed too: %w", id.ID, durability.Within(ctx), err, rerr)
 					}
-					return nil, fmt.Errorf("identity %d not durable, reference dropped: %w", id.ID, err)
+					return nil, fmt.Errorf("identity %d not durable%s, reference dropped: %w", id.ID, durability.Within(ctx), err)
 				}
 			}
 			if allocated {

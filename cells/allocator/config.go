@@ -20,7 +20,8 @@ type Config struct {
 	// MaxConnectedClusters is the size of the cluster mesh: 255 or 511.
 	MaxConnectedClusters uint32
 	// IdentityAllocationTimeout bounds every allocator call that may wait
-	// on the kvstore.
+	// on the kvstore, and the shell commands that allocate and answer at
+	// the durability point (identity/allocate, ipcache/upsert).
 	IdentityAllocationTimeout time.Duration
 	// EnableWellKnownIdentities gives the label sets of kube-dns, CoreDNS,
 	// cilium-operator and Cilium's etcd their fixed identities 100..115
@@ -62,7 +63,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Uint32("cluster-id", def.ClusterID, "Unique ID of this cluster in a cluster mesh (0 .. max-connected-clusters); selects its global identity range")
 	flags.String("cluster-name", def.ClusterName, "Name of this cluster; must not be \"default\" when --cluster-id is non-zero")
 	flags.Uint32("max-connected-clusters", def.MaxConnectedClusters, "Largest number of clusters in the mesh: 255 or 511 (changes the global identity ranges)")
-	flags.Duration("identity-allocation-timeout", def.IdentityAllocationTimeout, "Bound on every identity allocation or release that waits for the store of global identities (etcd, or the Kubernetes API server in crd mode), or for restoration at start; identity/allocate also waits for the checkpoint within it")
+	flags.Duration("identity-allocation-timeout", def.IdentityAllocationTimeout, "Bound on every identity allocation or release that waits for the store of global identities (etcd, or the Kubernetes API server in crd mode), or for restoration at start; identity/allocate and ipcache/upsert answer within it, their waits for the disk included")
 	flags.Bool("enable-well-known-identities", def.EnableWellKnownIdentities, "Give kube-dns, CoreDNS, cilium-operator and Cilium's etcd their fixed identities 100..115, as Cilium's option of that name (Cilium's Helm chart turns it off)")
 	flags.String("k8s-namespace", def.K8sNamespace, "Namespace Cilium runs in, as Cilium's option of that name; part of the well-known label sets of Cilium's components")
 	flags.StringSlice("policy-cidr-match-mode", def.PolicyCIDRMatchMode, "What CIDR policies may select besides world, as Cilium's option of that name: \"nodes\" gives remote nodes' label sets remote-node-scope identities instead of the reserved 6 and 7")

@@ -15,6 +15,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/durability"
 )
 
 // Checkpoint keeps the checkpoint file in step with the allocator's local
@@ -320,23 +321,19 @@ func (c *Checkpoint) Sync(ctx context.Context) error {
 	// A write cannot be interrupted (an fsync on a stalled disk may take
 	// minutes), but its caller's wait can: the write goes on, holding
 	// wsem, and the identities are in the file once it ends.
-	done := make(chan error, 1)
-	go func() {
+	err := durability.Wait(ctx, func() error {
 		defer func() { <-c.wsem }()
 		if c.durable >= need {
 			// Written while this call waited for the running write.
-			done <- nil
-			return
+			return nil
 		}
 		_, err := c.write()
-		done <- err
-	}()
-	select {
-	case err := <-done:
 		return err
-	case <-ctx.Done():
-		return fmt.Errorf("checkpoint sync: the write did not end in time: %w", ctx.Err())
+	})
+	if errors.Is(err, durability.ErrWriteNotEnded) {
+		return fmt.Errorf("checkpoint sync: %w", err)
 	}
+	return err
 }
 
 // write is Write with wsem held.

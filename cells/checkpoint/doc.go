@@ -32,7 +32,9 @@
 // once a write that began after the call has succeeded, writing at once
 // whatever the interval; callers that wait during a running write share the
 // next one. The cell provides it as allocator.LocalIdentitySyncer, which the
-// ipcache's WaitDurable and identity/allocate wait for. It writes nothing
+// ipcache's WaitDurable and identity/allocate wait for. A caller whose
+// context ends stops waiting even while a write hangs on a stalled disk;
+// the write goes on and lands once the disk answers. It writes nothing
 // before restoration has finished, and so loaded the file
 // (Allocator.WaitForRestoration; at once in a hive without restoration):
 // a start hook that calls it may wait for its own end.

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -20,6 +21,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/testhive"
@@ -247,6 +249,9 @@ func TestAllocateDiskStalled(t *testing.T) {
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("error %v, want one that wraps context.DeadlineExceeded", err)
 	}
+	if want := "not durable within --identity-allocation-timeout (1s), reference dropped"; !strings.Contains(err.Error(), want) {
+		t.Errorf("error %q does not say %q", err, want)
+	}
 	// The bound plus what a loaded machine adds; the fsync hangs until
 	// the end of the test.
 	if took > timeout+5*time.Second {
@@ -278,5 +283,99 @@ func TestAllocateDiskStalled(t *testing.T) {
 	}
 	if !fileIDs(t, filepath.Join(dir, FileName))[id.ID] {
 		t.Fatalf("identity %d not in the checkpoint after the disk answered", id.ID)
+	}
+}
+
+// TestUpsertDiskStalled checks that ipcache/upsert of a prefix with a local
+// identity answers within --identity-allocation-timeout when the
+// checkpoint's fsync hangs, as identity/allocate does: it fails with an
+// error that names the bound and the checkpoint, the table keeps the row
+// (the upsert stays applied), and once the disk answers the pair reaches
+// the checkpoint.
+func TestUpsertDiskStalled(t *testing.T) {
+	dir := t.TempDir()
+	const timeout = time.Second
+	var (
+		cp  *Checkpoint
+		ipc *ipcache.IPCache
+	)
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell, statedir.Cell, Cell, ipcache.Cell,
+		cell.Invoke(func(c *Checkpoint, i *ipcache.IPCache) { cp, ipc = c, i }),
+	)
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = time.Hour })
+	hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
+	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcache.MapKindFile) })
+	testhive.Start(t, h)
+	e, s := shellOf(t, h, dir)
+
+	stalled, resume := make(chan struct{}), make(chan struct{})
+	var stallOnce, resumeOnce sync.Once
+	// The disk answers before the hive stops, whatever the test's outcome.
+	answer := func() { resumeOnce.Do(func() { close(resume) }) }
+	defer answer()
+	cp.mu.Lock()
+	cp.fault = func(step string) error {
+		if step == "fsync" {
+			stallOnce.Do(func() { close(stalled) })
+			<-resume
+		}
+		return nil
+	}
+	cp.mu.Unlock()
+
+	p := mustPrefix("10.5.0.0/16")
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() { done <- e.ExecuteLine(s, "ipcache/upsert "+p.String(), io.Discard) }()
+	var err error
+	// The bound plus what a loaded machine adds; the fsync hangs until
+	// the disk answers below.
+	select {
+	case err = <-done:
+	case <-time.After(timeout + 5*time.Second):
+		answer()
+		<-done
+		t.Fatalf("ipcache/upsert gave no answer within %s while the checkpoint's fsync hung (--identity-allocation-timeout %s)", time.Since(start), timeout)
+	}
+	if err == nil {
+		t.Fatal("ipcache/upsert succeeded while the checkpoint's fsync hung")
+	}
+	t.Logf("ipcache/upsert answered after %s: %v", time.Since(start), err)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("error %v, want one that wraps context.DeadlineExceeded", err)
+	}
+	for _, want := range []string{
+		"applied to the ipcache table, but not durable within --identity-allocation-timeout (1s)",
+		"local identities not in the checkpoint",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	select {
+	case <-stalled:
+	default:
+		t.Fatal("the command failed before the checkpoint's write reached fsync")
+	}
+	row, ok := ipc.LookupPrefix(p)
+	if !ok || !row.Identity.HasLocalScope() {
+		t.Fatalf("row of %s after the failed command: %v (present %v), want one with a local identity", p, row, ok)
+	}
+
+	// The disk answers: the stalled write ends, and the pair becomes
+	// durable.
+	answer()
+	cp.mu.Lock() // held by the stalled write until it ends
+	cp.fault = nil
+	cp.mu.Unlock()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := ipc.WaitDurable(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if !fileIDs(t, filepath.Join(dir, FileName))[row.Identity] {
+		t.Fatalf("identity %d of %s not in the checkpoint after the disk answered", row.Identity, p)
 	}
 }

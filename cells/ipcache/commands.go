@@ -6,12 +6,15 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/script"
 	"github.com/spf13/pflag"
 
+	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/durability"
 	"github.com/identityd/identityd/internal/shellfmt"
 	"github.com/identityd/identityd/labels"
 )
@@ -19,9 +22,14 @@ import (
 // DefaultShellOwner is the owner of contributions made from the shell.
 const DefaultShellOwner ResourceID = "shell"
 
-func newCommands(c *IPCache) hive.ScriptCmdsOut {
+// newCommands returns the ipcache/* commands; ipcache/upsert applies and
+// waits for the durability point within --identity-allocation-timeout (the
+// allocator's configuration), as identity/allocate does, so that its
+// caller gets an answer within that bound when the store or the disk
+// stalls.
+func newCommands(c *IPCache, cfg allocator.Config) hive.ScriptCmdsOut {
 	return hive.NewScriptCmds(map[string]script.Cmd{
-		"ipcache/upsert":   upsertCmd(c),
+		"ipcache/upsert":   upsertCmd(c, cfg.IdentityAllocationTimeout),
 		"ipcache/delete":   deleteCmd(c),
 		"ipcache/lookup":   lookupCmd(c),
 		"ipcache/list":     listCmd(c),
@@ -66,7 +74,7 @@ func parsePrefixes(args []string) ([]netip.Prefix, error) {
 	return out, nil
 }
 
-func upsertCmd(c *IPCache) script.Cmd {
+func upsertCmd(c *IPCache, timeout time.Duration) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: "Set an owner's contribution (labels, requested ID or direct identity) to prefixes",
@@ -81,7 +89,9 @@ func upsertCmd(c *IPCache) script.Cmd {
 				"It answers at the durability point: once the prefixes are in the datapath",
 				"map (and its file) and their local identities in the checkpoint, so that",
 				"the answered pairs survive a crash of the agent. --no-wait answers as soon",
-				"as the table has them; such an answer may be lost by a SIGKILL.",
+				"as the table has them; such an answer may be lost by a SIGKILL. If the",
+				"allocation and the writes take longer than --identity-allocation-timeout,",
+				"the command fails; what the table has by then stays applied.",
 			},
 			Flags: func(fs *pflag.FlagSet) {
 				shellfmt.AddFlag(fs)
@@ -126,12 +136,22 @@ func upsertCmd(c *IPCache) script.Cmd {
 			for i, p := range prefixes {
 				updates[i] = Update{Prefix: p, Info: info}
 			}
-			if err := c.UpsertBatch(s.Context(), ResourceID(owner), updates); err != nil {
+			// One bound for the allocation and the waits for the map
+			// and the disk together.
+			ctx, cancel := durability.Bound(s.Context(), timeout)
+			defer cancel()
+			if err := c.UpsertBatch(ctx, ResourceID(owner), updates); err != nil {
+				if within := durability.Within(ctx); within != "" {
+					return nil, fmt.Errorf("not all applied%s (the prefixes named here are left as they were): %w", within, err)
+				}
 				return nil, err
 			}
 			if noWait, _ := s.Flags.GetBool("no-wait"); !noWait {
-				if err := c.WaitDurable(s.Context(), prefixes...); err != nil {
-					return nil, fmt.Errorf("applied, but not durable: %w", err)
+				if err := c.WaitDurable(ctx, prefixes...); err != nil {
+					// The table keeps the rows: the reconciler and the
+					// checkpoint write them once they can, and a repeated
+					// upsert holds no second reference.
+					return nil, fmt.Errorf("applied to the ipcache table, but not durable%s: %w", durability.Within(ctx), err)
 				}
 			}
 			var rows []*Entry

@@ -19,12 +19,19 @@
 //     and pruning of map entries the table does not have.
 //   - Shell commands: ipcache/upsert (waits for the durability point unless
 //     --no-wait), ipcache/delete, ipcache/lookup, ipcache/list and
-//     ipcache/map-dump, with -o table|json|yaml.
+//     ipcache/map-dump, with -o table|json|yaml. ipcache/upsert answers
+//     within --identity-allocation-timeout, counted from its start, as
+//     identity/allocate does: its allocation and its waits for the map, the
+//     map file and the checkpoint share that bound, so that a stalled store
+//     or disk makes it fail in time instead of holding its caller (a
+//     liveness probe, a script). The error names the bound and what did not
+//     finish; what the table has by then stays applied.
 //
-// It depends on allocator.Allocator, *statedir.Dir, statedb, job and a
-// cell.Health provider (cell.SimpleHealthCell in the identityd binary),
-// and uses allocator.LocalIdentitySyncer (the checkpoint cell) when the
-// hive has one.
+// It depends on allocator.Allocator, allocator.Config (the allocator
+// cell's, for --identity-allocation-timeout), *statedir.Dir, statedb, job
+// and a cell.Health provider (cell.SimpleHealthCell in the identityd
+// binary), and uses allocator.LocalIdentitySyncer (the checkpoint cell)
+// when the hive has one.
 //
 // # Flags
 //
@@ -98,9 +105,11 @@
 // allocator.LocalIdentitySyncer, when the hive has the checkpoint cell), so
 // that the pairs survive a SIGKILL. Concurrent callers share the file and
 // checkpoint writes. A row whose map write failed makes it fail at once with
-// [ErrNotWritten]. On stop, a hook that runs before the reconciler stops
-// waits until it has processed the whole table, so that a clean stop keeps
-// every pair, waited for or not.
+// [ErrNotWritten]. A context that ends makes it fail even while a write of
+// the map file or the checkpoint hangs on a stalled disk; that write goes
+// on and lands once the disk answers. On stop, a hook that runs before the
+// reconciler stops waits until it has processed the whole table, so that a
+// clean stop keeps every pair, waited for or not.
 //
 // # Start, restoration and pruning
 //

@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
+	"github.com/identityd/identityd/internal/durability"
 	"github.com/identityd/identityd/internal/ipcachemap"
 )
 
@@ -28,8 +29,10 @@ import (
 // The map and the checkpoint are waited for at once, and concurrent callers
 // share the file and checkpoint writes. It fails at once, wrapping
 // ErrNotWritten, for a prefix whose map write failed (the reconciler keeps
-// retrying it), and with ctx's error when ctx ends first; either way the
-// upsert itself stays applied. Prefixes that are not valid are ignored, as
+// retrying it), and with ctx's error when ctx ends first, even while a
+// write of the map file or the checkpoint hangs on a stalled disk (that
+// write goes on and lands once the disk answers); either way the upsert
+// itself stays applied. Prefixes that are not valid are ignored, as
 // the upsert refused them. The reconciler writes nothing before restoration
 // has finished (Allocator.WaitForRestoration), so a start hook must not
 // wait for WaitDurable: restoration's start hook may come after it.
@@ -136,12 +139,13 @@ func (c *IPCache) waitMapDurable(ctx context.Context, keys []netip.Prefix) error
 	}
 	// The rows that were written are made durable even when others
 	// failed.
-	err := c.syncMap()
+	err := c.syncMap(ctx)
 	return errors.Join(append(failed, err)...)
 }
 
-// syncMap makes what the map holds durable.
-func (c *IPCache) syncMap() error {
+// syncMap makes what the map holds durable, or gives up waiting when ctx
+// ends.
+func (c *IPCache) syncMap(ctx context.Context) error {
 	m, err := c.mapOrErr()
 	if err != nil {
 		return err
@@ -153,8 +157,10 @@ func (c *IPCache) syncMap() error {
 	// Sync writes the file only if something changed since the last
 	// write began, so concurrent callers share one write, and a write
 	// that took its copy before this row was written leaves the map dirty
-	// for the next.
-	if err := m.Sync(); err != nil {
+	// for the next. A write on a stalled disk cannot be interrupted, but
+	// the wait for it can: the caller's bound holds, and the write goes
+	// on.
+	if err := durability.Wait(ctx, m.Sync); err != nil {
 		return fmt.Errorf("write the ipcache map file: %w", err)
 	}
 	return nil

@@ -3,19 +3,25 @@ package ipcache_test
 import (
 	"context"
 	"errors"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/script"
 
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/allocatortest"
 	"github.com/identityd/identityd/internal/ipcachemap"
 )
 
@@ -245,5 +251,125 @@ func TestStopWritesPendingRows(t *testing.T) {
 		if id, ok := pairs[p]; ok {
 			t.Fatalf("removed prefix %s still in the map file (identity %d) after a clean stop", p, id)
 		}
+	}
+}
+
+// stallTimeout is the --identity-allocation-timeout of the tests of a
+// stalled disk or store.
+const stallTimeout = time.Second
+
+// runBounded runs a shell command on the node and returns its error. It
+// fails the test when no answer comes within stallTimeout plus what a
+// loaded machine adds, after calling unstall so that the command can end.
+func runBounded(t *testing.T, n *node, line string, unstall func()) error {
+	t.Helper()
+	cmds, err := n.hive.ScriptCommands(hivetest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &script.Engine{Cmds: cmds}
+	s, err := script.NewState(t.Context(), n.dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() { done <- e.ExecuteLine(s, line, io.Discard) }()
+	select {
+	case err := <-done:
+		t.Logf("%s answered after %s: %v", line, time.Since(start), err)
+		return err
+	case <-time.After(stallTimeout + 5*time.Second):
+		unstall()
+		<-done
+		t.Fatalf("%s gave no answer within %s (--identity-allocation-timeout %s)", line, time.Since(start), stallTimeout)
+		return nil
+	}
+}
+
+// TestUpsertMapFileStalled checks that ipcache/upsert answers within
+// --identity-allocation-timeout when the fsync of the datapath map's file
+// hangs: it fails with an error that names the bound and the map file, the
+// table keeps the row (the upsert stays applied), and once the disk answers
+// the pair reaches the file.
+func TestUpsertMapFileStalled(t *testing.T) {
+	var armed atomic.Bool
+	stalled, resume := make(chan struct{}), make(chan struct{})
+	var stallOnce, resumeOnce sync.Once
+	fault := func(step string) error {
+		if step == "fsync" && armed.Load() {
+			stallOnce.Do(func() { close(stalled) })
+			<-resume
+		}
+		return nil
+	}
+	// The disk answers before the hive stops, whatever the test's outcome.
+	answer := func() { resumeOnce.Do(func() { armed.Store(false); close(resume) }) }
+	n := newNode(t, nil, cell.Invoke(func(c *ipcache.IPCache) { ipcache.SetMapWriteFault(c, fault) }))
+	n.allocTimeout = stallTimeout
+	n.start(t)
+	defer answer()
+	armed.Store(true)
+
+	p := pfx("10.7.0.0/16")
+	err := runBounded(t, n, "ipcache/upsert "+p.String(), answer)
+	if err == nil {
+		t.Fatal("ipcache/upsert succeeded while the map file's fsync hung")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("error %v, want one that wraps context.DeadlineExceeded", err)
+	}
+	for _, want := range []string{
+		"applied to the ipcache table, but not durable within --identity-allocation-timeout (1s)",
+		"write the ipcache map file",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	select {
+	case <-stalled:
+	default:
+		t.Fatal("the command failed before a write of the map file reached fsync")
+	}
+	row := mustGet(t, n.ipc, p.String())
+
+	// The disk answers: the pair reaches the file.
+	answer()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := n.ipc.WaitDurable(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if pairs, _ := crashState(t, n.dir); pairs[p] != row.Identity {
+		t.Fatalf("map file has %d for %s after the disk answered, want %d", pairs[p], p, row.Identity)
+	}
+}
+
+// TestUpsertStoreStalled checks that ipcache/upsert of a prefix with a
+// global identity answers within --identity-allocation-timeout when the
+// store of global identities accepts requests and never answers: it fails
+// with an error that names the bound and the prefix, and the prefix is left
+// as it was.
+func TestUpsertStoreStalled(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: identity.DefaultClusterName})
+	n := newNode(t, nil, allocatortest.DriverCell(identity.AllocationModeKVStore, store.NewBackend("node1")))
+	n.allocTimeout = stallTimeout
+	n.start(t)
+	store.Stalled.Store(true)
+
+	p := pfx("10.9.0.0/16")
+	err := runBounded(t, n, "ipcache/upsert --labels=k8s:app=web "+p.String(), func() { store.Stalled.Store(false) })
+	if err == nil {
+		t.Fatal("ipcache/upsert succeeded while the store did not answer")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("error %v, want one that wraps context.DeadlineExceeded", err)
+	}
+	if want := "not all applied within --identity-allocation-timeout (1s) (the prefixes named here are left as they were): " + p.String(); !strings.Contains(err.Error(), want) {
+		t.Errorf("error %q does not say %q", err, want)
+	}
+	if e, ok := n.ipc.LookupPrefix(p); ok {
+		t.Fatalf("row %v after the failed command, want none", e)
 	}
 }

@@ -34,6 +34,10 @@ type node struct {
 	hive    *hive.Hive
 	running *testhive.Running // set by start
 	dir     string
+	// allocTimeout, when set before start, is the allocator's
+	// --identity-allocation-timeout (hive allows one override per
+	// configuration type, and newNode has the allocator's).
+	allocTimeout time.Duration
 }
 
 // newNode builds a hive with the ipcache on the file backend in a fresh
@@ -50,7 +54,12 @@ func newNode(t testing.TB, cfg func(*ipcache.Config), extra ...cell.Cell) *node 
 	hive.AddConfigOverride(n.hive, func(c *statedir.Config) { c.StateDir = n.dir })
 	// Remote nodes' label sets get remote-node-scope identities, as the
 	// tests expect (Cilium's --policy-cidr-match-mode=nodes).
-	hive.AddConfigOverride(n.hive, func(c *allocator.Config) { c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes} })
+	hive.AddConfigOverride(n.hive, func(c *allocator.Config) {
+		c.PolicyCIDRMatchMode = []string{allocator.PolicyCIDRMatchNodes}
+		if n.allocTimeout > 0 {
+			c.IdentityAllocationTimeout = n.allocTimeout
+		}
+	})
 	hive.AddConfigOverride(n.hive, func(c *ipcache.Config) {
 		c.IPCacheMap = string(ipcachemap.KindFile)
 		if cfg != nil {

@@ -89,6 +89,7 @@ func openFileLocked(cfg Config, info *OpenInfo) (*fileMap, error) {
 		path:      cfg.FilePath,
 		max:       int(cfg.MaxEntries),
 		syncDelay: cfg.SyncDelay,
+		fault:     cfg.WriteFault,
 		entries:   entries,
 	}, nil
 }
@@ -117,6 +118,7 @@ type fileMap struct {
 	path      string
 	max       int
 	syncDelay time.Duration
+	fault     func(step string) error // Config.WriteFault
 
 	// syncMu serializes file writes and guards buf; it is taken before mu.
 	syncMu sync.Mutex
@@ -379,7 +381,7 @@ func (f *fileMap) sync() error {
 	f.dirty = false
 	f.mu.Unlock()
 
-	if err := writeFileAtomic(f.path, f.buf); err != nil {
+	if err := writeFileAtomic(f.path, f.buf, f.fault); err != nil {
 		f.mu.Lock()
 		f.dirty = true
 		f.mu.Unlock()
@@ -412,9 +414,9 @@ func (f *fileMap) Close() error {
 }
 
 // writeFileAtomic replaces path with data so that a crash at any moment
-// leaves either the old or the new contents.
-func writeFileAtomic(path string, data []byte) error {
-	if err := atomicfile.Write(path, data); err != nil {
+// leaves either the old or the new contents; fault is WriteSteps'.
+func writeFileAtomic(path string, data []byte, fault func(step string) error) error {
+	if err := atomicfile.WriteSteps(path, data, fault); err != nil {
 		return fmt.Errorf("cannot replace %s: %w", path, err)
 	}
 	return nil

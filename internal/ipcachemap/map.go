@@ -59,6 +59,10 @@ type Config struct {
 	// itself at most this long after the first unsynced change (write-behind).
 	// Zero leaves persistence to explicit Sync calls and Close.
 	SyncDelay time.Duration
+	// WriteFault, when not nil, is called before each step of a write of
+	// the file backend's file (atomicfile.WriteSteps), for tests of a
+	// failing or stalled disk.
+	WriteFault func(step string) error
 }
 
 func (c Config) withDefaults() Config {
