@@ -217,6 +217,30 @@ func TestAllocateNotDurable(t *testing.T) {
 	}
 }
 
+// stallFsync makes the checkpoint's writes hang at their fsync until
+// answer is called; stalled is closed when the first write gets there.
+// answer returns once the stalled write has ended, with the disk working
+// again.
+func stallFsync(cp *Checkpoint) (stalled <-chan struct{}, answer func()) {
+	reached, resume := make(chan struct{}), make(chan struct{})
+	var reachOnce, resumeOnce sync.Once
+	cp.mu.Lock()
+	cp.fault = func(step string) error {
+		if step == "fsync" {
+			reachOnce.Do(func() { close(reached) })
+			<-resume
+		}
+		return nil
+	}
+	cp.mu.Unlock()
+	return reached, func() {
+		resumeOnce.Do(func() { close(resume) })
+		cp.mu.Lock() // held by the stalled write until it ends
+		cp.fault = nil
+		cp.mu.Unlock()
+	}
+}
+
 // TestAllocateDiskStalled checks that identity/allocate of a local label
 // set answers within --identity-allocation-timeout when the checkpoint's
 // fsync hangs: it fails, drops its reference, and the write that was
@@ -228,17 +252,8 @@ func TestAllocateDiskStalled(t *testing.T) {
 		hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationTimeout = timeout })
 	})
 	e, s := shellOf(t, h, dir)
-	stalled, resume := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	cp.mu.Lock()
-	cp.fault = func(step string) error {
-		if step == "fsync" {
-			once.Do(func() { close(stalled) })
-			<-resume
-		}
-		return nil
-	}
-	cp.mu.Unlock()
+	stalled, answer := stallFsync(cp)
+	defer answer()
 
 	start := time.Now()
 	err := e.ExecuteLine(s, "identity/allocate cidr:10.5.0.0/16 reserved:world", io.Discard)
@@ -268,10 +283,7 @@ func TestAllocateDiskStalled(t *testing.T) {
 
 	// The disk answers: the stalled write ends, and the next Sync writes
 	// again.
-	close(resume)
-	cp.mu.Lock() // held by the stalled write until it ends
-	cp.fault = nil
-	cp.mu.Unlock()
+	answer()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	id, _, err := alloc.Allocate(ctx, cidr("10.6.0.0/16"))
@@ -310,20 +322,9 @@ func TestUpsertDiskStalled(t *testing.T) {
 	testhive.Start(t, h)
 	e, s := shellOf(t, h, dir)
 
-	stalled, resume := make(chan struct{}), make(chan struct{})
-	var stallOnce, resumeOnce sync.Once
+	stalled, answer := stallFsync(cp)
 	// The disk answers before the hive stops, whatever the test's outcome.
-	answer := func() { resumeOnce.Do(func() { close(resume) }) }
 	defer answer()
-	cp.mu.Lock()
-	cp.fault = func(step string) error {
-		if step == "fsync" {
-			stallOnce.Do(func() { close(stalled) })
-			<-resume
-		}
-		return nil
-	}
-	cp.mu.Unlock()
 
 	p := mustPrefix("10.5.0.0/16")
 	start := time.Now()
@@ -367,9 +368,6 @@ func TestUpsertDiskStalled(t *testing.T) {
 	// The disk answers: the stalled write ends, and the pair becomes
 	// durable.
 	answer()
-	cp.mu.Lock() // held by the stalled write until it ends
-	cp.fault = nil
-	cp.mu.Unlock()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	if err := ipc.WaitDurable(ctx, p); err != nil {

@@ -249,6 +249,18 @@ func (c *client) identity(tb testing.TB, id identity.NumericIdentity) (*CiliumId
 	return &obj, err
 }
 
+// holds returns nil when the CiliumIdentity of id holds lbls.
+func (c *client) holds(tb testing.TB, id identity.NumericIdentity, lbls labels.Labels) error {
+	obj, err := c.identity(tb, id)
+	if err != nil {
+		return err
+	}
+	if got, err := parseSecurityLabels(obj.SecurityLabels); err != nil || !got.Equal(lbls) {
+		return fmt.Errorf("%d holds %v, want %s", id, obj.SecurityLabels, lbls.Canonical())
+	}
+	return nil
+}
+
 func (c *client) node(tb testing.TB, name string) (*IdentityNode, error) {
 	tb.Helper()
 	var obj IdentityNode
@@ -536,16 +548,7 @@ func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
 	if err := cli.cilium.Delete().Resource("ciliumidentities").Name(id.String()).Do(context.Background()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	require(t, 20*time.Second, func() error {
-		obj, err := cli.identity(t, id)
-		if err != nil {
-			return err
-		}
-		if back, err := parseSecurityLabels(obj.SecurityLabels); err != nil || !back.Equal(web(1)) {
-			return fmt.Errorf("%d holds %v", id, obj.SecurityLabels)
-		}
-		return nil
-	})
+	require(t, 20*time.Second, func() error { return cli.holds(t, id, web(1)) })
 }
 
 // TestTakenIdentityReported: the object of an identity node-a uses comes
@@ -608,12 +611,8 @@ func TestTakenIdentityReported(t *testing.T) {
 		t.Fatal(err)
 	}
 	require(t, 20*time.Second, func() error {
-		obj, err := cli.identity(t, id)
-		if err != nil {
+		if err := cli.holds(t, id, web(1)); err != nil {
 			return err
-		}
-		if back, err := parseSecurityLabels(obj.SecurityLabels); err != nil || !back.Equal(web(1)) {
-			return fmt.Errorf("%d holds %v", id, obj.SecurityLabels)
 		}
 		if level, status := unmark(); level != cell.StatusOK {
 			return fmt.Errorf("identity-unmark health %s %q after the ID came back", level, status)

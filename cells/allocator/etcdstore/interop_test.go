@@ -569,9 +569,7 @@ func TestEtcdSameNodeName(t *testing.T) {
 func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n := startEtcdNode(t, c, "busy", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
-	prov := health.NewProvider()
-	n.backend.health = prov.Root().NewScope("node-name")
+	n, prov := startCheckedNode(t, c, "busy")
 	ctx := testCtx(t, time.Minute)
 	l := labels.MustParse("k8s:app=busy")
 	id, _, err := n.alloc.Allocate(ctx, l)
@@ -738,6 +736,17 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 	}
 }
 
+// startCheckedNode starts node name without its periodic check of its
+// keys (the test runs SyncReferences itself), reporting to the returned
+// provider's node-name scope.
+func startCheckedNode(t *testing.T, c *etcdtest.Cluster, name string) (*etcdNode, *health.Provider) {
+	t.Helper()
+	n := startEtcdNode(t, c, name, func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
+	prov := health.NewProvider()
+	n.backend.health = prov.Root().NewScope("node-name")
+	return n, prov
+}
+
 // TestEtcdRestoreKeepsSplitOut loses a node's reference while another
 // node creates the label set again under another ID: the node does not
 // write its reference back (every later allocation would see the label set
@@ -745,9 +754,7 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
-	prov := health.NewProvider()
-	n1.backend.health = prov.Root().NewScope("node-name")
+	n1, prov := startCheckedNode(t, c, "node1")
 	ctx := testCtx(t, time.Minute)
 	l := labels.MustParse("k8s:app=split")
 	key := l.Canonical()
@@ -816,9 +823,7 @@ func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 func TestEtcdTakenIdentityReported(t *testing.T) {
 	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	cli := c.Client(t)
-	n1 := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
-	prov := health.NewProvider()
-	n1.backend.health = prov.Root().NewScope("node-name")
+	n1, prov := startCheckedNode(t, c, "node1")
 	ctx := testCtx(t, time.Minute)
 	l := labels.MustParse("k8s:app=taken")
 	mine, _, err := n1.alloc.Allocate(ctx, l)

@@ -144,12 +144,20 @@ func (b *Store) checkNodeName(ctx context.Context, cli *clientv3.Client) error {
 
 // nameConflict reports a second writer of this node's name.
 func (b *Store) nameConflict(err error) {
-	b.nodeStats.conflicts.Add(1)
+	b.conflict(&b.nodeStats.conflicts, "Another agent uses this node's name in etcd",
+		"each agent needs its own --node-name", err)
+}
+
+// conflict reports what another writer did to this node's keys that this
+// node cannot undo: it is counted in count, logged as an error (what, then
+// advice), and turns the node-name health scope degraded until a check of
+// the node's keys finds no conflict. The cause is external: not ready, but
+// not dead, since restarting this agent would not undo it.
+func (b *Store) conflict(count *atomic.Uint64, what, advice string, err error) {
+	count.Add(1)
 	b.conflictSeen.Store(true)
-	b.log.Error("Another agent uses this node's name in etcd; each agent needs its own --node-name", "node", b.node, "error", err)
+	b.log.Error(what+"; "+advice, "node", b.node, "error", err)
 	if b.health != nil {
-		// Not ready, but not dead: restarting this agent would not
-		// stop the other writer.
-		b.health.Degraded("Another agent uses this node's name in etcd", health.External(err))
+		b.health.Degraded(what, health.External(err))
 	}
 }

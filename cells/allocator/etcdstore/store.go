@@ -1198,33 +1198,20 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 // lease lost for longer than its TTL, then a GC run) and another node gave
 // it to that label set, or someone rewrote the key. Other nodes now apply
 // that label set's policy to this node's users of the ID, so it is not only
-// logged: it turns the node-name health scope degraded until a check finds
-// the ID released or its master key back, and it is counted.
+// logged: it is a conflict until a check finds the ID released or its
+// master key back.
 func (b *Store) idTaken(id identity.NumericIdentity, key, other string) {
-	b.nodeStats.taken.Add(1)
-	b.conflictSeen.Store(true)
-	b.log.Error("Global identity this node uses now belongs to another label set in etcd; other nodes apply that label set's policy to it until this node's users release it",
-		"id", id, "labels", key, "etcd", other)
-	if b.health != nil {
-		// Not ready, but not dead, as for a split label set: the
-		// users of the ID decide when it is released.
-		b.health.Degraded("A global identity this node uses belongs to another label set in etcd",
-			health.External(fmt.Errorf("%d: this node %s, etcd %s", id, key, other)))
-	}
+	b.conflict(&b.nodeStats.taken, "A global identity this node uses belongs to another label set in etcd",
+		"other nodes apply that label set's policy to it until this node's users release it",
+		fmt.Errorf("%d: this node %s, etcd %s", id, key, other))
 }
 
 // splitConflict reports that other nodes use another ID for a label set
 // this node holds.
 func (b *Store) splitConflict(key string, id, other identity.NumericIdentity) {
-	b.nodeStats.splits.Add(1)
-	b.conflictSeen.Store(true)
-	b.log.Error("Other nodes reference a global label set this node uses under another ID; this node's reference is not written until they release it",
-		"labels", key, "id", id, "other", other)
-	if b.health != nil {
-		// Not ready, but not dead: a restart would not end the split.
-		b.health.Degraded("A global label set this node uses has another ID on other nodes",
-			health.External(fmt.Errorf("%s: this node %d, others %d", key, id, other)))
-	}
+	b.conflict(&b.nodeStats.splits, "A global label set this node uses has another ID on other nodes",
+		"this node's reference is not written until they release it",
+		fmt.Errorf("%s: this node %d, others %d", key, id, other))
 }
 
 // restoreMasters re-creates deleted master keys of label sets this node
