@@ -412,6 +412,9 @@ type unmarkQueue struct {
 	ids     map[identity.NumericIdentity]struct{}
 	lostIDs map[identity.NumericIdentity]struct{}
 	wake    chan struct{}
+	// taken is how many IDs the unmark job holds as taken by another
+	// label set: releases wake the job only while there are some.
+	taken atomic.Int32
 }
 
 func newUnmarkQueue() unmarkQueue {
@@ -556,6 +559,7 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 			}
 			delete(taken, id)
 		}
+		s.unmarks.taken.Store(int32(len(taken)))
 		for _, id := range marked {
 			e := s.ids.get(id)
 			if e == nil || !e.marked() || s.refs.ByID(id) == nil {

@@ -658,8 +658,10 @@ func (s *Store) unmark(ctx context.Context, id identity.NumericIdentity, rv stri
 func (s *Store) Release(ctx context.Context, ref *globalstore.Reference) error {
 	if !s.stopped.Load() {
 		s.writer.request(false)
-		// An ID found taken stops being reported once released.
-		s.unmarks.signal()
+		if s.unmarks.taken.Load() > 0 {
+			// An ID found taken stops being reported once released.
+			s.unmarks.signal()
+		}
 	}
 	return nil
 }

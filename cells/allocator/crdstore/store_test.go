@@ -556,8 +556,8 @@ func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
 // was gone and another node created it for its own label set. Other nodes
 // now apply that label set's policy to node-a's users of the ID: node-a
 // cannot take the ID back, but it reports it (health degraded, counted once)
-// for as long as it lasts, and re-creates its own object once the other
-// label set's is deleted.
+// for as long as it lasts: until it re-creates its own object once the
+// other label set's is deleted, or until it releases the ID.
 func TestTakenIdentityReported(t *testing.T) {
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
@@ -616,6 +616,29 @@ func TestTakenIdentityReported(t *testing.T) {
 		}
 		if level, status := unmark(); level != cell.StatusOK {
 			return fmt.Errorf("identity-unmark health %s %q after the ID came back", level, status)
+		}
+		return nil
+	})
+
+	// Taken again, then released by node-a: the report ends with the
+	// release.
+	if obj, err = cli.identity(t, id); err != nil {
+		t.Fatal(err)
+	}
+	obj.SecurityLabels = securityLabels(web(999))
+	if err := cli.cilium.Put().Resource("ciliumidentities").Name(id.String()).Body(obj).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	require(t, 20*time.Second, func() error {
+		if level, _ := unmark(); level != cell.StatusDegraded || a.store.stats.taken.Load() != 2 {
+			return fmt.Errorf("identity-unmark health %s, %d taken, after %d was taken again", level, a.store.stats.taken.Load(), id)
+		}
+		return nil
+	})
+	a.release(t, id)
+	require(t, 20*time.Second, func() error {
+		if level, status := unmark(); level != cell.StatusOK {
+			return fmt.Errorf("identity-unmark health %s %q after node-a released the taken ID", level, status)
 		}
 		return nil
 	})
