@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/hive/script"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/durability"
 	"github.com/identityd/identityd/internal/shellfmt"
 )
 
@@ -30,13 +31,21 @@ func writeCmd(c *Checkpoint) script.Cmd {
 			Detail: []string{
 				"Writes a snapshot of the allocator's local identities to the",
 				"checkpoint file at once, without waiting for the interval.",
+				"On a stalled disk it waits until the client gives up; the",
+				"write goes on and lands once the disk answers.",
 			},
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			if len(args) != 0 {
 				return nil, script.ErrUsage
 			}
-			st, err := c.Write()
+			// A write cannot be interrupted, but the command's wait can:
+			// a client that closes its connection ends it.
+			var st Status
+			err := durability.Wait(s.Context(), func() (err error) {
+				st, err = c.Write()
+				return err
+			})
 			if err != nil {
 				return nil, err
 			}

@@ -377,3 +377,47 @@ func TestUpsertDiskStalled(t *testing.T) {
 		t.Fatalf("identity %d of %s not in the checkpoint after the disk answered", row.Identity, p)
 	}
 }
+
+// TestWriteCommandInterruptible checks that checkpoint/write on a stalled
+// disk ends when its client gives up (the shell ends the command's context
+// when the client closes its connection), and that the write it started
+// lands once the disk answers.
+func TestWriteCommandInterruptible(t *testing.T) {
+	dir := t.TempDir()
+	h, cp, alloc := syncHive(t, dir)
+	cmds, err := h.ScriptCommands(hivetest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, giveUp := context.WithCancel(t.Context())
+	s, err := script.NewState(ctx, dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _, err := alloc.Allocate(t.Context(), cidr("10.7.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stalled, answer := stallFsync(cp)
+	defer answer()
+	done := make(chan error, 1)
+	go func() { done <- (&script.Engine{Cmds: cmds}).ExecuteLine(s, "checkpoint/write", io.Discard) }()
+	select {
+	case <-stalled:
+	case <-time.After(30 * time.Second):
+		t.Fatal("checkpoint/write did not reach fsync")
+	}
+	giveUp()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("checkpoint/write after its client gave up: %v, want one that wraps context.Canceled", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("checkpoint/write still waits 10s after its client gave up")
+	}
+	answer()
+	if !fileIDs(t, filepath.Join(dir, FileName))[id.ID] {
+		t.Fatalf("identity %d not in the checkpoint once the disk answered", id.ID)
+	}
+}

@@ -18,7 +18,9 @@
 // The cell needs a job registry (job.Cell) and a cell.Health provider: the
 // start hook listens, and the job accept-connections (AcceptJob, health
 // scope shell.job-accept-connections) accepts the connections and serves
-// each in a goroutine on the job's context, which it waits for. The job
+// each in a goroutine on the job's context, which it waits for. A client
+// that closes its connection while its command runs ends the command's
+// context (watchHangup). The job
 // stops right before the stop hook, which removes the socket: the commands
 // running then end with their connections.
 package shell
@@ -183,7 +185,9 @@ func (s *server) serve(jobCtx context.Context, conn net.Conn) {
 		}
 		args, err := decodeRequest(line)
 		if err == nil {
+			unwatch := watchHangup(conn, cancel)
 			err = s.execute(state, args, w)
+			unwatch()
 		}
 		w.end(err)
 		if ctx.Err() != nil {

@@ -62,9 +62,9 @@ type agent struct {
 	sock string
 	rec  *recorder
 	// blocked receives when test/block runs; the command returns when its
-	// context ends.
-	blocked chan struct{}
-	stop    func(context.Context) error
+	// context ends, and ended receives then.
+	blocked, ended chan struct{}
+	stop           func(context.Context) error
 }
 
 // startAgent runs a hive with the shell and a few test commands on a
@@ -72,7 +72,7 @@ type agent struct {
 func startAgent(t testing.TB) *agent {
 	dir := t.TempDir()
 	rec := &recorder{}
-	blocked := make(chan struct{}, 1)
+	blocked, ended := make(chan struct{}, 1), make(chan struct{}, 1)
 	h := hive.New(cell.SimpleHealthCell, job.Cell, statedir.Cell, shell.Cell,
 		cell.Provide(func() hive.ScriptCmdsOut {
 			return hive.NewScriptCmds(map[string]script.Cmd{
@@ -113,6 +113,10 @@ func startAgent(t testing.TB) *agent {
 					func(s *script.State, args ...string) (script.WaitFunc, error) {
 						blocked <- struct{}{}
 						<-s.Context().Done()
+						select {
+						case ended <- struct{}{}:
+						default:
+						}
 						return nil, s.Context().Err()
 					}),
 				"test/log": script.Command(script.CmdUsage{Summary: "log while running"},
@@ -137,7 +141,7 @@ func startAgent(t testing.TB) *agent {
 		return err
 	}
 	t.Cleanup(func() { stop(context.Background()) })
-	return &agent{sock: filepath.Join(dir, shell.SocketName), rec: rec, blocked: blocked, stop: stop}
+	return &agent{sock: filepath.Join(dir, shell.SocketName), rec: rec, blocked: blocked, ended: ended, stop: stop}
 }
 
 func dial(t testing.TB, a *agent) *shell.Client {
@@ -491,4 +495,77 @@ func TestStopEndsCommandsInFlight(t *testing.T) {
 	if _, err := os.Stat(a.sock); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket after stop: %v", err)
 	}
+}
+
+// TestClientGoneEndsCommand: a command that waits and writes nothing ends
+// when its client closes the connection, as a probe or a script that gives
+// up does; a client that only shuts down its sending side, as socat and nc
+// do at the end of their input, still gets its answer.
+func TestClientGoneEndsCommand(t *testing.T) {
+	a := startAgent(t)
+	waitBlocked := func() {
+		t.Helper()
+		select {
+		case <-a.blocked:
+		case <-time.After(30 * time.Second):
+			t.Fatal("test/block did not run")
+		}
+	}
+
+	conn := dialUnix(t, a)
+	if _, err := conn.Write([]byte(`["test/block"]` + "\n")); err != nil {
+		t.Fatal(err)
+	}
+	waitBlocked()
+	conn.Close()
+	select {
+	case <-a.ended:
+	case <-time.After(10 * time.Second):
+		t.Fatal("test/block still runs 10s after its client closed the connection")
+	}
+
+	half := dialUnix(t, a)
+	if _, err := half.Write([]byte(`["test/echo","still","answered"]` + "\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := half.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	half.SetReadDeadline(time.Now().Add(30 * time.Second))
+	answer, err := io.ReadAll(half)
+	if err != nil || !strings.Contains(string(answer), "still answered") || !strings.Contains(string(answer), `"end":"ok"`) {
+		t.Fatalf("answer after the client shut down its sending side: %q, %v", answer, err)
+	}
+	half.Close()
+
+	half = dialUnix(t, a)
+	if _, err := half.Write([]byte(`["test/block"]` + "\n")); err != nil {
+		t.Fatal(err)
+	}
+	waitBlocked()
+	if err := half.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-a.ended:
+		t.Fatal("test/block ended when its client only shut down its sending side")
+	case <-time.After(time.Second):
+	}
+	half.Close()
+	select {
+	case <-a.ended:
+	case <-time.After(10 * time.Second):
+		t.Fatal("test/block still runs 10s after its client closed the connection")
+	}
+}
+
+// dialUnix connects to the agent's socket without a client on top.
+func dialUnix(t *testing.T, a *agent) *net.UnixConn {
+	t.Helper()
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
 }
