@@ -511,18 +511,23 @@ func TestClientGoneEndsCommand(t *testing.T) {
 			t.Fatal("test/block did not run")
 		}
 	}
+	// closeEnds closes conn and waits for test/block to end.
+	closeEnds := func(conn net.Conn) {
+		t.Helper()
+		conn.Close()
+		select {
+		case <-a.ended:
+		case <-time.After(10 * time.Second):
+			t.Fatal("test/block still runs 10s after its client closed the connection")
+		}
+	}
 
 	conn := dialUnix(t, a)
 	if _, err := conn.Write([]byte(`["test/block"]` + "\n")); err != nil {
 		t.Fatal(err)
 	}
 	waitBlocked()
-	conn.Close()
-	select {
-	case <-a.ended:
-	case <-time.After(10 * time.Second):
-		t.Fatal("test/block still runs 10s after its client closed the connection")
-	}
+	closeEnds(conn)
 
 	half := dialUnix(t, a)
 	if _, err := half.Write([]byte(`["test/echo","still","answered"]` + "\n")); err != nil {
@@ -551,12 +556,7 @@ func TestClientGoneEndsCommand(t *testing.T) {
 		t.Fatal("test/block ended when its client only shut down its sending side")
 	case <-time.After(time.Second):
 	}
-	half.Close()
-	select {
-	case <-a.ended:
-	case <-time.After(10 * time.Second):
-		t.Fatal("test/block still runs 10s after its client closed the connection")
-	}
+	closeEnds(half)
 }
 
 // dialUnix connects to the agent's socket without a client on top.
