@@ -552,12 +552,14 @@ func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
 						"id", id, "error", err)
 				}
 				taken[id] = err
-				continue
 			case err != nil:
+				// Tried again next round; a taken ID stays taken
+				// until a round shows otherwise.
 				failed = err
 				s.unmarks.lost(id)
+			default:
+				delete(taken, id)
 			}
-			delete(taken, id)
 		}
 		s.unmarks.taken.Store(int32(len(taken)))
 		for _, id := range marked {
