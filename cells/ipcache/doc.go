@@ -83,7 +83,10 @@
 // When its merged labels change, the new identity is allocated first and
 // the old one released after the table is updated, so the datapath never
 // sees an identity without a reference. When the last contribution goes
-// (or a direct identity takes over), the reference is released.
+// (or a direct identity takes over), the reference is released. Writers
+// take turns on the table, but releases happen after a writer's turn: a
+// release that waits for the store of global identities holds up only its
+// own caller.
 //
 // Input is checked before anything changes: an owner must be a non-empty,
 // printable [ResourceID] ([ErrInvalidOwner]); a direct identity or a

@@ -22,7 +22,9 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/allocatortest"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/ipcachemap"
+	"github.com/identityd/identityd/labels"
 )
 
 // crashState returns what a crash of the agent would leave on disk right
@@ -371,5 +373,44 @@ func TestUpsertStoreStalled(t *testing.T) {
 	}
 	if e, ok := n.ipc.LookupPrefix(p); ok {
 		t.Fatalf("row %v after the failed command, want none", e)
+	}
+}
+
+// TestReleaseDoesNotBlockWriters: a delete whose release waits for a store
+// of global identities that does not answer holds up no other writer of
+// the ipcache. Releases used to run with the writers' lock held, so with
+// etcd gone every upsert waited behind every pending release, one
+// --identity-allocation-timeout each.
+func TestReleaseDoesNotBlockWriters(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: identity.DefaultClusterName})
+	backend := store.NewBackend("node1")
+	n := newNode(t, nil, allocatortest.DriverCell(identity.AllocationModeKVStore, backend))
+	const releaseBound = 5 * time.Second
+	n.allocTimeout = releaseBound
+	n.start(t)
+	ctx := t.Context()
+	web := pfx("10.9.0.0/16")
+	if err := n.ipc.Upsert(ctx, "pods", web, ipcache.Info{Labels: labels.MustParse("k8s:app=web")}); err != nil {
+		t.Fatal(err)
+	}
+
+	store.Stalled.Store(true)
+	defer store.Stalled.Store(false)
+	before := backend.Requests.Load()
+	removed := make(chan error, 1)
+	go func() { removed <- n.ipc.Remove(ctx, "pods", web) }()
+	eventually.True(t, "the delete waits for the store to release the identity", func() bool {
+		_, ok := n.ipc.LookupPrefix(web)
+		return !ok && backend.Requests.Load() > before
+	})
+	start := time.Now()
+	if err := n.ipc.Upsert(ctx, "k8s", pfx("10.10.0.0/16"), ipcache.Info{}); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > releaseBound/2 {
+		t.Errorf("an upsert that needs no store took %s while a delete's release waited for the store", took)
+	}
+	if err := <-removed; err != nil {
+		t.Errorf("delete whose release the store did not answer: %v (the release is logged, the delete applied)", err)
 	}
 }

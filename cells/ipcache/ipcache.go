@@ -260,7 +260,12 @@ func (c *IPCache) apply(ctx context.Context, changes []change) error {
 	}
 
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	locked := true
+	defer func() {
+		if locked {
+			c.mu.Unlock()
+		}
+	}()
 
 	rtxn := c.db.ReadTxn()
 	plans := make([]plan, 0, len(valid))
@@ -322,6 +327,11 @@ func (c *IPCache) apply(ctx context.Context, changes []change) error {
 		}
 	}
 	wtxn.Commit()
+	// The rows no longer hold what is released: other writers need not
+	// wait for the releases, which wait for the store of global
+	// identities (minutes, with etcd gone).
+	c.mu.Unlock()
+	locked = false
 
 	c.releaseAll(ctx, release)
 	return errors.Join(errs...)
