@@ -2,6 +2,7 @@ package etcdstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync/atomic"
@@ -28,6 +29,8 @@ type GCStats struct {
 
 type gcCounters struct {
 	runs, failed, deleted, skipped atomic.Uint64
+	// lastSkipped is the last run's skipped count, for its log line.
+	lastSkipped atomic.Int64
 }
 
 // GCStats returns the garbage collection's counters, for metrics.
@@ -57,7 +60,18 @@ func (b *Store) gcTick(life context.Context) job.TimerFunc {
 			return nil
 		default:
 		}
-		deleted, skipped, err := b.RunGC(ctx)
+		term := b.collector.term.Load()
+		if term == nil {
+			// Another node collects: note which, for health and
+			// the shell.
+			if cli := b.kv.Client(); cli != nil {
+				b.refreshCollector(ctx, cli)
+			}
+			return nil
+		}
+		// The run ends with the term.
+		defer context.AfterFunc(term.ctx, cancel)()
+		deleted, skipped, err := b.runGC(ctx, term)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -65,10 +79,22 @@ func (b *Store) gcTick(life context.Context) job.TimerFunc {
 			// etcd's doing, not the agent's: readiness, not liveness.
 			return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", deleted, err))
 		}
-		if deleted > 0 || skipped > 0 {
-			b.log.Info("Garbage collection of global identities", "deleted", deleted, "skipped", skipped)
-		}
+		b.logGCRun(deleted, skipped)
 		return nil
+	}
+}
+
+// logGCRun logs a run that deleted something at info level; a run that
+// only skipped keys is logged at info level when its count changes, and at
+// debug level otherwise, so that keys another writer keeps referencing do
+// not repeat the same line every run.
+func (b *Store) logGCRun(deleted, skipped int) {
+	last := b.gc.lastSkipped.Swap(int64(skipped))
+	switch {
+	case deleted > 0 || (skipped > 0 && int64(skipped) != last):
+		b.log.Info("Garbage collection of global identities", "deleted", deleted, "skipped", skipped)
+	case skipped > 0:
+		b.log.Debug("Garbage collection of global identities", "deleted", deleted, "skipped", skipped)
 	}
 }
 
@@ -81,6 +107,16 @@ func (b *Store) gcTick(life context.Context) job.TimerFunc {
 // a mark-and-sweep the collection needs no second pass. Deletions are paced
 // by --identity-gc-rate-limit per --identity-gc-rate-interval.
 func (b *Store) RunGC(ctx context.Context) (deleted, skipped int, err error) {
+	return b.runGC(ctx, nil)
+}
+
+// errNotCollector: a delete of the collection found that this node's term
+// as the elected collector had ended.
+var errNotCollector = errors.New("this node is no longer the elected collector")
+
+// runGC is RunGC; with a term, each delete also proves that the term
+// lasts, so that a collector whose lease ended deletes nothing more.
+func (b *Store) runGC(ctx context.Context, term *leadership) (deleted, skipped int, err error) {
 	b.gc.runs.Add(1)
 	defer func() {
 		if err != nil {
@@ -124,14 +160,23 @@ func (b *Store) RunGC(ctx context.Context) (deleted, skipped int, err error) {
 		// it (see outForeign); comparing that nothing under the prefix
 		// was written since then proves the same now.
 		refs := referencePrefix(c.key)
-		resp, err := cli.Txn(rctx).If(
+		cmps := []clientv3.Cmp{
 			clientv3.Compare(clientv3.ModRevision(master), "=", c.modRev),
 			clientv3.Compare(clientv3.ModRevision(refs), "<", listRev+1).WithRange(clientv3.GetPrefixRangeEnd(refs)),
 			clientv3.Compare(clientv3.CreateRevision(lockPrefix(c.key)), "=", 0).WithPrefix(),
-		).Then(clientv3.OpDelete(master)).Commit()
+		}
+		var orElse []clientv3.Op
+		if term != nil {
+			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(term.key), "=", term.rev))
+			orElse = append(orElse, clientv3.OpGet(term.key, clientv3.WithKeysOnly()))
+		}
+		resp, err := cli.Txn(rctx).If(cmps...).Then(clientv3.OpDelete(master)).Else(orElse...).Commit()
 		cancel()
 		if err != nil {
 			return deleted, skipped, fmt.Errorf("%w: deleting master key %s: %w", globalstore.ErrUnavailable, master, err)
+		}
+		if !resp.Succeeded && term != nil && !termHolds(resp, term) {
+			return deleted, skipped, errNotCollector
 		}
 		if resp.Succeeded {
 			deleted++
@@ -142,6 +187,16 @@ func (b *Store) RunGC(ctx context.Context) (deleted, skipped int, err error) {
 		}
 	}
 	return deleted, skipped, nil
+}
+
+// termHolds reports whether the Else of a failed delete found the term's
+// election key as the term created it.
+func termHolds(resp *clientv3.TxnResponse, term *leadership) bool {
+	if len(resp.Responses) == 0 {
+		return false
+	}
+	kvs := resp.Responses[0].GetResponseRange().GetKvs()
+	return len(kvs) == 1 && kvs[0].CreateRevision == term.rev
 }
 
 // referencedLabelSets lists the reference keys (keys only, page by page,

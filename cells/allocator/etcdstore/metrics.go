@@ -38,6 +38,8 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		gcRuns = metrics.NewDesc("identity_gc_runs",
 			"Number of identity garbage collection runs since the agent started, by outcome (a run in progress counts as success)",
 			metrics.LabelOutcome)
+		gcLeader = metrics.NewDesc("identity_gc_leader",
+			"1 while this node is the elected collector of unused global identities (one node of the cluster collects), else 0")
 		conflicts = metrics.NewDesc("kvstore_node_name_conflicts_total",
 			"Number of checks that found this node's name used in etcd by another writer (another agent's node key, or a reference key on another lease)")
 		rewritten = metrics.NewDesc("kvstore_references_rewritten_total",
@@ -57,9 +59,14 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		failed := gc.failed.Load()
 		m.Gauge(gcRuns, float64(gc.runs.Load()-failed), metrics.OutcomeSuccess)
 		m.Gauge(gcRuns, float64(failed), metrics.OutcomeFailure)
+		leader := 0.0
+		if s.Collecting() {
+			leader = 1
+		}
+		m.Gauge(gcLeader, leader)
 		m.Counter(conflicts, float64(node.conflicts.Load()))
 		m.Counter(rewritten, float64(node.rewritten.Load()))
 		m.Counter(splits, float64(node.splits.Load()))
 		m.Counter(taken, float64(node.taken.Load()))
-	}, gcEntries, gcRuns, conflicts, rewritten, splits, taken)
+	}, gcEntries, gcRuns, gcLeader, conflicts, rewritten, splits, taken)
 }

@@ -163,6 +163,8 @@ type Store struct {
 
 	gcLimiter *rate.Limiter
 	gc        gcCounters
+	// collector is the election of the one node that collects.
+	collector collector
 
 	// claim is what this node's key says (see claimNodeName); the checks
 	// of the node's keys count what they find in nodeStats and report a
@@ -281,6 +283,8 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	b.jobs.Add(b.oneShot(life, "global-identities-watch", b.cacheLoop))
 	b.jobs.Add(b.oneShot(life, "lease-repair", b.repairLoop))
 	if b.shared.IdentityGCInterval > 0 {
+		// One node of the cluster collects: the elected one.
+		b.jobs.Add(b.oneShotHealth(life, CollectorJob, b.campaignLoop))
 		b.jobs.Add(job.Timer("identity-gc", b.gcTick(life), b.shared.IdentityGCInterval))
 	}
 	if b.cfg.KVStorePeriodicSync > 0 {
@@ -321,13 +325,18 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 // oneShot returns a job running loop until the hive stops the job or the
 // store ends life. Stop waits for it.
 func (b *Store) oneShot(life context.Context, name string, loop func(context.Context)) job.Job {
+	return b.oneShotHealth(life, name, func(ctx context.Context, _ cell.Health) { loop(ctx) })
+}
+
+// oneShotHealth is oneShot for a loop that reports to its job's health.
+func (b *Store) oneShotHealth(life context.Context, name string, loop func(context.Context, cell.Health)) job.Job {
 	b.wg.Add(1)
-	return job.OneShot(name, func(ctx context.Context, _ cell.Health) error {
+	return job.OneShot(name, func(ctx context.Context, h cell.Health) error {
 		defer b.wg.Done()
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
 		defer context.AfterFunc(life, cancel)()
-		loop(ctx)
+		loop(ctx, h)
 		return nil
 	})
 }

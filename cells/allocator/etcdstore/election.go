@@ -1,0 +1,211 @@
+package etcdstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+
+	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/internal/retry"
+)
+
+// CollectorKeyPrefix is the prefix of the election of the node that runs
+// the garbage collection of master keys: every node with a collection
+// interval puts one key under it, named by its lease (hex) as etcd's
+// concurrency.Election names them, valued with its node name, on its
+// lease. The node with the oldest key collects; every other node watches
+// only the key just older than its own, so a candidate costs etcd one key
+// and one idle watch whatever the number of nodes. Cilium writes no such
+// key and reads nothing under it.
+const CollectorKeyPrefix = IdentitiesPrefix + "/identityd-gc"
+
+// CollectorJob is the name of the job that campaigns for the collection;
+// its health scope says which node collects.
+const CollectorJob = "identity-gc-election"
+
+// leadership is this node's term as the collector: it ends when ctx does
+// (its lease was lost, or the store stops).
+type leadership struct {
+	ctx context.Context
+	// key and rev are the election key and its create revision: a delete
+	// of the collection compares them, so that a term that ended deletes
+	// nothing even before this node learns of the end.
+	key string
+	rev int64
+}
+
+// collector is the election's state.
+type collector struct {
+	term atomic.Pointer[leadership]
+	// holder is the node name of the collector as last seen by this node
+	// (this node's own name while it collects).
+	holder atomic.Pointer[string]
+}
+
+// Collecting reports whether this node is the elected collector now.
+func (b *Store) Collecting() bool { return b.collector.term.Load() != nil }
+
+// Collector returns the node name of the collector as this node last saw
+// it, and whether one was seen. It asks etcd nothing.
+func (b *Store) Collector() (string, bool) {
+	if p := b.collector.holder.Load(); p != nil {
+		return *p, true
+	}
+	return "", false
+}
+
+// campaignLoop runs the election until ctx ends: it puts this node's key on
+// the node's lease, waits until the key is the oldest, and collects from
+// then until the lease is lost or the store stops; a lost lease means a new
+// key on the next lease, behind the other candidates.
+func (b *Store) campaignLoop(ctx context.Context, h cell.Health) {
+	failures := 0
+	for ctx.Err() == nil {
+		err := b.campaignOnce(ctx, h)
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			failures = 0
+			continue
+		}
+		failures++
+		h.Degraded("Campaign for the garbage collection of global identities failed; retrying", health.External(err))
+		// A lease that cannot be had (etcd down) is retried at the pace
+		// of one request timeout at most.
+		retry.Sleep(ctx, min(time.Duration(failures)*retry.Backoff(failures), b.kv.RequestTimeout()))
+	}
+}
+
+// campaignOnce is one candidacy on the current lease.
+func (b *Store) campaignOnce(ctx context.Context, h cell.Health) error {
+	cli := b.kv.Client()
+	if cli == nil {
+		return errors.New("the kvstore client is stopped")
+	}
+	lease, err := b.kv.Lease(ctx)
+	if err != nil {
+		return err
+	}
+	// The candidacy ends with the lease: its key is gone then.
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(ctx, cancel)()
+	lost := b.kv.LeaseLost(lease)
+	go func() {
+		select {
+		case <-lost:
+			cancel()
+		case <-cctx.Done():
+		}
+	}()
+	// The session shares the node's lease and keepalive; it is never
+	// closed (that would revoke the lease), only ended with cctx.
+	sess, err := concurrency.NewSession(cli, concurrency.WithLease(lease), concurrency.WithContext(cctx))
+	if err != nil {
+		return fmt.Errorf("joining the election: %w", err)
+	}
+	election := concurrency.NewElection(sess, CollectorKeyPrefix)
+	b.noteCollector(cctx, election, h)
+	if err := election.Campaign(cctx, b.node); err != nil {
+		if cctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("campaigning: %w", err)
+	}
+	term := &leadership{ctx: cctx, key: election.Key(), rev: election.Rev()}
+	b.collector.term.Store(term)
+	b.collector.holder.Store(&b.node)
+	b.log.Info("This node collects unused global identities", "node", b.node, "key", term.key)
+	h.OK("This node collects unused global identities")
+	why := b.holdTerm(cctx, cli, sess, term)
+	b.collector.term.Store(nil)
+	cancel()
+	if ctx.Err() == nil {
+		b.log.Warn("This node no longer collects unused global identities", "node", b.node, "reason", why)
+	}
+	return nil
+}
+
+// holdTerm returns when the term ends: the lease was lost, the store
+// stops, or the election key went by other means (deleted by hand, say),
+// which the collector watches, one key, so that two nodes never both
+// believe they collect for long.
+func (b *Store) holdTerm(ctx context.Context, cli *clientv3.Client, sess *concurrency.Session, term *leadership) string {
+	wch := cli.Watch(ctx, term.key, clientv3.WithRev(term.rev+1))
+	for {
+		select {
+		case <-ctx.Done():
+			return "its lease ended"
+		case <-sess.Done():
+			return "its lease ended"
+		case wr, ok := <-wch:
+			if !ok || wr.Canceled {
+				if ctx.Err() != nil {
+					return "its lease ended"
+				}
+				// The watch broke (compaction, say): look again.
+				wch = cli.Watch(ctx, term.key, clientv3.WithRev(term.rev+1))
+				if !b.keyHolds(ctx, cli, term) {
+					return "its election key is gone"
+				}
+				continue
+			}
+			for _, ev := range wr.Events {
+				if ev.Type == mvccpb.Event_DELETE {
+					return "its election key was deleted"
+				}
+			}
+		}
+	}
+}
+
+// keyHolds reads whether the term's election key is still the one it
+// created; an unanswered read counts as holding (the deletes' compare
+// guards the collection meanwhile).
+func (b *Store) keyHolds(ctx context.Context, cli *clientv3.Client, term *leadership) bool {
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Get(rctx, term.key, clientv3.WithKeysOnly())
+	if err != nil {
+		return true
+	}
+	return len(resp.Kvs) == 1 && resp.Kvs[0].CreateRevision == term.rev
+}
+
+// noteCollector reads who collects now (one request) and reports it.
+func (b *Store) noteCollector(ctx context.Context, election *concurrency.Election, h cell.Health) {
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := election.Leader(rctx)
+	switch {
+	case errors.Is(err, concurrency.ErrElectionNoLeader):
+		h.OK("Campaigning to collect unused global identities; no node collects yet")
+	case err != nil:
+		h.OK("Campaigning to collect unused global identities")
+	default:
+		name := string(resp.Kvs[0].Value)
+		b.collector.holder.Store(&name)
+		h.OK(fmt.Sprintf("Node %q collects unused global identities; this node is a candidate", name))
+	}
+}
+
+// refreshCollector updates who collects as seen from a node that does
+// not, once per collection interval: one request that returns one key.
+func (b *Store) refreshCollector(ctx context.Context, cli *clientv3.Client) {
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Get(rctx, CollectorKeyPrefix+"/", clientv3.WithFirstCreate()...)
+	if err != nil || len(resp.Kvs) == 0 {
+		return
+	}
+	name := string(resp.Kvs[0].Value)
+	b.collector.holder.Store(&name)
+}
