@@ -26,11 +26,24 @@ var Cell = cell.Module(
 	),
 )
 
+type nodeNameParams struct {
+	cell.In
+
+	Config Config
+	// Mode is the configured --identity-allocation-mode (the allocator
+	// cell provides it); crd mode asks more of the name.
+	Mode identity.AllocationMode `optional:"true"`
+}
+
 // nodeName gives the stores this node's name without their importing this
 // cell.
-func nodeName(c Config) (identity.NodeName, error) {
-	if err := ValidateNodeName(c.NodeName); err != nil {
+func nodeName(p nodeNameParams) (identity.NodeName, error) {
+	validate := ValidateNodeName
+	if p.Mode == identity.AllocationModeCRD {
+		validate = ValidateObjectNodeName
+	}
+	if err := validate(p.Config.NodeName); err != nil {
 		return "", fmt.Errorf("kvstore: %w", err)
 	}
-	return identity.NodeName(c.NodeName), nil
+	return identity.NodeName(p.Config.NodeName), nil
 }

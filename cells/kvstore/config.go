@@ -129,8 +129,16 @@ func (c Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// ValidateNodeName checks that name can be the last element of an etcd key:
-// not empty, no '/', no control or non-printable characters.
+// MaxNodeNameLength is the longest --node-name: a Kubernetes object name's
+// limit, since in crd mode the name is also the IdentityNode's.
+const MaxNodeNameLength = 253
+
+// ValidateNodeName checks that name can be a node name in every store: the
+// last element of etcd reference keys, and the name of an IdentityNode
+// object. It may hold ASCII letters, digits, '-', '.' and '_', at most
+// MaxNodeNameLength of them, and starts and ends with a letter or digit,
+// as host names and Kubernetes node names do. (In crd mode the name must
+// also be lower case; see ValidateObjectNodeName.)
 func ValidateNodeName(name string) error {
 	switch {
 	case name == "":
@@ -142,6 +150,30 @@ func ValidateNodeName(name string) error {
 		if unicode.IsControl(r) || !unicode.IsPrint(r) || r == utf8RuneError {
 			return fmt.Errorf("--node-name %q must not contain control or non-printable characters", name)
 		}
+	}
+	if len(name) > MaxNodeNameLength {
+		return fmt.Errorf("--node-name of %d characters is longer than %d", len(name), MaxNodeNameLength)
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		alnum := 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9'
+		edge := i == 0 || i == len(name)-1
+		if !alnum && (edge || (c != '-' && c != '.' && c != '_')) {
+			return fmt.Errorf("--node-name %q may hold only letters, digits, '-', '.' and '_', and must start and end with a letter or digit (it ends etcd reference keys and names this node's IdentityNode object)", name)
+		}
+	}
+	return nil
+}
+
+// ValidateObjectNodeName checks what crd mode needs of a node name beyond
+// ValidateNodeName: the IdentityNode object's name must be a DNS subdomain
+// name (RFC 1123), so lower case and no '_', as Kubernetes node names are.
+func ValidateObjectNodeName(name string) error {
+	if err := ValidateNodeName(name); err != nil {
+		return err
+	}
+	if strings.ToLower(name) != name || strings.Contains(name, "_") {
+		return fmt.Errorf("--node-name %q must be lower case and hold no '_' in crd mode: it names this node's IdentityNode object (a Kubernetes node name, as spec.nodeName gives it, always is)", name)
 	}
 	return nil
 }

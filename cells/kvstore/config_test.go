@@ -35,6 +35,14 @@ func TestConfigValidate(t *testing.T) {
 		{"slash in node name", func(c *kvstore.Config) { c.NodeName = "a/b" }, "must not contain '/'"},
 		{"control char in node name", func(c *kvstore.Config) { c.NodeName = "a\nb" }, "control"},
 		{"invalid utf8 node name", func(c *kvstore.Config) { c.NodeName = "a\xffb" }, "control"},
+		{"semicolon in node name", func(c *kvstore.Config) { c.NodeName = "a;b" }, `--node-name "a;b" may hold only letters, digits, '-', '.' and '_'`},
+		{"space in node name", func(c *kvstore.Config) { c.NodeName = "a b" }, `--node-name "a b" may hold only letters`},
+		{"unicode in node name", func(c *kvstore.Config) { c.NodeName = "nöde" }, "may hold only letters"},
+		{"node name ends in a dot", func(c *kvstore.Config) { c.NodeName = "node." }, "must start and end with a letter or digit"},
+		{"node name starts with a dash", func(c *kvstore.Config) { c.NodeName = "-node" }, "must start and end with a letter or digit"},
+		{"node name too long", func(c *kvstore.Config) { c.NodeName = strings.Repeat("n", 254) }, "longer than 253"},
+		{"node name longest", func(c *kvstore.Config) { c.NodeName = strings.Repeat("n", 253) }, ""},
+		{"host-like node name", func(c *kvstore.Config) { c.NodeName = "Worker_1.example-2.com" }, ""},
 		{"bad endpoint", func(c *kvstore.Config) { c.KVStoreEndpoints = []string{"not a url"} }, "--kvstore-endpoints"},
 		{"cert without key", func(c *kvstore.Config) {
 			c.KVStoreEndpoints = []string{"https://h:1"}

@@ -197,3 +197,13 @@ func TestNodeNameProvided(t *testing.T) {
 		t.Fatalf("invalid node name in crd mode: %v", err)
 	}
 }
+
+// TestNodeNameLowerCaseInCRDMode: in crd mode the node name is also an
+// object name, so an upper-case one is refused at start, naming the rule.
+func TestNodeNameLowerCaseInCRDMode(t *testing.T) {
+	n := newCRDNode(t, t.TempDir(), func(cfg *kvstore.Config) { cfg.NodeName = "Worker-1" })
+	err := n.start(t)
+	if err == nil || !strings.Contains(err.Error(), `--node-name "Worker-1" must be lower case and hold no '_' in crd mode`) {
+		t.Fatalf("upper-case node name in crd mode: %v", err)
+	}
+}

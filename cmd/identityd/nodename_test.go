@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -108,4 +109,25 @@ func hostname(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return h
+}
+
+// TestNodeNameCharactersRefused: node names that cannot be an etcd key's
+// last element and an object name everywhere (";", spaces) stop the agent
+// at start with an error line naming the rule, before it writes anything.
+func TestNodeNameCharactersRefused(t *testing.T) {
+	for _, name := range []string{"a;b", "a b", "node-1 "} {
+		dir := filepath.Join(t.TempDir(), "state")
+		out, err := runAgentToExit(t, "--state-dir", dir, "--node-name", name, "--log-level", "error")
+		want := fmt.Sprintf("--node-name %q may hold only letters, digits, '-', '.' and '_'", name)
+		if err == nil || !strings.Contains(out, want) {
+			t.Errorf("--node-name %q: %v %q", name, err, out)
+		}
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if last := lines[len(lines)-1]; !strings.HasPrefix(last, "identityd: ") || !strings.Contains(last, want) {
+			t.Errorf("--node-name %q: last line %q, want the one error line", name, last)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "etcd")); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("--node-name %q: the embedded etcd's directory exists (%v)", name, err)
+		}
+	}
 }
