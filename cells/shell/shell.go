@@ -18,7 +18,9 @@
 // The cell needs a job registry (job.Cell) and a cell.Health provider: the
 // start hook listens, and the job accept-connections (AcceptJob, health
 // scope shell.job-accept-connections) accepts the connections and serves
-// each in a goroutine on the job's context, which it waits for. A client
+// each in a goroutine on the job's context, which it waits for; it serves
+// at most an eighth of the open-files limit at once (refusing the excess
+// with ErrTooManyConnections) and retries a failed accept. A client
 // that closes its connection while its command runs ends the command's
 // context (watchHangup). The job
 // stops right before the stop hook, which removes the socket: the commands
@@ -39,6 +41,8 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
+	"syscall"
+	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
@@ -133,27 +137,110 @@ func (s *server) Stop(cell.HookContext) error {
 // of its own, on the job's context, and returns once the context ended and
 // every connection's goroutine did. Ending the context closes the listener
 // and every connection, which ends the commands running on them.
+//
+// A failed accept (the process out of file descriptors, say) is retried
+// after a pause that grows from 5ms to a second, as net/http's server does,
+// so that the shell answers again as soon as descriptors are free. At most
+// maxConns connections are served at once; a connection past that is
+// answered with an error that says so and closed, so that a burst of
+// clients cannot take the descriptors the datapath map, etcd, the
+// checkpoint and the probes need.
 func (s *server) acceptLoop(ctx context.Context, h cell.Health) error {
 	stop := context.AfterFunc(ctx, func() { s.listener.Close() })
 	defer stop()
 	var conns sync.WaitGroup
 	defer conns.Wait()
-	h.OK("Accepting connections on " + s.path)
+	limit := maxConns()
+	slots := make(chan struct{}, limit)
+	accepting := "Accepting connections on " + s.path
+	h.OK(accepting)
+	var (
+		delay   time.Duration
+		refused refusals
+	)
 	for {
 		conn, err := s.listener.Accept()
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
-			// The job fails, and so does health: the shell no longer
-			// answers. Said now, not once the connections still open
-			// have ended.
-			err = fmt.Errorf("accepting shell connections on %s: %w", s.path, err)
-			s.log.Error("Shell accept failed", "error", err)
-			h.Degraded("Shell accept failed", err)
-			return err
+			if errors.Is(err, net.ErrClosed) {
+				// The job fails, and so does health: the shell no
+				// longer answers. Said now, not once the connections
+				// still open have ended.
+				err = fmt.Errorf("accepting shell connections on %s: %w", s.path, err)
+				s.log.Error("Shell accept failed", "error", err)
+				h.Degraded("Shell accept failed", err)
+				return err
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			if delay == 5*time.Millisecond {
+				s.log.Warn("Shell accept failed; retrying", "error", err)
+			}
+			h.Degraded("Shell accept failed; retrying", fmt.Errorf("accepting shell connections on %s: %w", s.path, err))
+			select {
+			case <-time.After(delay):
+			case <-ctx.Done():
+				return nil
+			}
+			continue
 		}
-		conns.Go(func() { s.serve(ctx, conn) })
+		if delay > 0 {
+			delay = 0
+			s.log.Info("Shell accepts connections again")
+			h.OK(accepting)
+		}
+		select {
+		case slots <- struct{}{}:
+		default:
+			refused.add(s.log, limit)
+			refuse(conn, limit)
+			continue
+		}
+		conns.Go(func() {
+			defer func() { <-slots }()
+			s.serve(ctx, conn)
+		})
+	}
+}
+
+// maxConns is the most shell connections served at once: an eighth of the
+// process's open-files limit, between 4 and 128.
+func maxConns() int {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return 32
+	}
+	return int(min(max(lim.Cur/8, 4), 128))
+}
+
+// refuse answers a connection past the limit with an error and closes it,
+// without waiting on a client that does not read.
+func refuse(conn net.Conn, limit int) {
+	defer conn.Close()
+	conn.SetWriteDeadline(time.Now().Add(time.Second))
+	w := &frameWriter{enc: json.NewEncoder(conn), cancel: func() {}}
+	w.end(fmt.Errorf("%w: %d are open, the most the agent serves at once; try again when one ends", ErrTooManyConnections, limit))
+}
+
+// ErrTooManyConnections: the agent already serves as many shell
+// connections as it allows at once.
+var ErrTooManyConnections = errors.New("too many shell connections")
+
+// refusals logs refused connections: the first of a burst at once, then a
+// count at most every 10 seconds.
+type refusals struct {
+	count   int
+	last    time.Time
+	pending int
+}
+
+func (r *refusals) add(log *slog.Logger, limit int) {
+	r.count++
+	r.pending++
+	if now := time.Now(); now.Sub(r.last) >= 10*time.Second {
+		log.Warn("Refusing shell connections: too many open", "limit", limit, "refused", r.pending, "refusedTotal", r.count)
+		r.last, r.pending = now, 0
 	}
 }
 

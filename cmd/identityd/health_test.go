@@ -41,6 +41,13 @@ func startHealthAgent(t *testing.T, args ...string) *healthAgent {
 // a restarted agent reuses.
 func startHealthAgentIn(t *testing.T, dir string, args ...string) *healthAgent {
 	t.Helper()
+	return startWrappedAgent(t, dir, nil, args...)
+}
+
+// startWrappedAgent is startHealthAgentIn with the agent's command changed
+// by wrap (run under a shell that lowers its limits, say) before it starts.
+func startWrappedAgent(t *testing.T, dir string, wrap func(*exec.Cmd), args ...string) *healthAgent {
+	t.Helper()
 	a := &healthAgent{t: t, dir: dir}
 	a.logPath = filepath.Join(t.TempDir(), "agent.log")
 	logf, err := os.Create(a.logPath)
@@ -50,6 +57,9 @@ func startHealthAgentIn(t *testing.T, dir string, args ...string) *healthAgent {
 	defer logf.Close()
 	a.cmd = agentCmd(t, append([]string{"--state-dir", a.dir, "--ipcache-map", "file",
 		"--prometheus-serve-addr", "127.0.0.1:0", "--log-format", "json"}, args...)...)
+	if wrap != nil {
+		wrap(a.cmd)
+	}
 	a.cmd.Stdout, a.cmd.Stderr = logf, logf
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := a.cmd.Start(); err != nil {
