@@ -126,7 +126,13 @@ func openBPF(cfg Config) (Map, OpenInfo, error) {
 	// Nothing at the pin is read before the lock is held: a second agent
 	// must fail here, before its snapshot or its pruning can touch the
 	// first agent's entries.
-	lock, err := lockMap(cfg.PinPath, cfg.PinPath+PinLockSuffix, true)
+	// The lock is the pinned object's: a pin path that is a symlink (or
+	// lies under one) to another agent's pin locks that agent's lock.
+	pin, name := resolvePin(cfg.PinPath), cfg.PinPath
+	if pin != cfg.PinPath {
+		name = fmt.Sprintf("%s (a symlink to %s)", cfg.PinPath, pin)
+	}
+	lock, err := lockMap(name, pin+PinLockSuffix, true)
 	if err != nil {
 		return nil, info, err
 	}
@@ -137,6 +143,18 @@ func openBPF(cfg Config) (Map, OpenInfo, error) {
 	}
 	m.lock = lock
 	return m, info, nil
+}
+
+// resolvePin returns path with its symlinks resolved: the pin itself when
+// it exists, else its directory; path as given when neither resolves.
+func resolvePin(path string) string {
+	if p, err := filepath.EvalSymlinks(path); err == nil {
+		return p
+	}
+	if d, err := filepath.EvalSymlinks(filepath.Dir(path)); err == nil {
+		return filepath.Join(d, filepath.Base(path))
+	}
+	return path
 }
 
 // openPinned opens, creates or replaces the map at the pin; the caller

@@ -6,8 +6,10 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -457,4 +459,43 @@ func memlock(m Map) (uint64, bool) {
 		return 0, false
 	}
 	return info.Memlock()
+}
+
+// TestBPFSymlinkedPinRefused: a pin path that is a bpffs symlink to
+// another agent's pin opens the same map, so it is refused as the same
+// path is, naming the holder, in this process and in another one; the
+// first agent's entries stay as they were.
+func TestBPFSymlinkedPinRefused(t *testing.T) {
+	pin := testPinPath(t)
+	m, _ := openTestBPF(t, Config{PinPath: pin, MaxEntries: 1000})
+	entries := testEntries(3)
+	if err := m.UpdateBatch(entries); err != nil {
+		t.Fatal(err)
+	}
+	other := testPinPath(t)
+	if err := os.MkdirAll(filepath.Dir(other), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(pin, other); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := Open(Config{Kind: KindBPF, PinPath: other, MaxEntries: 1000})
+	if !errors.Is(err, ErrInUse) {
+		t.Fatalf("open through a symlink to a held pin: %v, want ErrInUse", err)
+	}
+	for _, want := range []string{other, "a symlink to " + pin, fmt.Sprintf("pid %d", os.Getpid())} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name %q", err, want)
+		}
+	}
+	out, err := childCommand(t, "bpf-open", other).CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 3 || !strings.Contains(string(out), fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Fatalf("another process's open through the symlink: %v\n%s", err, out)
+	}
+	got, err := Snapshot(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	equalEntries(t, got, entries)
 }
