@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/hive/job"
 
 	"github.com/identityd/identityd/cells/allocator"
+	healthpkg "github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/durability"
@@ -221,7 +222,22 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 	var (
 		timer  *time.Timer
 		timerC <-chan time.Time
+		// retry is the pause before the next attempt after a failed
+		// write (a full disk, say), so that the checkpoint is written
+		// again as soon as it can be, without waiting for a change.
+		retry time.Duration
 	)
+	write := func() {
+		if c.triggeredWrite(health) {
+			retry = 0
+			return
+		}
+		retry = min(max(2*retry, time.Second), 30*time.Second)
+		if timerC == nil {
+			timer = time.NewTimer(retry)
+			timerC = timer.C
+		}
+	}
 	defer func() {
 		if timer != nil {
 			timer.Stop()
@@ -246,10 +262,10 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 				timerC = timer.C
 				continue
 			}
-			c.triggeredWrite(health)
+			write()
 		case <-timerC:
 			timer, timerC = nil, nil
-			c.triggeredWrite(health)
+			write()
 		}
 	}
 }
@@ -272,18 +288,23 @@ func (c *Checkpoint) nextWrite() time.Time {
 	return last.Add(c.interval)
 }
 
-func (c *Checkpoint) triggeredWrite(health cell.Health) {
+// triggeredWrite writes the checkpoint if a change is pending, and reports
+// whether nothing is left to write.
+func (c *Checkpoint) triggeredWrite(health cell.Health) bool {
 	if !c.dirty.Load() {
 		// A write since the request (a command) already took it.
-		return
+		return true
 	}
 	st, err := c.Write()
 	if err != nil {
 		c.log.Error("Checkpoint write failed", "file", c.path, "error", err)
-		health.Degraded("Checkpoint write failed", err)
-		return
+		// A full or read-only file system is not the agent's fault and
+		// a restart would not mend it: not ready, still live.
+		health.Degraded("Checkpoint write failed", healthpkg.ExternalIO(err))
+		return false
 	}
 	health.OK(fmt.Sprintf("Wrote %d identities", st.Entries))
+	return true
 }
 
 // Write writes a snapshot of the allocator's local identities now.

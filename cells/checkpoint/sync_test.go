@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -24,6 +26,7 @@ import (
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
@@ -420,4 +423,46 @@ func TestWriteCommandInterruptible(t *testing.T) {
 	if !fileIDs(t, filepath.Join(dir, FileName))[id.ID] {
 		t.Fatalf("identity %d not in the checkpoint once the disk answered", id.ID)
 	}
+}
+
+// TestTriggeredWriteRetried: a triggered write that fails for a full disk
+// is tried again by itself (after a second, then longer), so the
+// checkpoint catches up as soon as the disk has room, without waiting for
+// another change.
+func TestTriggeredWriteRetried(t *testing.T) {
+	dir := t.TempDir()
+	var (
+		cp    *Checkpoint
+		alloc allocator.Allocator
+	)
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell, statedir.Cell, Cell,
+		cell.Invoke(func(c *Checkpoint, a allocator.Allocator) { cp, alloc = c, a }),
+	)
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = 50 * time.Millisecond })
+	testhive.Start(t, h)
+	var failures atomic.Int32
+	cp.mu.Lock()
+	cp.fault = func(step string) error {
+		if step == "write" {
+			failures.Add(1)
+			return syscall.ENOSPC
+		}
+		return nil
+	}
+	cp.mu.Unlock()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	id, _, err := alloc.Allocate(ctx, cidr("10.7.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually.True(t, "a triggered write failed", func() bool { return failures.Load() > 0 })
+	cp.mu.Lock()
+	cp.fault = nil
+	cp.mu.Unlock()
+	eventually.True(t, "the checkpoint holds the identity", func() bool {
+		return fileIDs(t, filepath.Join(dir, FileName))[id.ID]
+	})
 }

@@ -36,6 +36,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -96,6 +97,20 @@ var ErrExternal = errors.New("cause outside the agent")
 // External marks err (which may be nil) as caused outside the process, for
 // cell.Health's Degraded. Its message is err's.
 func External(err error) error { return externalError{err} }
+
+// ExternalIO marks err as External when it is a file system's refusal
+// that a restart of the agent would not mend: no space or quota left
+// (ENOSPC, EDQUOT, EFBIG), a read-only or immutable file or directory
+// (EROFS, EPERM, EACCES), or an I/O error of the device (EIO). Other
+// errors are returned as they are.
+func ExternalIO(err error) error {
+	for _, errno := range []syscall.Errno{syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG, syscall.EROFS, syscall.EPERM, syscall.EACCES, syscall.EIO} {
+		if errors.Is(err, errno) {
+			return External(err)
+		}
+	}
+	return err
+}
 
 type externalError struct{ err error }
 

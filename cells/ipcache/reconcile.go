@@ -11,6 +11,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
+	healthpkg "github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/internal/ipcachemap"
 )
 
@@ -54,7 +55,17 @@ func (o ops) Update(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revision, 
 		return err
 	}
 	defer o.c.triggerSync()
-	return m.Update(mapKey(e), mapValue(e))
+	return externalCause(m.Update(mapKey(e), mapValue(e)))
+}
+
+// externalCause marks the map's errors that a restart of the agent would
+// not mend, a full map or a full or read-only file system, as external, so
+// that the reconciler's health makes the agent not ready but still live.
+func externalCause(err error) error {
+	if errors.Is(err, ipcachemap.ErrFull) {
+		return healthpkg.External(err)
+	}
+	return healthpkg.ExternalIO(err)
 }
 
 // Delete implements reconciler.Operations.
@@ -85,7 +96,7 @@ func (o ops) UpdateBatch(ctx context.Context, _ statedb.ReadTxn, batch []reconci
 		return
 	}
 	for i := range batch {
-		batch[i].Result = m.Update(entries[i].Key, entries[i].Value)
+		batch[i].Result = externalCause(m.Update(entries[i].Key, entries[i].Value))
 	}
 }
 
@@ -193,9 +204,12 @@ func (c *IPCache) syncLoop(ctx context.Context, health cell.Health) error {
 			continue
 		}
 		if err := m.Sync(); err != nil {
-			health.Degraded("ipcache map file write failed", err)
+			// A full or read-only file system: not ready, still live.
+			health.Degraded("ipcache map file write failed", healthpkg.ExternalIO(err))
 			c.triggerSync()
-			backoff = min(backoff*2, time.Minute)
+			// At most a few seconds: the write succeeds again as soon as
+			// space is freed, and readiness follows it.
+			backoff = min(backoff*2, 5*time.Second)
 		} else {
 			health.OK("ipcache map file written")
 			backoff = syncInterval

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"sync/atomic"
@@ -18,6 +19,7 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.etcd.io/etcd/server/v3/etcdserver/api/membership"
 	"go.uber.org/zap/zapcore"
+	"golang.org/x/sys/unix"
 )
 
 // embeddedName is the member name of the embedded etcd. It is fixed so
@@ -52,6 +54,9 @@ var benignWarnings = map[string]bool{
 func startEmbedded(ctx context.Context, log *slog.Logger, dataDir, tlsDir string) (*embeddedEtcd, error) {
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating embedded etcd data directory: %w", err)
+	}
+	if err := checkFreeSpace(dataDir); err != nil {
+		return nil, err
 	}
 	certs, err := writeEmbeddedCerts(tlsDir, time.Now())
 	if err != nil {
@@ -173,4 +178,39 @@ func freeLoopbackPorts(n int) ([]int, error) {
 func (e *embeddedEtcd) stop() {
 	e.stopping.Store(true)
 	e.etcd.Close()
+}
+
+// The free space the embedded etcd needs at start: a new data directory
+// gets a write-ahead log whose first 64 MiB segment etcd allocates at once,
+// so it needs that and room for its database, its certificates, the
+// checkpoint and the map file; an existing one needs that room only (etcd
+// starts, with a warning, when it cannot allocate its next segment ahead).
+const (
+	EmbeddedMinFreeBytesNew      = 80 << 20
+	EmbeddedMinFreeBytesExisting = 16 << 20
+)
+
+// ErrNoSpace: the state directory's file system has too little free space
+// for the embedded etcd to start.
+var ErrNoSpace = errors.New("too little free space for the embedded etcd")
+
+// checkFreeSpace refuses to start the embedded etcd in dataDir where it
+// could not write, with an error that says how much space is missing,
+// rather than a failure halfway through the start. A file system whose
+// free space cannot be read passes.
+func checkFreeSpace(dataDir string) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dataDir, &st); err != nil {
+		return nil
+	}
+	need, what := uint64(EmbeddedMinFreeBytesNew), "a new etcd data directory with its first 64 MiB write-ahead log segment"
+	if _, err := os.Stat(filepath.Join(dataDir, "member", "wal")); err == nil {
+		need, what = EmbeddedMinFreeBytesExisting, "the etcd database, its log and the agent's state files"
+	}
+	free := st.Bavail * uint64(st.Bsize)
+	if free >= need {
+		return nil
+	}
+	return fmt.Errorf("%w: %s has %d MiB free, the embedded etcd needs %d MiB (%s); free %d MiB there, or give --state-dir a larger file system or --kvstore-endpoints an external etcd",
+		ErrNoSpace, dataDir, free>>20, need>>20, what, (need-free+(1<<20)-1)>>20)
 }
