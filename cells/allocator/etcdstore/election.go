@@ -5,14 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
-	"time"
 
 	"github.com/cilium/hive/cell"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
 
-	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/internal/retry"
 )
 
@@ -77,10 +75,14 @@ func (b *Store) campaignLoop(ctx context.Context, h cell.Health) {
 			continue
 		}
 		failures++
-		h.Degraded("Campaign for the garbage collection of global identities failed; retrying", health.External(err))
-		// A lease that cannot be had (etcd down) is retried at the pace
-		// of one request timeout at most.
-		retry.Sleep(ctx, min(time.Duration(failures)*retry.Backoff(failures), b.kv.RequestTimeout()))
+		// Not a readiness matter: the collection is the cluster's work,
+		// not this node's, and an unreachable etcd is reported by the
+		// kvstore already. The message says what failed.
+		h.OK(fmt.Sprintf("Campaign for the garbage collection of global identities failed, retrying: %v", err))
+		// The failed request already waited up to a request timeout;
+		// the pause is short so that the node is a candidate again soon
+		// after etcd is back.
+		retry.Sleep(ctx, retry.Backoff(failures))
 	}
 }
 
