@@ -98,10 +98,12 @@ var roleWithoutCRDWrites = []apiRequest{
 	{Group: "cilium.io", Resource: "ciliumidentities", Verb: "delete"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "get"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "list"},
-	{Group: "identityd.io", Resource: "identitynodes", Verb: "watch"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "create"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "patch"},
 	{Group: "identityd.io", Resource: "identitynodes", Verb: "delete"},
+	{Group: "identityd.io", Resource: "identityleases", Verb: "get"},
+	{Group: "identityd.io", Resource: "identityleases", Verb: "create"},
+	{Group: "identityd.io", Resource: "identityleases", Verb: "update"},
 	{Group: "apiextensions.k8s.io", Resource: "customresourcedefinitions", Verb: "get"},
 }
 
@@ -126,6 +128,7 @@ func TestCRDModeWithoutCRDRights(t *testing.T) {
 
 	k8stest.InstallCRD(t, srv.RESTConfig(), crdstore.CiliumIdentityCRD())
 	k8stest.InstallCRD(t, srv.RESTConfig(), crdstore.IdentityNodeCRD())
+	k8stest.InstallCRD(t, srv.RESTConfig(), crdstore.IdentityLeaseCRD())
 	a := startCRDAgent(t, filepath.Join(t.TempDir(), "a"), kubeconfig, "node-a")
 	sh := a.dial()
 	defer sh.Close()

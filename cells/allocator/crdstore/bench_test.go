@@ -157,3 +157,80 @@ func BenchmarkThreeNodes(b *testing.B) {
 	}
 	b.ReportMetric(float64(reads)/float64(count), "reads/identity")
 }
+
+// BenchmarkThreeNodesAfterStopped races 3 nodes on 2,000 new label sets (8
+// goroutines each, the same sets in the same order) on a fresh API server:
+// stopped=0 alone, stopped=6 after 6 other nodes have run and stopped
+// cleanly (Stop, what SIGTERM does), whose IdentityNode records stay until
+// their lease ends. The racers must order their creates among themselves,
+// not wait for nodes that are gone. It reports distinct identities per
+// second, the API requests per identity and the duplicates (objects beyond
+// one per label set, which must be 0).
+func BenchmarkThreeNodesAfterStopped(b *testing.B) {
+	for _, stopped := range []int{0, 6} {
+		b.Run(fmt.Sprintf("stopped=%d", stopped), func(b *testing.B) {
+			var total time.Duration
+			var count, objs int
+			var requests int64
+			for b.Loop() {
+				r := raceAfterStopped(b, stopped, benchSets(2000))
+				total += r.elapsed
+				count += r.sets
+				objs += r.objects
+				requests += r.requests
+			}
+			b.ReportMetric(float64(count)/total.Seconds(), "identities/s")
+			b.ReportMetric(float64(requests)/float64(count), "requests/identity")
+			b.ReportMetric(float64(objs-count), "duplicates")
+		})
+	}
+}
+
+// stoppedRace is one race of BenchmarkThreeNodesAfterStopped.
+type stoppedRace struct {
+	sets, objects int
+	requests      int64
+	elapsed       time.Duration
+}
+
+// raceAfterStopped starts a server, runs and stops stopped nodes on it,
+// then races 3 nodes on sets.
+func raceAfterStopped(b *testing.B, stopped int, sets []labels.Labels) stoppedRace {
+	srv := startServer(b)
+	defer srv.Stop(b)
+	round := benchRun.Add(1)
+	for i := range stopped {
+		n := startNode(b, srv.RESTConfig(), fmt.Sprintf("gone-%d-%d", round, i))
+		n.allocate(b, warmSet(round, 100+i))
+		n.stop()
+	}
+	var requests atomic.Int64
+	var ns []*testNode
+	for i := range 3 {
+		n := startNode(b, counted(srv.RESTConfig(), &requests), fmt.Sprintf("racer-%d-%d", round, i))
+		defer n.stop()
+		n.allocate(b, warmSet(round, i))
+		ns = append(ns, n)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	errs := make([]error, len(ns))
+	var wg sync.WaitGroup
+	req0 := requests.Load()
+	start := time.Now()
+	for i, n := range ns {
+		wg.Go(func() { _, errs[i] = allocateAll(ctx, n, sets, 8) })
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	for _, err := range errs {
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	warm := stopped + len(ns)
+	return stoppedRace{
+		sets: len(sets), elapsed: elapsed, requests: requests.Load() - req0,
+		objects: len(newClient(b, srv.RESTConfig()).identities(b)) - warm,
+	}
+}

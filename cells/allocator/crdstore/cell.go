@@ -26,9 +26,10 @@ import (
 // stores' shared flags as a globalstore.Config (the first listing's
 // timeout and the garbage collection's settings), and registers
 // --identity-node-lease-ttl. Its loops are jobs of this module: the
-// watches of CiliumIdentity and IdentityNode objects, the IdentityNode
-// writer and its renewal, the removal of heartbeat marks from identities
-// this node uses, and the garbage collection.
+// watch of CiliumIdentity objects, the IdentityNode writer and its
+// renewal, the removal of heartbeat marks from identities this node uses,
+// and the garbage collection with the election of the one node of the
+// cluster that runs it.
 var Cell = cell.Module(
 	"crdstore",
 	"Global identities in Kubernetes CRD objects",

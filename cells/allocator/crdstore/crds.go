@@ -19,6 +19,7 @@ import (
 const (
 	CiliumIdentityCRDName = "ciliumidentities." + CiliumGroup
 	IdentityNodeCRDName   = "identitynodes." + IdentityGroup
+	IdentityLeaseCRDName  = "identityleases." + IdentityGroup
 )
 
 // Schema versions, in the CRD label each owner reads to decide whether the
@@ -157,6 +158,58 @@ func IdentityNodeCRD() *apiextensionsv1.CustomResourceDefinition {
 	}
 }
 
+// IdentityLeaseCRD returns the definition of identityd's IdentityLease CRD:
+// coordination.k8s.io/v1's Lease, for API servers that serve CRDs alone.
+func IdentityLeaseCRD() *apiextensionsv1.CustomResourceDefinition {
+	zero := float64(0)
+	one := float64(1)
+	return &apiextensionsv1.CustomResourceDefinition{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:   IdentityLeaseCRDName,
+			Labels: map[string]string{ownSchemaVersionLabel: ownSchemaVersion},
+		},
+		Spec: apiextensionsv1.CustomResourceDefinitionSpec{
+			Group: IdentityGroup,
+			Names: apiextensionsv1.CustomResourceDefinitionNames{
+				Kind:     "IdentityLease",
+				ListKind: "IdentityLeaseList",
+				Plural:   "identityleases",
+				Singular: "identitylease",
+			},
+			Scope: apiextensionsv1.ClusterScoped,
+			Versions: []apiextensionsv1.CustomResourceDefinitionVersion{{
+				Name:    IdentityVersion,
+				Served:  true,
+				Storage: true,
+				AdditionalPrinterColumns: []apiextensionsv1.CustomResourceColumnDefinition{
+					{Name: "Holder", Type: "string", Description: "The node process that holds the lock", JSONPath: ".spec.holderIdentity"},
+					{Name: "Renewed", Type: "date", Description: "When the holder last renewed the lock", JSONPath: ".spec.renewTime"},
+				},
+				Schema: &apiextensionsv1.CustomResourceValidation{OpenAPIV3Schema: &apiextensionsv1.JSONSchemaProps{
+					Description: "IdentityLease is a lock identityd's nodes elect a holder with, as coordination.k8s.io/v1's Lease: the holder of identity-gc-<cluster ID> runs the cluster's garbage collection of identities.",
+					Type:        "object",
+					Required:    []string{"metadata", "spec"},
+					Properties: map[string]apiextensionsv1.JSONSchemaProps{
+						"apiVersion": {Type: "string"},
+						"kind":       {Type: "string"},
+						"metadata":   {Type: "object"},
+						"spec": {
+							Type: "object",
+							Properties: map[string]apiextensionsv1.JSONSchemaProps{
+								"holderIdentity":       {Type: "string", Description: "The holder: its node name and process instance; empty once released."},
+								"leaseDurationSeconds": {Type: "integer", Format: "int32", Minimum: &one, Description: "Seconds after renewTime before another node may take the lock."},
+								"acquireTime":          {Type: "string", Format: "date-time", Description: "When the holder took the lock."},
+								"renewTime":            {Type: "string", Format: "date-time", Description: "When the holder last renewed the lock."},
+								"leaseTransitions":     {Type: "integer", Format: "int32", Minimum: &zero, Description: "How many times the holder changed."},
+							},
+						},
+					},
+				}},
+			}},
+		},
+	}
+}
+
 // RegisterCRDs makes sure the API server serves the CRDs the store needs:
 // each is created when missing and updated when its schema version label
 // is older than this store's (as Cilium's operator does), then waited for
@@ -176,6 +229,7 @@ func RegisterCRDs(ctx context.Context, cfg *rest.Config) error {
 	}{
 		{CiliumIdentityCRD(), ciliumSchemaVersionLabel, ciliumSchemaVersion},
 		{IdentityNodeCRD(), ownSchemaVersionLabel, ownSchemaVersion},
+		{IdentityLeaseCRD(), ownSchemaVersionLabel, ownSchemaVersion},
 	} {
 		if err := registerCRD(ctx, crds, want.crd, want.label, want.value); err != nil {
 			return err

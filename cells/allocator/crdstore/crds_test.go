@@ -21,7 +21,7 @@ func TestRegisterCRDsCreatesAndUpdates(t *testing.T) {
 		t.Fatal(err)
 	}
 	crds := cli.CustomResourceDefinitions()
-	for _, name := range []string{CiliumIdentityCRDName, IdentityNodeCRDName} {
+	for _, name := range []string{CiliumIdentityCRDName, IdentityNodeCRDName, IdentityLeaseCRDName} {
 		if _, err := crds.Get(ctx, name, metav1.GetOptions{}); err != nil {
 			t.Errorf("%s not installed: %v", name, err)
 		}

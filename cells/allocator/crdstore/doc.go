@@ -3,8 +3,10 @@
 // kept as Cilium's cilium.io/v2 CiliumIdentity objects, written exactly as
 // Cilium v1.16's CRD backend writes them, so that identityd nodes and
 // Cilium agents in CRD mode share one API server; each node's uses are its
-// identityd.io/v1 IdentityNode object. The design, and why racing nodes
-// never give one label set two identities, is docs/crd-store.md.
+// identityd.io/v1 IdentityNode object; one node of the cluster, the holder
+// of an identityd.io/v1 IdentityLease, collects unused identities. The
+// design, and why racing nodes never give one label set two identities, is
+// docs/crd-store.md.
 //
 // A new label set goes to the first ID of its probe sequence (from the
 // SHA-256 of its canonical labels) that the cache does not show held by
@@ -17,19 +19,22 @@
 // The Store keeps a list+watch cache of CiliumIdentity objects of this
 // cluster's range (client-go's Reflector: a listing, a watch from its
 // resourceVersion, a new listing after 410 Gone) indexed by ID and by
-// canonical labels, and one of IdentityNode objects. Objects whose name is
-// not an ID of the range or whose security-labels are not a valid label
-// set are left out and counted. RegisterCRDs installs or updates both CRDs
-// at Start when they are missing or outdated.
+// canonical labels; no node watches the IdentityNode objects of others.
+// Objects whose name is not an ID of the range or whose security-labels
+// are not a valid label set are left out and counted. RegisterCRDs
+// installs or updates the three CRDs at Start when they are missing or
+// outdated.
 //
 // # Jobs
 //
 // Each loop is a hive job of the module, with its own health scope:
-// global-identities-watch and identity-nodes-watch (the caches),
-// identity-node-writer (this node's IdentityNode), identity-node-renew (a
-// timer at a third of the lease), identity-unmark (removes the
-// heartbeat mark from identities this node uses) and identity-gc (the
-// garbage collection's timer, unless its interval is 0).
+// global-identities-watch (the cache), identity-node-writer (this node's
+// IdentityNode), identity-node-renew (a timer at a third of the lease),
+// identity-unmark (removes the heartbeat mark from identities this node
+// uses), and, unless the collection's interval is 0, identity-gc-election
+// (client-go's leader election over the IdentityLease; its health names
+// the node that collects) and identity-gc (the collection's timer, whose
+// runs happen only on the elected node).
 //
 // # Flags
 //
@@ -48,14 +53,16 @@
 //	identityd_crd_identity_gc_runs{outcome}       success, failure
 //	identityd_crd_identity_gc_kept{reason}        used, fenced (last run)
 //	identityd_crd_identity_gc_nodes_deleted_total
+//	identityd_crd_identity_gc_leader              1 on the node that collects
 //
 // # Garbage collection
 //
-// The collector (gc.go) decides on its own consistent listing of both
-// kinds of objects, made after the time it measures marks against: it
-// marks identities no live IdentityNode lists and no fence needs, deletes
-// those marked a heartbeat timeout earlier with their UID and
-// resourceVersion as preconditions, paced by a rate limit, and deletes
-// IdentityNode objects a lease after their lease ended. Its settings are
-// a GCConfig (DefaultGCConfig unless the hive provides one).
+// The collector (gc.go), one node per cluster (election.go), decides on
+// its own consistent listing of both kinds of objects, made after the time
+// it measures marks against: it marks identities no live IdentityNode
+// lists and no fence needs, deletes those marked a heartbeat timeout
+// earlier with their UID and resourceVersion as preconditions, paced by a
+// rate limit, and deletes IdentityNode objects a lease after their lease
+// ended. Its settings are a GCConfig (DefaultGCConfig unless the hive
+// provides one).
 package crdstore

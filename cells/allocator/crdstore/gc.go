@@ -134,20 +134,34 @@ type GCResult struct {
 	NodesDeleted int
 }
 
-// startGC adds the collector's timer to the store's jobs.
+// startGC adds the collector's jobs to the store's: the election of the
+// one node of the cluster that collects, and the timer, whose runs happen
+// only while this node is that one. A node that does not collect does not
+// campaign either.
 func (s *Store) startGC(life context.Context) {
 	if s.gc.cfg.Interval <= 0 {
 		return
 	}
+	timings := s.electionTimings
+	if timings == (electionTimings{}) {
+		timings = gcElectionTimings(s.cfg.IdentityNodeLeaseTTL)
+	}
+	el := newGCElection(s, timings)
+	s.election.Store(el)
+	s.jobs.Add(s.oneShot(life, "identity-gc-election", el.run))
 	s.jobs.Add(job.Timer("identity-gc", func(ctx context.Context) error {
-		if s.stopped.Load() || !s.ids.isSynced() || !closed(s.nodes.synced) {
-			// Nothing to collect before the first listings, and
-			// nothing once the store stopped.
+		term := el.leading()
+		if term == nil || s.stopped.Load() || !s.ids.isSynced() {
+			// Another node collects; nothing to collect before the
+			// first listing, and nothing once the store stopped.
 			return nil
 		}
+		// The run ends with this node's term: a collector that lost
+		// its lock stops.
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
 		defer context.AfterFunc(life, cancel)()
+		defer context.AfterFunc(term, cancel)()
 		res, err := s.RunGC(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
@@ -174,9 +188,11 @@ type gcObject struct {
 // RunGC is one collection. It decides on its own consistent listing of
 // CiliumIdentity and IdentityNode objects (made at the start of the run,
 // so it shows every write that happened before the run's time), never on
-// the watch caches, whose resourceVersion only moves with their own
-// resource's events or a bookmark. It runs only once the store's caches
-// have their first listing.
+// the watch cache, whose resourceVersion only moves with its own
+// resource's events or a bookmark. It runs only once the store's cache of
+// identities has its first listing. The store's timer calls it while this
+// node holds the collector's lock; a direct call collects whatever the
+// lock says, and two collectors at once are safe.
 //
 // An identity that no live IdentityNode lists, that this node does not
 // hold and that no fence keeps gets the heartbeat mark; one marked at
@@ -194,8 +210,8 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 			gc.failed.Add(1)
 		}
 	}()
-	if !s.ids.isSynced() || !closed(s.nodes.synced) {
-		return res, fmt.Errorf("%w: the CiliumIdentity and IdentityNode objects are not listed yet", globalstore.ErrUnavailable)
+	if !s.ids.isSynced() {
+		return res, fmt.Errorf("%w: the CiliumIdentity objects are not listed yet", globalstore.ErrUnavailable)
 	}
 	now := time.Now()
 	objs, err := s.listGCIdentities(ctx)
@@ -471,16 +487,6 @@ func (s *Store) gcUnmark(ctx context.Context, o *gcObject) error {
 	return s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(o.obj.Name).Body(patch).Do(ctx).Error()
 }
 
-// closed reports whether ch is closed: a cache's first listing is done.
-func closed(ch chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
-	}
-}
-
 // deleteIdentity deletes o's object if its UID and resourceVersion are
 // still the listed ones.
 func (s *Store) deleteIdentity(ctx context.Context, o *gcObject) error {
@@ -564,6 +570,8 @@ func newGCCollector(s *Store) *metrics.ScrapeCollector {
 			labelReason)
 		nodes = metrics.NewDesc("crd_identity_gc_nodes_deleted_total",
 			"Number of IdentityNode objects the garbage collection deleted a lease after their lease ended")
+		leader = metrics.NewDesc("crd_identity_gc_leader",
+			"1 while this node holds the cluster's IdentityLease of the garbage collection and collects, else 0")
 	)
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
 		gc := s.gc
@@ -578,5 +586,10 @@ func newGCCollector(s *Store) *metrics.ScrapeCollector {
 		m.Gauge(kept, float64(gc.keptUsed.Load()), gcKeptUsed)
 		m.Gauge(kept, float64(gc.keptFenced.Load()), gcKeptFenced)
 		m.Counter(nodes, float64(gc.nodesDeleted.Load()))
-	}, entries, runs, kept, nodes)
+		lead := 0.0
+		if _, self := s.GCLeader(); self {
+			lead = 1
+		}
+		m.Gauge(leader, lead)
+	}, entries, runs, kept, nodes, leader)
 }

@@ -139,7 +139,6 @@ func startGCNode(t *testing.T, cfg *rest.Config, node string, gc GCConfig) *gcNo
 	if !n.ids.isSynced() {
 		t.Fatal("the store's start returned before its first listing")
 	}
-	eventually.True(t, "the IdentityNode listing of "+node, func() bool { return closed(n.nodes.synced) })
 	t.Cleanup(func() { n.Stop(context.Background()) })
 	return n
 }
@@ -747,8 +746,16 @@ identityd_crd_identity_gc_kept{reason="used"} 0
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "identityd_crd_identity_gc_kept"); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := testutil.GatherAndCount(reg); err != nil || n != 9 {
-		t.Fatalf("%d series (%v), want 9", n, err)
+	want = `
+# HELP identityd_crd_identity_gc_leader 1 while this node holds the cluster's IdentityLease of the garbage collection and collects, else 0
+# TYPE identityd_crd_identity_gc_leader gauge
+identityd_crd_identity_gc_leader 0
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "identityd_crd_identity_gc_leader"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 10 {
+		t.Fatalf("%d series (%v), want 10", n, err)
 	}
 }
 

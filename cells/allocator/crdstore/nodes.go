@@ -17,96 +17,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
-
-// nodeCache is the list+watch cache of every IdentityNode object: the
-// garbage collection reads which identities live nodes use.
-type nodeCache struct {
-	mu     sync.RWMutex
-	byName map[string]*IdentityNode
-	rv     string
-	synced chan struct{}
-	once   sync.Once
-}
-
-var _ cache.ReflectorStore = (*nodeCache)(nil)
-
-func newNodeCache() *nodeCache {
-	return &nodeCache{byName: map[string]*IdentityNode{}, synced: make(chan struct{})}
-}
-
-func (c *nodeCache) Add(obj any) error { return c.Update(obj) }
-
-func (c *nodeCache) Update(obj any) error {
-	n, ok := obj.(*IdentityNode)
-	if !ok {
-		return fmt.Errorf("unexpected object %T in the IdentityNode watch", obj)
-	}
-	c.mu.Lock()
-	c.byName[n.Name], c.rv = n, n.ResourceVersion
-	c.mu.Unlock()
-	return nil
-}
-
-func (c *nodeCache) Delete(obj any) error {
-	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-		obj = d.Obj
-	}
-	n, ok := obj.(*IdentityNode)
-	if !ok {
-		return fmt.Errorf("unexpected object %T in the IdentityNode watch", obj)
-	}
-	c.mu.Lock()
-	delete(c.byName, n.Name)
-	if n.ResourceVersion != "" {
-		c.rv = n.ResourceVersion
-	}
-	c.mu.Unlock()
-	return nil
-}
-
-func (c *nodeCache) Replace(list []any, rv string) error {
-	fresh := make(map[string]*IdentityNode, len(list))
-	for _, o := range list {
-		n, ok := o.(*IdentityNode)
-		if !ok {
-			return fmt.Errorf("unexpected object %T in the IdentityNode listing", o)
-		}
-		fresh[n.Name] = n
-	}
-	c.mu.Lock()
-	c.byName, c.rv = fresh, rv
-	c.mu.Unlock()
-	c.once.Do(func() { close(c.synced) })
-	return nil
-}
-
-func (c *nodeCache) Resync() error { return nil }
-
-func (c *nodeCache) Bookmark(rv string) error {
-	c.mu.Lock()
-	c.rv = rv
-	c.mu.Unlock()
-	return nil
-}
-
-// Nodes returns the IdentityNode objects of the cache (live or expired:
-// see IdentityNode.Expired) and the resourceVersion the cache reflects.
-func (c *nodeCache) Nodes() ([]*IdentityNode, string) {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	out := make([]*IdentityNode, 0, len(c.byName))
-	for _, n := range c.byName {
-		out = append(out, n)
-	}
-	return out, c.rv
-}
 
 // nodeWriter coalesces the writes of this node's IdentityNode: one write in
 // flight, and the next carries every change made since the last one began.

@@ -14,6 +14,7 @@ func startServer(tb testing.TB, opts ...k8stest.Option) *k8stest.Server {
 	srv := startBareServer(tb, opts...)
 	k8stest.InstallCRD(tb, srv.RESTConfig(), CiliumIdentityCRD())
 	k8stest.InstallCRD(tb, srv.RESTConfig(), IdentityNodeCRD())
+	k8stest.InstallCRD(tb, srv.RESTConfig(), IdentityLeaseCRD())
 	return srv
 }
 

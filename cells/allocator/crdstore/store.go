@@ -67,8 +67,7 @@ type Store struct {
 	ciliumClient *rest.RESTClient
 	nodeClient   *rest.RESTClient
 
-	ids   *identityCache
-	nodes *nodeCache
+	ids *identityCache
 
 	events globalstore.Events
 	refs   globalstore.References
@@ -88,8 +87,14 @@ type Store struct {
 	// health scopes, set by the cell (nil outside a hive).
 	health cell.Health
 
-	// gc is the garbage collection's configuration and counters.
-	gc *gcState
+	// gc is the garbage collection's configuration and counters;
+	// election this node's side of the election of the one node that
+	// collects (nil before Start, and without collection).
+	gc       *gcState
+	election atomic.Pointer[gcElection]
+	// electionTimings, when set (by tests), replaces the election's
+	// timings derived from the IdentityNode lease.
+	electionTimings electionTimings
 
 	// restSource gives the cell's store its API server's settings at
 	// Start; listTimeout bounds the wait for the first listing there.
@@ -137,7 +142,6 @@ func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identit
 		node:    string(node),
 		claim:   globalstore.NewNodeClaim(),
 		jobs:    jobs,
-		nodes:   newNodeCache(),
 		writer:  newNodeWriter(),
 		unmarks: newUnmarkQueue(),
 		gc:      newGCState(DefaultGCConfig),
@@ -186,9 +190,11 @@ func restClient(cfg *rest.Config, gv schema.GroupVersion, codecs interface {
 }
 
 // Start registers the CRDs when they are missing or outdated, starts the
-// watches of CiliumIdentity and IdentityNode objects, the IdentityNode
-// writer and its renewal, and waits for the first listing of identities
-// (or ctx's end, after which the listing continues in the background).
+// watch of CiliumIdentity objects, the IdentityNode writer and its
+// renewal, and the garbage collection's election and timer, and waits for
+// the first listing of identities (or ctx's end, after which the listing
+// continues in the background). No node watches the IdentityNode objects
+// of others: only the collector reads them, when it runs.
 func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
 	s.events, s.refs = events, refs
 	if err := RegisterCRDs(ctx, s.rest); err != nil {
@@ -202,10 +208,6 @@ func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	s.jobs.Add(s.oneShot(life, "global-identities-watch", func(ctx context.Context, h cell.Health) {
 		s.runReflector(ctx, h, "ciliumidentities", &CiliumIdentity{}, s.ids, s.ciliumClient,
 			func() runtime.Object { return &CiliumIdentityList{} })
-	}))
-	s.jobs.Add(s.oneShot(life, "identity-nodes-watch", func(ctx context.Context, h cell.Health) {
-		s.runReflector(ctx, h, "identitynodes", &IdentityNode{}, s.nodes, s.nodeClient,
-			func() runtime.Object { return &IdentityNodeList{} })
 	}))
 	// The first write rewrites the record from the allocator's
 	// references, and renews it.

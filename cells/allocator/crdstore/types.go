@@ -21,7 +21,7 @@ const (
 	CiliumGroup   = "cilium.io"
 	CiliumVersion = "v2"
 	// IdentityGroup and IdentityVersion are identityd's own API group and
-	// the version of its IdentityNode objects.
+	// the version of its IdentityNode and IdentityLease objects.
 	IdentityGroup   = "identityd.io"
 	IdentityVersion = "v1"
 
@@ -35,6 +35,7 @@ const (
 var (
 	CiliumIdentityResource = schema.GroupVersionResource{Group: CiliumGroup, Version: CiliumVersion, Resource: "ciliumidentities"}
 	IdentityNodeResource   = schema.GroupVersionResource{Group: IdentityGroup, Version: IdentityVersion, Resource: "identitynodes"}
+	IdentityLeaseResource  = schema.GroupVersionResource{Group: IdentityGroup, Version: IdentityVersion, Resource: "identityleases"}
 )
 
 // CiliumIdentity is Cilium's object of one global identity: its name is the
@@ -85,7 +86,7 @@ type IdentityNodeSpec struct {
 // CRD's date-time format lets anyone write (a hand-made record, another
 // tool): metav1.MicroTime alone takes six fractional digits only, and one
 // object it refuses would fail the decoding of the whole listing, and so
-// the watch of every node's record.
+// the collector's every run.
 func (in *IdentityNodeSpec) UnmarshalJSON(data []byte) error {
 	var raw struct {
 		Identities           []uint32               `json:"identities"`
@@ -189,6 +190,119 @@ func (in *IdentityNodeList) DeepCopyObject() runtime.Object {
 	return out
 }
 
+// IdentityLease is a lock that identityd's nodes elect a holder with: the
+// holder of the one named identity-gc-<cluster ID> runs the cluster's
+// garbage collection. Its spec is coordination.k8s.io/v1's LeaseSpec (the
+// fields client-go's leader election writes), as an identityd CRD: an API
+// server that serves CRDs alone has no Lease.
+type IdentityLease struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+
+	Spec IdentityLeaseSpec `json:"spec"`
+}
+
+// IdentityLeaseSpec is the lock's state, as in coordination.k8s.io/v1.
+type IdentityLeaseSpec struct {
+	// HolderIdentity names the holder: its node name and process
+	// instance. Empty once the holder released the lock.
+	HolderIdentity *string `json:"holderIdentity,omitempty"`
+	// LeaseDurationSeconds is how long after RenewTime the others wait
+	// before they take the lock.
+	LeaseDurationSeconds *int32 `json:"leaseDurationSeconds,omitempty"`
+	// AcquireTime is when the holder took the lock, RenewTime when it
+	// last renewed it.
+	AcquireTime *metav1.MicroTime `json:"acquireTime,omitempty"`
+	RenewTime   *metav1.MicroTime `json:"renewTime,omitempty"`
+	// LeaseTransitions counts the changes of holder.
+	LeaseTransitions *int32 `json:"leaseTransitions,omitempty"`
+}
+
+// UnmarshalJSON reads the times in any RFC 3339 form (the CRD's date-time
+// format), as IdentityNodeSpec does: one written by hand must not make
+// the lock unreadable, which would leave the cluster without a collector.
+func (in *IdentityLeaseSpec) UnmarshalJSON(data []byte) error {
+	var raw struct {
+		HolderIdentity       *string `json:"holderIdentity"`
+		LeaseDurationSeconds *int32  `json:"leaseDurationSeconds"`
+		AcquireTime          *string `json:"acquireTime"`
+		RenewTime            *string `json:"renewTime"`
+		LeaseTransitions     *int32  `json:"leaseTransitions"`
+	}
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return err
+	}
+	*in = IdentityLeaseSpec{HolderIdentity: raw.HolderIdentity, LeaseDurationSeconds: raw.LeaseDurationSeconds, LeaseTransitions: raw.LeaseTransitions}
+	for _, f := range []struct {
+		name string
+		s    *string
+		t    **metav1.MicroTime
+	}{{"acquireTime", raw.AcquireTime, &in.AcquireTime}, {"renewTime", raw.RenewTime, &in.RenewTime}} {
+		if f.s == nil || *f.s == "" {
+			continue
+		}
+		t, err := time.Parse(time.RFC3339Nano, *f.s)
+		if err != nil {
+			return fmt.Errorf("%s: %w", f.name, err)
+		}
+		mt := metav1.NewMicroTime(t.Local())
+		*f.t = &mt
+	}
+	return nil
+}
+
+// IdentityLeaseList is a list of IdentityLease objects.
+type IdentityLeaseList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata"`
+
+	Items []IdentityLease `json:"items"`
+}
+
+// DeepCopyObject implements runtime.Object.
+func (in *IdentityLease) DeepCopyObject() runtime.Object { return in.DeepCopy() }
+
+// DeepCopy returns a copy that shares nothing with in.
+func (in *IdentityLease) DeepCopy() *IdentityLease {
+	if in == nil {
+		return nil
+	}
+	out := &IdentityLease{TypeMeta: in.TypeMeta}
+	in.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	out.Spec = IdentityLeaseSpec{
+		HolderIdentity:       clonePtr(in.Spec.HolderIdentity),
+		LeaseDurationSeconds: clonePtr(in.Spec.LeaseDurationSeconds),
+		AcquireTime:          in.Spec.AcquireTime.DeepCopy(),
+		RenewTime:            in.Spec.RenewTime.DeepCopy(),
+		LeaseTransitions:     clonePtr(in.Spec.LeaseTransitions),
+	}
+	return out
+}
+
+func clonePtr[T any](p *T) *T {
+	if p == nil {
+		return nil
+	}
+	v := *p
+	return &v
+}
+
+// DeepCopyObject implements runtime.Object.
+func (in *IdentityLeaseList) DeepCopyObject() runtime.Object {
+	if in == nil {
+		return nil
+	}
+	out := &IdentityLeaseList{TypeMeta: in.TypeMeta}
+	in.ListMeta.DeepCopyInto(&out.ListMeta)
+	if in.Items != nil {
+		out.Items = make([]IdentityLease, len(in.Items))
+		for i := range in.Items {
+			out.Items[i] = *in.Items[i].DeepCopy()
+		}
+	}
+	return out
+}
+
 // newScheme returns a scheme that knows the store's types, for its REST
 // clients' codecs. Each store builds its own: no package state.
 func newScheme() *runtime.Scheme {
@@ -197,7 +311,7 @@ func newScheme() *runtime.Scheme {
 	s.AddKnownTypes(cilium, &CiliumIdentity{}, &CiliumIdentityList{})
 	metav1.AddToGroupVersion(s, cilium)
 	own := schema.GroupVersion{Group: IdentityGroup, Version: IdentityVersion}
-	s.AddKnownTypes(own, &IdentityNode{}, &IdentityNodeList{})
+	s.AddKnownTypes(own, &IdentityNode{}, &IdentityNodeList{}, &IdentityLease{}, &IdentityLeaseList{})
 	metav1.AddToGroupVersion(s, own)
 	return s
 }

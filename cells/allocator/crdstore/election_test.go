@@ -1,0 +1,498 @@
+package crdstore
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
+	rl "k8s.io/client-go/tools/leaderelection/resourcelock"
+
+	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/eventually"
+	"github.com/identityd/identityd/internal/k8stest"
+)
+
+// testElection are short election timings: the others take a lock whose
+// holder stopped renewing within lease + 4.4 × retry = 3.3 s.
+var testElection = electionTimings{lease: 2 * time.Second, renewDeadline: 1500 * time.Millisecond, retry: 300 * time.Millisecond}
+
+// wire records the requests of one node, and fails every request once the
+// node is cut off: a node killed with SIGKILL sends nothing more, and so
+// does not release its lock.
+type wire struct {
+	cut  atomic.Bool
+	mu   sync.Mutex
+	sent []string // "METHOD path?query"
+}
+
+type wireTransport struct {
+	w    *wire
+	next http.RoundTripper
+}
+
+func (t wireTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if t.w.cut.Load() {
+		return nil, errors.New("the node is gone")
+	}
+	t.w.mu.Lock()
+	t.w.sent = append(t.w.sent, r.Method+" "+r.URL.RequestURI())
+	t.w.mu.Unlock()
+	return t.next.RoundTrip(r)
+}
+
+func (w *wire) config(rc *rest.Config) *rest.Config {
+	rc = rest.CopyConfig(rc)
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper { return wireTransport{w: w, next: rt} })
+	return rc
+}
+
+// requests returns the requests sent so far for identityd.io's resource.
+func (w *wire) requests(resource string) []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []string
+	for _, r := range w.sent {
+		if strings.Contains(r, " /apis/identityd.io/v1/"+resource) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// electionNode is a started store with short election timings, its wire
+// and its health.
+type electionNode struct {
+	*gcNode
+	name   string
+	wire   *wire
+	health *health.Provider
+}
+
+// healthJobs returns a job group of a started hive, and its health.
+func healthJobs(t *testing.T) (job.Group, *health.Provider) {
+	t.Helper()
+	p := health.NewProvider()
+	var g job.Group
+	h := hive.New(job.Cell, cell.Module("election-test", "Jobs of a test store",
+		cell.Invoke(func(r job.Registry) { g = r.NewGroup(p.Root()) })))
+	log := hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := h.Stop(log, ctx); err != nil {
+			t.Error(err)
+		}
+	})
+	return g, p
+}
+
+// startElectionNode starts the store of node, collecting with gc, with
+// the election timings el; before, when given, changes the store before
+// its start.
+func startElectionNode(t *testing.T, rc *rest.Config, node string, gc GCConfig, el electionTimings, before ...func(*Store)) *electionNode {
+	t.Helper()
+	n := &electionNode{name: node, wire: &wire{}}
+	jobs, p := healthJobs(t)
+	n.health = p
+	s, err := New(hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn)), n.wire.config(rc), gcCluster, identity.NodeName(node),
+		Config{IdentityNodeLeaseTTL: MinIdentityNodeLeaseTTL}, jobs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := gc.validateBasic(); err != nil {
+		t.Fatal(err)
+	}
+	s.gc = newGCState(gc)
+	s.electionTimings = el
+	for _, f := range before {
+		f(s)
+	}
+	n.gcNode = &gcNode{Store: s, refs: newTestRefs()}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := s.Start(ctx, nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Stop(context.Background()) })
+	return n
+}
+
+// electionHealth is the level and message of the node's election job.
+func (n *electionNode) electionHealth() (cell.Level, string) {
+	for _, st := range n.health.All() {
+		if strings.HasSuffix(st.Name, "job-identity-gc-election") {
+			return st.Level, st.Message
+		}
+	}
+	return "", ""
+}
+
+// leaderGauge is the node's identityd_crd_identity_gc_leader.
+func (n *electionNode) leaderGauge(t *testing.T) float64 {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(newGCCollector(n.Store))
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "identityd_crd_identity_gc_leader" {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("no identityd_crd_identity_gc_leader")
+	return 0
+}
+
+// collector waits until exactly one of ns collects, each of the others
+// names it, and the health of each says so; it returns its index.
+func collector(t *testing.T, ns []*electionNode, within time.Duration) int {
+	t.Helper()
+	leader := -1
+	require(t, within, func() error {
+		leader = -1
+		for i, n := range ns {
+			holder, self := n.GCLeader()
+			level, msg := n.electionHealth()
+			switch {
+			case self && leader >= 0:
+				return fmt.Errorf("%s and %s both collect", ns[leader].name, n.name)
+			case self:
+				leader = i
+				if holder != n.name || msg != "This node collects" {
+					return fmt.Errorf("%s collects; it names %q, its health says %s %q", n.name, holder, level, msg)
+				}
+			}
+		}
+		if leader < 0 {
+			return errors.New("no node collects")
+		}
+		for _, n := range ns {
+			if _, self := n.GCLeader(); self {
+				continue
+			}
+			holder, _ := n.GCLeader()
+			level, msg := n.electionHealth()
+			if want := "Node " + ns[leader].name + " collects"; holder != ns[leader].name || level != cell.StatusOK || msg != want {
+				return fmt.Errorf("%s names %q as the collector, its health says %s %q; want %q", n.name, holder, level, msg, want)
+			}
+		}
+		return nil
+	})
+	return leader
+}
+
+// TestGCOneCollector: of three nodes, one collects (the gauge, GCLeader
+// and the election's health agree) and the others do no collection and no
+// request to the IdentityNode records of other nodes, at the cost of one
+// GET of the lock per retry period. The collector is then cut off and
+// stopped, as by SIGKILL (its lock is not released): another node takes
+// over within one IdentityNode lease, deletes an identity marked a timeout
+// ago, and keeps those that live records list, the killed node's included
+// (its lease has not ended).
+func TestGCOneCollector(t *testing.T) {
+	srv := k8stest.Start(t)
+	cfg := gcTestConfig
+	cfg.Interval = 100 * time.Millisecond
+	began := time.Now()
+	var ns []*electionNode
+	for _, name := range []string{"node-a", "node-b", "node-c"} {
+		ns = append(ns, startElectionNode(t, srv.RESTConfig(), name, cfg, testElection))
+	}
+	first := collector(t, ns, 10*time.Second)
+	old := ns[first]
+	var others []*electionNode
+	for i, n := range ns {
+		if i != first {
+			others = append(others, n)
+		}
+	}
+	// Exactly one collects at every moment, for a while.
+	for range 10 {
+		leaders := 0
+		for _, n := range ns {
+			g := n.leaderGauge(t)
+			if _, self := n.GCLeader(); self != (g == 1) {
+				t.Fatalf("%s: gauge %v, GCLeader self %v", n.name, g, self)
+			}
+			leaders += int(g)
+		}
+		if leaders != 1 {
+			t.Fatalf("%d nodes collect", leaders)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	used := others[0].allocate(t, mustLabels(t, "k8s:app=used"))
+	waitListed(t, old.Store, others[0].name, used, true)
+	killedUses := old.allocate(t, mustLabels(t, "k8s:app=killed-uses"))
+	waitListed(t, old.Store, old.name, killedUses, true)
+	longAgo := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
+	gone := identity.NumericIdentity(9000)
+	createIdentity(t, old.Store, gone, mustLabels(t, "k8s:app=gone"), longAgo)
+	eventually.True(t, "the collector deletes the identity marked long ago", func() bool { return readIdentity(t, old.Store, gone) == nil })
+	for _, n := range others {
+		if st := n.GCStats(); st.Runs != 0 {
+			t.Fatalf("%s does not collect, and ran %d collections", n.name, st.Runs)
+		}
+	}
+
+	// The collector is cut off, then stopped: it cannot release its lock.
+	old.wire.cut.Store(true)
+	killed := time.Now()
+	require(t, 10*time.Second, func() error {
+		if level, msg := old.electionHealth(); level != cell.StatusDegraded || !strings.Contains(msg, "IdentityLease identity-gc-0 failed") {
+			return fmt.Errorf("the cut-off collector's election health is %s %q", level, msg)
+		}
+		return nil
+	})
+	if err := old.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	lock, err := newClient(t, srv.RESTConfig()).lease(t, "identity-gc-0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := lock.Spec.HolderIdentity; h == nil || holderNode(*h) != old.name {
+		t.Fatalf("the killed collector's lock names %v, want it still held by %s", h, old.name)
+	}
+	next := others[collector(t, others, MinIdentityNodeLeaseTTL)]
+	took := time.Since(killed)
+	t.Logf("%s collects %s after %s was cut off", next.name, took.Round(10*time.Millisecond), old.name)
+	if bound := testElection.lease + 44*testElection.retry/10 + 2*time.Second; took > bound {
+		t.Errorf("the takeover took %s, more than lease + 4.4 retry periods (and 2 s for a loaded machine): %s", took, bound)
+	}
+
+	gone2 := identity.NumericIdentity(9001)
+	createIdentity(t, next.Store, gone2, mustLabels(t, "k8s:app=gone-2"), longAgo)
+	eventually.True(t, "the new collector deletes the identity marked long ago", func() bool {
+		return readIdentity(t, next.Store, gone2) == nil && next.GCStats().Deleted > 0
+	})
+	for _, id := range []identity.NumericIdentity{used, killedUses} {
+		if readIdentity(t, next.Store, id) == nil {
+			t.Errorf("identity %d, listed by a live IdentityNode, was deleted", id)
+		}
+	}
+	for _, n := range others {
+		if n != next {
+			if st := n.GCStats(); st.Runs != 0 {
+				t.Errorf("%s never collected, and ran %d collections", n.name, st.Runs)
+			}
+		}
+	}
+
+	// A node that never collected sent no request for the IdentityNode
+	// of another node (no watch, no listing), and read the lock at most
+	// once per retry period.
+	elapsed := time.Since(began)
+	for _, n := range others {
+		if n == next {
+			continue
+		}
+		own := "/apis/identityd.io/v1/identitynodes/" + n.name
+		for _, r := range n.wire.requests("identitynodes") {
+			method, uri, _ := strings.Cut(r, " ")
+			path, _, _ := strings.Cut(uri, "?")
+			// The first write of a missing record is a POST to the
+			// collection.
+			if path != own && (method != http.MethodPost || path != "/apis/identityd.io/v1/identitynodes") {
+				t.Errorf("%s, which does not collect, sent %s", n.name, r)
+			}
+		}
+		gets := 0
+		for _, r := range n.wire.requests("identityleases") {
+			if strings.HasPrefix(r, http.MethodGet+" ") {
+				gets++
+			}
+		}
+		if most := int(elapsed/testElection.retry) + 1; gets > most {
+			t.Errorf("%s read the lock %d times in %s, more than once per retry period (%d)", n.name, gets, elapsed.Round(time.Millisecond), most)
+		}
+		t.Logf("%s: %d reads of the lock in %s", n.name, gets, elapsed.Round(time.Millisecond))
+	}
+}
+
+// TestGCLeaderHandsOverOnStop: a clean stop (SIGTERM) of the collector
+// releases the lock, and another node collects at its next read, within
+// 2.2 retry periods (client-go's jitter) rather than a lease. A node
+// whose --identity-gc-interval is 0 neither collects nor reads the lock.
+func TestGCLeaderHandsOverOnStop(t *testing.T) {
+	srv := k8stest.Start(t)
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	// A lease far longer than the retry period: without the release,
+	// node-b would collect only 3.3 s or more after the stop.
+	el := electionTimings{lease: 4 * time.Second, renewDeadline: 3 * time.Second, retry: 300 * time.Millisecond}
+	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
+	collector(t, []*electionNode{a}, 10*time.Second)
+	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
+	off := cfg
+	off.Interval = 0
+	c := startElectionNode(t, srv.RESTConfig(), "node-c", off, el)
+	collector(t, []*electionNode{a, b}, 10*time.Second)
+
+	stopped := time.Now()
+	if err := a.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	collector(t, []*electionNode{b}, 10*time.Second)
+	took := time.Since(stopped)
+	t.Logf("node-b collects %s after node-a's stop began", took.Round(10*time.Millisecond))
+	if bound := 22*el.retry/10 + time.Second; took > bound {
+		t.Errorf("node-b collects %s after node-a's stop, want within 2.2 retry periods (and 1 s for a loaded machine): %s", took, bound)
+	}
+
+	if holder, self := c.GCLeader(); holder != "" || self {
+		t.Errorf("node-c, which does not collect, names %q as the collector (self %v)", holder, self)
+	}
+	if rs := c.wire.requests("identityleases"); len(rs) > 0 {
+		t.Errorf("node-c, which does not collect, sent %d requests for the lock: %v", len(rs), rs)
+	}
+}
+
+// lease reads the IdentityLease name.
+func (c *client) lease(tb testing.TB, name string) (*IdentityLease, error) {
+	tb.Helper()
+	var obj IdentityLease
+	err := c.nodes.Get().Resource("identityleases").Name(name).Do(context.Background()).Into(&obj)
+	return &obj, err
+}
+
+// TestLeaseSpecForms: the lock's times are written with microseconds and
+// read in any RFC 3339 form, and client-go's record survives the round
+// trip through the spec.
+func TestLeaseSpecForms(t *testing.T) {
+	at := time.Date(2026, 12, 2, 1, 2, 3, 456789000, time.UTC)
+	rec := rl.LeaderElectionRecord{HolderIdentity: "node-1_3f9c", LeaseDurationSeconds: 10,
+		AcquireTime: metav1.NewTime(at.Add(-time.Minute)), RenewTime: metav1.NewTime(at), LeaderTransitions: 2}
+	data, err := json.Marshal(leaseSpec(rec))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(data), `"renewTime":"2026-12-02T01:02:03.456789Z"`) {
+		t.Errorf("spec %s: renewTime not written with microseconds", data)
+	}
+	var spec IdentityLeaseSpec
+	if err := json.Unmarshal(data, &spec); err != nil {
+		t.Fatal(err)
+	}
+	if got := leaseRecord(&spec); got.HolderIdentity != rec.HolderIdentity || got.LeaseDurationSeconds != 10 ||
+		got.LeaderTransitions != 2 || !got.RenewTime.Equal(&rec.RenewTime) || !got.AcquireTime.Equal(&rec.AcquireTime) {
+		t.Errorf("record after the round trip %+v, want %+v", got, rec)
+	}
+	for _, form := range []string{"2026-12-02T01:02:03Z", "2026-12-02T01:02:03.456789123Z", "2026-12-02T03:02:03.4+02:00"} {
+		var spec IdentityLeaseSpec
+		if err := json.Unmarshal(fmt.Appendf(nil, `{"holderIdentity":"x","renewTime":%q}`, form), &spec); err != nil {
+			t.Errorf("renewTime %s: %v", form, err)
+			continue
+		}
+		if d := spec.RenewTime.Sub(at); d > time.Second || d < -time.Second {
+			t.Errorf("renewTime %s read as %s", form, spec.RenewTime.UTC())
+		}
+	}
+	if holderNode("node-1_3f9c") != "node-1" || holderNode("a_b_3f9c") != "a_b" {
+		t.Error("holderNode does not cut the instance off")
+	}
+}
+
+// TestGCStopsWithLostLock: a collector that finds another holder in the
+// lock at its next renewal stops at once, and its run in flight with it:
+// the delete the run was about to send is not sent.
+func TestGCStopsWithLostLock(t *testing.T) {
+	srv := k8stest.Start(t)
+	cfg := gcTestConfig
+	cfg.Interval = 100 * time.Millisecond
+	inDelete := make(chan struct{}, 1)
+	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, testElection, func(s *Store) {
+		s.gc.beforeDelete = func(*gcObject) {
+			select {
+			case inDelete <- struct{}{}:
+			default:
+			}
+			// Hold the run here until the node's term has ended.
+			deadline := time.Now().Add(10 * time.Second)
+			for s.election.Load().leading() != nil && time.Now().Before(deadline) {
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+	})
+	collector(t, []*electionNode{a}, 10*time.Second)
+	id := identity.NumericIdentity(9100)
+	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=doomed"), time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano))
+	select {
+	case <-inDelete:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the collection did not reach the delete")
+	}
+
+	// Another holder takes the lock (an administrator, or a node that
+	// judged the lease ended).
+	cli := newClient(t, srv.RESTConfig())
+	lock, err := cli.lease(t, "identity-gc-0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, lease, now := "node-x_1", int32(60), metav1.NewMicroTime(time.Now())
+	lock.Spec.HolderIdentity, lock.Spec.LeaseDurationSeconds, lock.Spec.RenewTime = &other, &lease, &now
+	if err := cli.nodes.Put().Resource("identityleases").Name("identity-gc-0").Body(lock).Do(t.Context()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	taken := time.Now()
+	require(t, 10*time.Second, func() error {
+		if holder, self := a.GCLeader(); self || holder != "node-x" {
+			return fmt.Errorf("node-a names %q as the collector (self %v) after node-x took the lock", holder, self)
+		}
+		return nil
+	})
+	took := time.Since(taken)
+	t.Logf("node-a stopped collecting %s after the lock changed hands", took.Round(time.Millisecond))
+	if bound := testElection.retry + time.Second; took > bound {
+		t.Errorf("node-a stopped collecting %s after the lock changed hands, want within a renewal (and 1 s for a loaded machine): %s", took, bound)
+	}
+	eventually.True(t, "the cancelled run ends", func() bool { return a.GCStats().Failed > 0 || a.GCStats().Deleted > 0 })
+	time.Sleep(200 * time.Millisecond)
+	if readIdentity(t, a.Store, id) == nil || a.GCStats().Deleted != 0 {
+		t.Fatalf("the run of a collector whose term ended deleted identity %d (stats %+v)", id, a.GCStats())
+	}
+	if a.leaderGauge(t) != 0 {
+		t.Error("identityd_crd_identity_gc_leader is 1 on a node that lost the lock")
+	}
+}
+
+// TestGCElectionTimings: for every IdentityNode lease, client-go accepts
+// the timings, the lock states its duration in whole seconds, and a
+// killed collector is replaced within one IdentityNode lease.
+func TestGCElectionTimings(t *testing.T) {
+	for _, ttl := range []time.Duration{MinIdentityNodeLeaseTTL, 37 * time.Second, DefaultConfig.IdentityNodeLeaseTTL, 24 * time.Hour} {
+		el := gcElectionTimings(ttl)
+		if el.lease%time.Second != 0 {
+			t.Errorf("ttl %s: lease %s is not whole seconds", ttl, el.lease)
+		}
+		if !(el.lease > el.renewDeadline && el.renewDeadline > 12*el.retry/10) {
+			t.Errorf("ttl %s: %+v refused by client-go", ttl, el)
+		}
+		if worst := el.lease + 44*el.retry/10; worst > ttl {
+			t.Errorf("ttl %s: a killed collector is replaced within %s, more than the lease", ttl, worst)
+		}
+	}
+}
