@@ -25,11 +25,13 @@ import (
 const agentUser = "identityd-agent"
 
 // TestCRDModeKilledNodeGC runs two agent processes in crd mode with a short
-// IdentityNode lease and GC period, and kills one with SIGKILL: once its
-// lease ended, the garbage collection of the live node deletes the
-// identities only the killed node used (and the one the live node
-// released), keeps the one the live node uses, and deletes the dead node's
-// IdentityNode. The API server's audit log of the run is then checked
+// IdentityNode lease and GC period; one of them collects
+// (identityd_crd_identity_gc_leader), and it is the one killed with
+// SIGKILL: the live node takes the collection over within one IdentityNode
+// lease, and once the killed node's lease ended its garbage collection
+// deletes the identities only the killed node used (and the one the live
+// node released), keeps the one the live node uses, and deletes the dead
+// node's IdentityNode. The API server's audit log of the run is then checked
 // against docs/k8s/clusterrole.yaml (TestClusterRoleCoversAgentRequests'
 // rules): every (group, resource, verb) the agents sent is granted, and
 // every grant was used or is explained.
@@ -53,23 +55,50 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 
 	gcFlags := []string{"--identity-node-lease-ttl=25s", "--identity-gc-interval=3s",
 		"--identity-heartbeat-timeout=2m", "--identity-restore-grace-period=1s"}
-	a := startCRDAgent(t, filepath.Join(dir, "a"), kubeconfig, "node-a", gcFlags...)
-	b := startCRDAgent(t, filepath.Join(dir, "b"), kubeconfig, "node-b", gcFlags...)
+	agents := map[string]*healthAgent{
+		"node-a": startCRDAgent(t, filepath.Join(dir, "a"), kubeconfig, "node-a", gcFlags...),
+		"node-b": startCRDAgent(t, filepath.Join(dir, "b"), kubeconfig, "node-b", gcFlags...),
+	}
+	const leaderSeries = "identityd_crd_identity_gc_leader"
+	collectors := func() []string {
+		var out []string
+		for name, a := range agents {
+			if v, _ := a.metricValue(leaderSeries); v == 1 {
+				out = append(out, name)
+			}
+		}
+		return out
+	}
+	// b is the collector, the node killed; a the node that lives.
+	var aName, bName string
+	waitUntil(t, time.Minute, "exactly one node collects", func() error {
+		c := collectors()
+		if len(c) != 1 {
+			return fmt.Errorf("collectors %v", c)
+		}
+		bName = c[0]
+		return nil
+	})
+	aName = "node-a"
+	if bName == aName {
+		aName = "node-b"
+	}
+	a, b := agents[aName], agents[bName]
 	shA, shB := a.dial(), b.dial()
 	defer shA.Close()
 
 	onlyB := allocate(t, shB, "k8s:app=only-b")
 	shared := allocate(t, shB, "k8s:app=shared")
 	if got := allocate(t, shA, "k8s:app=shared"); got != shared {
-		t.Fatalf("node-a got %d for the label set node-b holds as %d", got, shared)
+		t.Fatalf("%s got %d for the label set %s holds as %d", aName, got, bName, shared)
 	}
 	released := allocate(t, shA, "k8s:app=released")
 	if out, err := shA.Run(time.Now().Add(time.Minute), "identity/release", strconv.Itoa(released)); err != nil {
 		t.Fatalf("release: %v %s", err, out)
 	}
-	waitUntil(t, 30*time.Second, "node-b's IdentityNode lists its identities", func() error {
+	waitUntil(t, 30*time.Second, "the killed node's IdentityNode lists its identities", func() error {
 		for _, id := range []int{onlyB, shared} {
-			if err := objs.lists("node-b", id, true)(); err != nil {
+			if err := objs.lists(bName, id, true)(); err != nil {
 				return err
 			}
 		}
@@ -78,6 +107,17 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 	shB.Close()
 	b.stop(syscall.SIGKILL)
 	killed := time.Now()
+	delete(agents, bName)
+	// The election's lease is 0.4 of the IdentityNode lease and
+	// candidates look every eighth of it: a takeover within the
+	// IdentityNode lease (25s), and room for a loaded machine.
+	waitUntil(t, 25*time.Second+15*time.Second, "the live node collects", func() error {
+		if c := collectors(); len(c) != 1 {
+			return fmt.Errorf("collectors %v", c)
+		}
+		return nil
+	})
+	t.Logf("%s collects %s after SIGKILL of %s", aName, time.Since(killed).Round(100*time.Millisecond), bName)
 
 	// Lease (25s) + mark + heartbeat timeout (2m) + GC periods, on a
 	// loaded machine.
@@ -98,12 +138,12 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 		t.Errorf("CiliumIdentity %d, used by the live node, is gone: %v", shared, lbls)
 	}
 	waitUntil(t, 2*time.Minute, "the GC deletes the dead node's IdentityNode", func() error {
-		if _, ok := objs.nodeIdentities("node-b"); ok {
-			return fmt.Errorf("IdentityNode node-b still exists")
+		if _, ok := objs.nodeIdentities(bName); ok {
+			return fmt.Errorf("IdentityNode %s still exists", bName)
 		}
 		return nil
 	})
-	if err := objs.lists("node-a", shared, true)(); err != nil {
+	if err := objs.lists(aName, shared, true)(); err != nil {
 		t.Error(err)
 	}
 	// The live node allocates the freed label set again.
