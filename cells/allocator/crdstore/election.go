@@ -15,7 +15,6 @@ import (
 	"k8s.io/client-go/tools/leaderelection"
 	rl "k8s.io/client-go/tools/leaderelection/resourcelock"
 
-	"github.com/identityd/identityd/cells/health"
 )
 
 // One node per cluster runs the garbage collection: the holder of the
@@ -226,9 +225,12 @@ func (e *gcElection) reportLocked(msg string, err error) {
 	}
 	e.reported = key
 	if err != nil {
-		// The API server failed or is unreachable: readiness, not
-		// liveness (a restart would not bring it back).
-		e.h.Degraded(msg, health.External(err))
+		// Not a readiness matter: the collection is the cluster's work,
+		// not this node's, an unreachable API server is reported by the
+		// Kubernetes client already, and the next read of the lock may be
+		// an eighth of the IdentityNode lease away: a Degraded report
+		// would hold readiness that long after the server is back.
+		e.h.OK(fmt.Sprintf("%s, retrying: %v", msg, err))
 		return
 	}
 	e.h.OK(msg)
