@@ -36,6 +36,12 @@ import (
 // stops when the test ends.
 func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
+	return syncHiveEvery(t, dir, time.Hour, overrides...)
+}
+
+// syncHiveEvery is syncHive with the given --identity-checkpoint-interval.
+func syncHiveEvery(t *testing.T, dir string, interval time.Duration, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+	t.Helper()
 	var (
 		cp    *Checkpoint
 		alloc allocator.Allocator
@@ -45,7 +51,7 @@ func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hi
 		cell.Invoke(func(c *Checkpoint, a allocator.Allocator) { cp, alloc = c, a }),
 	)
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
-	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = time.Hour })
+	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = interval })
 	for _, o := range overrides {
 		o(h)
 	}
@@ -431,17 +437,7 @@ func TestWriteCommandInterruptible(t *testing.T) {
 // another change.
 func TestTriggeredWriteRetried(t *testing.T) {
 	dir := t.TempDir()
-	var (
-		cp    *Checkpoint
-		alloc allocator.Allocator
-	)
-	h := hive.New(
-		cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell, statedir.Cell, Cell,
-		cell.Invoke(func(c *Checkpoint, a allocator.Allocator) { cp, alloc = c, a }),
-	)
-	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
-	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = 50 * time.Millisecond })
-	testhive.Start(t, h)
+	_, cp, alloc := syncHiveEvery(t, dir, 50*time.Millisecond)
 	var failures atomic.Int32
 	cp.mu.Lock()
 	cp.fault = func(step string) error {

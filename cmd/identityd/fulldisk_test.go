@@ -89,12 +89,7 @@ func TestFullStateFilesystem(t *testing.T) {
 	if !strings.Contains(body, "no space left on device") {
 		t.Errorf("/readyz on a full disk does not name the cause:\n%s", body)
 	}
-	for range 3 {
-		if code, body := a.probe("/healthz"); code != http.StatusOK {
-			t.Fatalf("/healthz %d on a full disk (a restart would not help):\n%s", code, body)
-		}
-		time.Sleep(time.Second)
-	}
+	a.staysLive(3*time.Second, "on a full disk")
 
 	matches, _ := filepath.Glob(filler + "*")
 	for _, m := range matches {
@@ -137,14 +132,20 @@ func TestFullMapNotReady(t *testing.T) {
 	if !strings.Contains(body, "ipcache map is full") {
 		t.Errorf("/readyz with a full map does not name the cause:\n%s", body)
 	}
-	for range 3 {
-		if code, body := a.probe("/healthz"); code != http.StatusOK {
-			t.Fatalf("/healthz %d with a full map (a restart would not help):\n%s", code, body)
-		}
-		time.Sleep(time.Second)
-	}
+	a.staysLive(3*time.Second, "with a full map")
 	if out, err := sh.Run(time.Now().Add(30*time.Second), "ipcache/delete", "--owner=t", "10.3.0.0/16"); err != nil {
 		t.Fatalf("delete: %v %s", err, out)
 	}
 	a.waitFor("/readyz", http.StatusOK, 15*time.Second)
+}
+
+// staysLive probes /healthz every second for d: it must answer 200 (a
+// restart would not help with the condition).
+func (a *healthAgent) staysLive(d time.Duration, condition string) {
+	a.t.Helper()
+	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(time.Second) {
+		if code, body := a.probe("/healthz"); code != http.StatusOK {
+			a.t.Fatalf("/healthz %d %s (a restart would not help):\n%s", code, condition, body)
+		}
+	}
 }
