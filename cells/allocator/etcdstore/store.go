@@ -56,6 +56,10 @@ const (
 	maxTransient   = 30
 	listPageSize   = 1000
 	restoreWorkers = 16
+	// syncBatch is how many reference keys one transaction of the
+	// periodic sync checks: well within etcd's --max-txn-ops (128 by
+	// default), which bounds its compares and its Else's reads.
+	syncBatch = 64
 )
 
 type params struct {
@@ -1300,19 +1304,42 @@ func (b *Store) SyncReferences(ctx context.Context) (int, error) {
 		rev int64
 	}
 	var stale []staleRef
-	for _, h := range b.heldRefs() {
-		key, rev := h.Labels.Canonical(), h.Token()
+	held := b.heldRefs()
+	for len(held) > 0 {
+		batch := held[:min(len(held), syncBatch)]
+		held = held[len(batch):]
+		// One transaction proves a whole batch unchanged since this node
+		// wrote it (each key's mod revision is the one it wrote at); only
+		// when it fails are the batch's keys read, in its Else.
+		cmps := make([]clientv3.Cmp, len(batch))
+		gets := make([]clientv3.Op, len(batch))
+		revs := make([]int64, len(batch))
+		for i, h := range batch {
+			key := referencePrefix(h.Labels.Canonical()) + b.node
+			revs[i] = h.Token()
+			cmps[i] = clientv3.Compare(clientv3.ModRevision(key), "=", revs[i])
+			gets[i] = clientv3.OpGet(key)
+		}
 		rctx, cancel := b.requestContext(ctx)
-		resp, err := cli.Get(rctx, referencePrefix(key)+b.node)
+		resp, err := cli.Txn(rctx).If(cmps...).Else(gets...).Commit()
 		cancel()
 		if err != nil {
-			return 0, fmt.Errorf("%w: reading reference key of %s: %w", globalstore.ErrUnavailable, key, err)
+			return 0, fmt.Errorf("%w: checking %d reference keys: %w", globalstore.ErrUnavailable, len(batch), err)
 		}
-		if len(resp.Kvs) == 0 || resp.Kvs[0].ModRevision != rev || string(resp.Kvs[0].Value) != h.ID.String() {
-			stale = append(stale, staleRef{h, rev})
-			if len(resp.Kvs) > 0 && resp.Kvs[0].Lease != b.lease.Load() {
-				b.nameConflict(fmt.Errorf("%w: reference key %s was written on lease %x, not this node's",
-					ErrNodeNameInUse, resp.Kvs[0].Key, resp.Kvs[0].Lease))
+		if resp.Succeeded {
+			continue
+		}
+		for i, h := range batch {
+			var kvs []*mvccpb.KeyValue
+			if i < len(resp.Responses) {
+				kvs = resp.Responses[i].GetResponseRange().GetKvs()
+			}
+			if len(kvs) == 0 || kvs[0].ModRevision != revs[i] || string(kvs[0].Value) != h.ID.String() {
+				stale = append(stale, staleRef{h, revs[i]})
+				if len(kvs) > 0 && kvs[0].Lease != b.lease.Load() {
+					b.nameConflict(fmt.Errorf("%w: reference key %s was written on lease %x, not this node's",
+						ErrNodeNameInUse, kvs[0].Key, kvs[0].Lease))
+				}
 			}
 		}
 	}
