@@ -75,6 +75,12 @@ func (c *Client) Run(ctx context.Context, w io.Writer, args ...string) error {
 
 func (c *Client) exchange(req []byte, w io.Writer) error {
 	if _, err := c.conn.Write(req); err != nil {
+		// A server that refused the connection (too many open) wrote
+		// why before it closed: that says more than the broken pipe.
+		var f frame
+		if c.dec.Decode(&f) == nil && f.End == endError {
+			return fmt.Errorf("sending the request: %w", &CommandError{Msg: f.Error})
+		}
 		return fmt.Errorf("sending the request: %w", err)
 	}
 	for {
