@@ -31,7 +31,7 @@ ROBUSTNESS_RUN_crd     := ^TestRobustnessCRD$$
 ROBUSTNESS_RUN_all     := ^TestRobustness(CRD)?$$
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor bench-cilium interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -92,6 +92,17 @@ interop-cilium:
 # of each and their ratio, in one run. Downloads Cilium's module on first use.
 bench-cilium:
 	IDENTITYD_CILIUM_INTEROP=1 $(GO) test -run '^$$' -bench '^BenchmarkCiliumThreeNodes$$' -benchtime $(CILIUM_ROUNDS)x -count 1 -timeout 60m ./cells/allocator/crdstore
+
+# Runs the cluster scale benchmark (internal/scalebench, BenchmarkScale,
+# which other targets skip): N simulated nodes of each store, every node with
+# its own connection, against a real etcd and a real API server, counting at
+# the servers what a steady window and a churn window cost, for N = 8 to 128,
+# and the extrapolation to 1,000 and 5,000 nodes (docs/benchmarks.md,
+# "Cluster scale"). About 6 minutes per store and N up to N = 32, more above.
+# SCALE_NODES, SCALE_MODES, SCALE_IDENTITIES, SCALE_WINDOW and the other
+# SCALE_* variables of the package's documentation change the sweep.
+bench-scale:
+	IDENTITYD_BENCH_SCALE=1 $(GO) test -run '^$$' -bench '^BenchmarkScale$$' -benchtime 1x -count 1 -timeout 8h ./internal/scalebench
 
 # Runs the fault-injection test: 3 etcd members and 3 agents as processes,
 # a random workload, faults, and the checker over the history
