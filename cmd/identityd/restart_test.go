@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os/exec"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -34,14 +35,33 @@ type proc struct {
 	t        *testing.T
 	bin, dir string
 	cmd      *exec.Cmd
-	log      *bytes.Buffer
+	log      *lockedBuffer
+}
+
+// lockedBuffer is the agent's output: the process writes it while a failing
+// test prints it.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // startProc starts the agent on dir; extra flags come after the test's
 // defaults and override them.
 func startProc(t *testing.T, bin, dir string, extra ...string) *proc {
 	t.Helper()
-	p := &proc{t: t, bin: bin, dir: dir, log: &bytes.Buffer{}}
+	p := &proc{t: t, bin: bin, dir: dir, log: &lockedBuffer{}}
 	args := []string{
 		"--state-dir", dir, "--ipcache-map=file",
 		"--identity-restore-grace-period=1h",
