@@ -106,8 +106,12 @@ func printRun(out io.Writer, r *result, srv server, cfg config) {
 	}
 	fmt.Fprintf(out, "   peak RSS: %s; run took %s (setup %s, then %s until the collections were quiet); the nodes logged %d warnings and errors\n",
 		strings.Join(peaks, ", "), r.wall.Round(time.Second), r.setup.Round(100*time.Millisecond), r.settle.Round(time.Second), r.logged)
-	if ok, why := keptPace(r, cfg); !ok {
-		fmt.Fprintf(out, "   SATURATED: the machine did not keep pace (%s); the extrapolation leaves this run out\n", why)
+	steady, churn := slips(r, cfg)
+	if len(steady) > 0 {
+		fmt.Fprintf(out, "   SLIPPED in the steady window: %s; the extrapolation leaves this run out\n", strings.Join(steady, "; "))
+	}
+	if len(churn) > 0 {
+		fmt.Fprintf(out, "   SLIPPED under churn: %s (normalized per change and per run; reported only)\n", strings.Join(churn, "; "))
 	}
 }
 
@@ -116,6 +120,26 @@ func renewalUnit(mode string) string {
 		return "IdentityNode PATCHes"
 	}
 	return "LeaseKeepAlive messages"
+}
+
+// extraGCRequests is what the collection's runs of the churn window sent
+// beyond their steady cost per run and the marks and deletes that
+// succeeded. The etcd store counts its delete transactions that found the
+// key referenced or changed; the CRD store's requests are the server's
+// counts of the collection's kinds.
+func extraGCRequests(r *result) float64 {
+	c := r.churn
+	if r.mode == modeEtcd {
+		return float64(c.gc.skipped)
+	}
+	var sent float64
+	for _, row := range c.rows {
+		if row.gc {
+			sent += row.requests
+		}
+	}
+	done := float64(c.gc.deleted + c.gc.marked + c.gc.unmarked)
+	return max(sent-r.gcPer.requests*float64(c.gc.runs)-done, 0)
 }
 
 // fitCosts is the least-squares line y = a + b·x with a, b ≥ 0, or the
@@ -221,25 +245,35 @@ func printSummary(out io.Writer, mode string, rs []*result, cfg config) {
 	for i, r := range rs {
 		xs[i] = float64(r.nodes)
 		mark := ""
-		if slow[r] != "" {
+		switch {
+		case slow[r].steady != "":
 			mark = "*"
+		case slow[r].churn != "":
+			mark = "+"
 		}
 		head += fmt.Sprintf(" %17s", fmt.Sprintf("N=%d%s", r.nodes, mark))
 	}
-	fmt.Fprintf(out, "\n== %s mode: rates at the server by N (per node in parentheses); exp = least-squares slope of log(total) over log(N)\n", mode)
+	fmt.Fprintf(out, "\n== %s mode: rates at the server by N (per node in parentheses); exp = least-squares slope of log(total) over log(N), over the runs that kept pace in the window (no *; under churn no + either)\n", mode)
 	for _, r := range rs {
-		if why := slow[r]; why != "" {
-			fmt.Fprintf(out, "   * N=%d: the machine did not keep pace: %s\n", r.nodes, why)
+		if why := slow[r].steady; why != "" {
+			fmt.Fprintf(out, "   * N=%d: the machine did not keep pace in the steady window (left out of the extrapolation): %s\n", r.nodes, why)
+		}
+		if why := slow[r].churn; why != "" {
+			fmt.Fprintf(out, "   %s N=%d: the machine did not keep pace under churn: %s\n", map[bool]string{true: "*", false: "+"}[slow[r].steady != ""], r.nodes, why)
 		}
 	}
 	fmt.Fprintln(out, head+"    exp")
 	line := func(win, class, kind, measure string, vals []float64, estimated ...bool) {
 		s := fmt.Sprintf("   %-7s %-8s %-36s %-9s", win, class, kind, measure)
+		var px, pv []float64
 		for i, v := range vals {
 			e := i < len(estimated) && estimated[i]
 			s += fmt.Sprintf(" %17s", est(si(v), e)+" ("+si(v/xs[i])+")")
+			if p := slow[rs[i]]; p.steady == "" && (win != "churn" || p.churn == "") {
+				px, pv = append(px, xs[i]), append(pv, v)
+			}
 		}
-		fmt.Fprintln(out, s+"  "+fmtExp(exponent(xs, vals)))
+		fmt.Fprintln(out, s+"  "+fmtExp(exponent(px, pv)))
 	}
 	for _, which := range []string{"steady", "churn"} {
 		pick := func(r *result) *window {
@@ -353,12 +387,15 @@ func unitsOf(r *result, cfg config) units {
 	if s.renewals > 0 {
 		u.renewal = s.byClass[classRefs].minus(r.gcPer.times(float64(s.gc.runs))).times(1 / s.renewals)
 	}
-	// A delete the collection attempts in vain (another collector was
-	// first, or the identity was created after the run's listing) is
-	// the run's cost: per run it depends on the churn, not on the
-	// interval, so it goes with the runs, not with the changes.
+	// What the collection's runs send under churn beyond their steady
+	// cost and the one mark and one delete each released identity
+	// needs (marks and deletes another collector made first, candidates
+	// created after the run's listing, longer listings) is the runs'
+	// cost: per run it depends on the churn, not on the interval, so it
+	// goes with the runs, not with the changes.
+	extra := extraGCRequests(r)
 	if c.gc.runs > 0 {
-		u.skipped = float64(c.gc.skipped) / float64(c.gc.runs)
+		u.skipped = extra / float64(c.gc.runs)
 	}
 	// A change's cost is what the churn window cost beyond the steady
 	// one. The runs' steady cost comes off each window first: the
@@ -369,7 +406,7 @@ func unitsOf(r *result, cfg config) units {
 		if k == classRefs {
 			sc = sc.minus(r.gcPer.times(float64(s.gc.runs)))
 			cc = cc.minus(r.gcPer.times(float64(c.gc.runs)))
-			cc.requests -= float64(c.gc.skipped)
+			cc.requests -= extra
 		}
 		extra := cc.times(1 / c.secs).minus(sc.times(1 / s.secs))
 		if c.changes > 0 {
@@ -421,48 +458,70 @@ func (l costLine) String() string {
 // printExtrapolation prints one mode's extrapolation to 1,000 and 5,000
 // nodes at the defaults.
 func printExtrapolation(out io.Writer, mode string, rs []*result, cfg config) {
-	var paced []*result
-	var left []string
-	slow := pace(rs, cfg)
-	for _, r := range rs {
-		if slow[r] == "" {
-			paced = append(paced, r)
-		} else {
-			left = append(left, fmt.Sprint(r.nodes))
-		}
-	}
-	note := ""
-	switch {
-	case len(rs) < 2:
+	if len(rs) < 2 {
 		fmt.Fprintf(out, "\n== EXTRAPOLATION of %s mode: needs at least two node counts\n", mode)
 		return
-	case len(paced) < 2:
-		note = "   NOTE: fewer than two runs kept pace with their timers: the fits use all runs\n"
-	default:
-		if len(left) > 0 {
-			note = fmt.Sprintf("   runs left out (the machine did not keep pace, see the rates by N): N = %s\n", strings.Join(left, ", "))
+	}
+	// The costs per run and per renewal come from the steady window,
+	// those per change (and a run's extra under churn) from the churn
+	// window: each is fitted over the runs in which the machine kept
+	// pace in the windows it comes from.
+	slow := pace(rs, cfg)
+	var steadyRuns, churnRuns []*result
+	for _, r := range rs {
+		if slow[r].steady == "" {
+			steadyRuns = append(steadyRuns, r)
+			if slow[r].churn == "" {
+				churnRuns = append(churnRuns, r)
+			}
 		}
-		rs = paced
 	}
-	us := make([]units, len(rs))
-	var ns []string
-	for i, r := range rs {
-		us[i] = unitsOf(r, cfg)
-		ns = append(ns, fmt.Sprint(r.nodes))
+	var notes []string
+	if len(steadyRuns) < 2 {
+		notes = append(notes, "fewer than two runs kept pace in the steady window: the fits use all runs")
+		steadyRuns = rs
 	}
+	if len(churnRuns) < 2 {
+		notes = append(notes, "fewer than two runs kept pace under churn: the costs per change use the runs of the steady window's fits")
+		churnRuns = steadyRuns
+	}
+	nodesOf := func(rs []*result) string {
+		var ns []string
+		for _, r := range rs {
+			ns = append(ns, fmt.Sprint(r.nodes))
+		}
+		return strings.Join(ns, ", ")
+	}
+	unitsFor := func(rs []*result) []units {
+		us := make([]units, len(rs))
+		for i, r := range rs {
+			us[i] = unitsOf(r, cfg)
+		}
+		return us
+	}
+	us, uc := unitsFor(steadyRuns), unitsFor(churnRuns)
 	gcRun := fitCost(us, func(u units) cost { return u.gcRun })
 	renewal := fitCost(us, func(u units) cost { return u.renewal })
-	changeRefs := fitCost(us, func(u units) cost { return u.change[classRefs] })
-	changeEvents := fitCost(us, func(u units) cost { return u.change[classEvents] })
 	steadyEvents := fitCost(us, func(u units) cost { return u.steadyEvents })
+	changeRefs := fitCost(uc, func(u units) cost { return u.change[classRefs] })
+	changeEvents := fitCost(uc, func(u units) cost { return u.change[classEvents] })
 	x := make([]float64, len(us))
 	y := make([]float64, len(us))
-	sk := make([]float64, len(us))
 	for i, u := range us {
-		x[i], y[i], sk[i] = u.nodes, u.collectors, u.skipped
+		x[i], y[i] = u.nodes, u.collectors
 	}
 	colA, colB := fitCosts(x, y)
-	skA, skB := fitCosts(x, sk)
+	xc := make([]float64, len(uc))
+	sk := make([]float64, len(uc))
+	for i, u := range uc {
+		xc[i], sk[i] = u.nodes, u.skipped
+	}
+	skA, skB := fitCosts(xc, sk)
+	note := ""
+	for _, n := range notes {
+		note += "   NOTE: " + n + "\n"
+	}
+	note += fmt.Sprintf("   fitted over N = %s (a GC run, a renewal, collectors); N = %s (a change, a run's extra under churn)\n", nodesOf(steadyRuns), nodesOf(churnRuns))
 	renewEvery := defaultLeaseTTL / 3
 
 	fmt.Fprintf(out, "\n== EXTRAPOLATION, not a measurement: %s mode at 1,000 and 5,000 nodes, at the defaults\n", mode)
@@ -477,23 +536,31 @@ func printExtrapolation(out io.Writer, mode string, rs []*result, cfg config) {
 		fmt.Fprintf(out, "   NOTE: the defaults no longer share one renewal period (sync %s, node lease %s): the per-renewal unit below mixes them\n", defaultSync, defaultNodeLease)
 	}
 	fmt.Fprint(out, note)
-	fmt.Fprintf(out, "   method: per-unit costs measured at N = %s, each fitted as a + b·N (least squares, a, b ≥ 0; a slope under two standard errors or adding less than a tenth over the measured N is dropped); rate = units per second at the defaults × cost per unit at that N\n", strings.Join(ns, ", "))
+	fmt.Fprintln(out, "   method: costs per unit, each fitted as a + b·N (least squares, a, b ≥ 0; a slope under two standard errors or adding less than a tenth over the fitted N is dropped); rate = units per second at the defaults × cost per unit at that N")
 	fmt.Fprintf(out, "     a GC run (refs+GC kinds of the collection, steady window, per run):   %s\n", gcRun)
 	fmt.Fprintf(out, "     a renewal (the rest of steady refs+GC, per %s): %s\n", renewalUnit(mode), renewal)
-	fmt.Fprintf(out, "     delete attempts in vain per GC run under churn: %s + %s·N requests\n", si(skA), si(skB))
-	fmt.Fprintf(out, "     a change, refs+GC (churn window over steady, per change, those attempts left out): %s\n", changeRefs)
+	fmt.Fprintf(out, "     a GC run's extra requests under churn (marks and deletes another collector made first, candidates newer than its listing, longer listings): %s + %s·N\n", si(skA), si(skB))
+	fmt.Fprintf(out, "     a change, refs+GC (churn window over steady, those extra requests left out, per change): %s\n", changeRefs)
 	fmt.Fprintf(out, "     a change, events:                                         %s\n", changeEvents)
 	fmt.Fprintf(out, "     events in the steady window, per node and second (not scaled): %s\n", steadyEvents)
 	fmt.Fprintf(out, "     collection runs per GC interval: %.3g + %.3g·N (measured: %s)\n", colA, colB, collectorsText(us))
 	fmt.Fprintf(out, "   %-6s %-32s %11s %11s %11s %11s\n", "N", "measured per unit", "requests", "events", "sent B", "recv B")
-	for _, u := range us {
+	for _, r := range rs {
+		u := unitsOf(r, cfg)
+		mark := ""
+		switch {
+		case slow[r].steady != "":
+			mark = "*"
+		case slow[r].churn != "":
+			mark = "+"
+		}
 		for _, p := range []struct {
 			name string
 			c    cost
 		}{
 			{"a GC run", u.gcRun}, {"a renewal", u.renewal}, {"a change, refs+GC", u.change[classRefs]}, {"a change, events", u.change[classEvents]},
 		} {
-			fmt.Fprintf(out, "   %-6.0f %-32s %11s %11s %11s %11s\n", u.nodes, p.name, si(p.c.requests), si(p.c.events), si(p.c.sent), si(p.c.recv))
+			fmt.Fprintf(out, "   %-6s %-32s %11s %11s %11s %11s\n", fmt.Sprint(r.nodes)+mark, p.name, si(p.c.requests), si(p.c.events), si(p.c.sent), si(p.c.recv))
 		}
 	}
 	fmt.Fprintf(out, "   %-6s %-32s %11s %11s %11s %11s\n", "nodes", "part (extrapolated)", "req/s", "events/s", "sent B/s", "recv B/s")

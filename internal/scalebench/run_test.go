@@ -206,55 +206,61 @@ func settle(ctx context.Context, nodes []*node, cfg config) time.Duration {
 	return time.Since(start)
 }
 
-// keptPace reports whether the machine kept up with the run's timers and
-// its churn, and why not: on two cores the nodes, the server and the
-// benchmark share the processors, and past some N the timers slip. The
-// extrapolation fits only the runs that kept pace.
-func keptPace(r *result, cfg config) (bool, string) {
-	var why []string
+// slips reports where the machine did not keep pace with a run's timers or
+// its churn: on two cores the nodes, the server and the benchmark share the
+// processors, and past some N the timers slip. steady is what slipped in
+// the steady window, on whose costs per renewal and per collection run the
+// extrapolation builds: such a run is left out of its fits. churn is what
+// slipped under churn, which the costs per change and per run absorb: it
+// is only reported.
+func slips(r *result, cfg config) (steady, churn []string) {
 	n := float64(r.nodes)
-	if rate := r.churn.changes / r.churn.secs / n; rate < 0.95*cfg.churn {
-		why = append(why, fmt.Sprintf("churn at %.3g/s per node of %.3g", rate, cfg.churn))
-	}
 	if nominal := n * r.steady.secs / (leaseTTL / 3).Seconds(); r.steady.renewals < 0.9*nominal {
-		why = append(why, fmt.Sprintf("%.0f renewals in the steady window, of %.0f", r.steady.renewals, nominal))
+		steady = append(steady, fmt.Sprintf("%.0f renewals in the steady window, of %.0f", r.steady.renewals, nominal))
+	}
+	if w := r.steady; w.collectors > 0 {
+		if per, nominal := float64(w.gc.runs)/float64(w.collectors), w.secs/cfg.gcInterval.Seconds(); per < 0.9*nominal {
+			steady = append(steady, fmt.Sprintf("%.2g GC runs per collector in the steady window, of %.2g", per, nominal))
+		}
+	}
+	if rate := r.churn.changes / r.churn.secs / n; rate < 0.95*cfg.churn {
+		churn = append(churn, fmt.Sprintf("churn at %.3g/s per node of %.3g", rate, cfg.churn))
 	}
 	if s, c := r.steady.gc.runs, r.churn.gc.runs; s > 0 && float64(c) < 0.9*float64(s) {
-		why = append(why, fmt.Sprintf("GC runs fell from %d in the steady window to %d under churn", s, c))
+		churn = append(churn, fmt.Sprintf("GC runs fell from %d in the steady window to %d under churn", s, c))
 	}
 	if r.steady.renewals > 0 && r.churn.renewals > 0 {
 		s := r.steady.byClass[classRefs].requests / r.steady.renewals
 		c := r.churn.byClass[classRefs].requests / r.churn.renewals
 		if c < 0.95*s {
-			why = append(why, fmt.Sprintf("refs+GC requests per renewal fell from %.3g in the steady window to %.3g under churn", s, c))
+			churn = append(churn, fmt.Sprintf("refs+GC requests per renewal fell from %.3g in the steady window to %.3g under churn", s, c))
 		}
 	}
-	return len(why) == 0, strings.Join(why, "; ")
+	return steady, churn
 }
 
-// pace applies keptPace to a mode's runs, ordered by N, and one check
-// across them: a node's periodic work per renewal does not shrink as the
-// cluster grows, so refs+GC requests per renewal in the steady window more
-// than 5% below the last smaller N's mean that the nodes' timers slipped.
-// It returns why each run that did not keep pace did not.
-func pace(rs []*result, cfg config) map[*result]string {
-	out := map[*result]string{}
+// paceNote is what slipped in a run: in the steady window (the run is
+// left out of the extrapolation), and under churn.
+type paceNote struct{ steady, churn string }
+
+// pace applies slips to a mode's runs, ordered by N, and one check across
+// them: a node's periodic work per renewal does not shrink as the cluster
+// grows, so refs+GC requests per renewal in the steady window more than 5%
+// below the last smaller N's mean that the nodes' timers slipped.
+func pace(rs []*result, cfg config) map[*result]paceNote {
+	out := map[*result]paceNote{}
 	var prev *result
 	for _, r := range rs {
-		_, why := keptPace(r, cfg)
+		steady, churn := slips(r, cfg)
 		if prev != nil && prev.steady.renewals > 0 && r.steady.renewals > 0 {
 			p := prev.steady.byClass[classRefs].requests / prev.steady.renewals
 			c := r.steady.byClass[classRefs].requests / r.steady.renewals
 			if c < 0.95*p {
-				if why != "" {
-					why += "; "
-				}
-				why += fmt.Sprintf("refs+GC requests per renewal fell from %.3g at N=%d to %.3g", p, prev.nodes, c)
+				steady = append(steady, fmt.Sprintf("refs+GC requests per renewal fell from %.3g at N=%d to %.3g", p, prev.nodes, c))
 			}
 		}
-		if why != "" {
-			out[r] = why
-		} else {
+		out[r] = paceNote{strings.Join(steady, "; "), strings.Join(churn, "; ")}
+		if len(steady) == 0 {
 			prev = r
 		}
 	}
