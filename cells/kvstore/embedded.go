@@ -186,7 +186,7 @@ func (e *embeddedEtcd) stop() {
 // checkpoint and the map file; an existing one needs that room only (etcd
 // starts, with a warning, when it cannot allocate its next segment ahead).
 const (
-	EmbeddedMinFreeBytesNew      = 80 << 20
+	EmbeddedMinFreeBytesNew      = 160 << 20
 	EmbeddedMinFreeBytesExisting = 16 << 20
 )
 
@@ -203,7 +203,7 @@ func checkFreeSpace(dataDir string) error {
 	if err := unix.Statfs(dataDir, &st); err != nil {
 		return nil
 	}
-	need, what := uint64(EmbeddedMinFreeBytesNew), "a new etcd data directory with its first 64 MiB write-ahead log segment"
+	need, what := uint64(EmbeddedMinFreeBytesNew), "a new etcd data directory: its first 64 MiB write-ahead log segment and the next one, allocated ahead"
 	if _, err := os.Stat(filepath.Join(dataDir, "member", "wal")); err == nil {
 		need, what = EmbeddedMinFreeBytesExisting, "the etcd database, its log and the agent's state files"
 	}

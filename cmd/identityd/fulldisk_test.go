@@ -60,7 +60,7 @@ func fill(t *testing.T, dir string) string {
 	return path
 }
 
-// TestFullStateFilesystem runs the agent on a small tmpfs and fills it:
+// TestFullStateFilesystem runs the agent on a 300 MiB tmpfs and fills it:
 // answers that need the disk fail as not durable, /readyz turns 503 naming
 // the cause while /healthz stays 200 (a restart would not free space), and
 // once space is freed the agent is ready again within seconds, without a
@@ -70,7 +70,7 @@ func TestFullStateFilesystem(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs an agent process")
 	}
-	mnt := mountTmpfs(t, "120m")
+	mnt := mountTmpfs(t, "300m")
 	dir := filepath.Join(mnt, "state")
 	a := startHealthAgentIn(t, dir)
 	a.waitFor("/readyz", http.StatusOK, 60*time.Second)
