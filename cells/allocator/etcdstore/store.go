@@ -1309,25 +1309,35 @@ func (b *Store) SyncReferences(ctx context.Context) (int, error) {
 		batch := held[:min(len(held), syncBatch)]
 		held = held[len(batch):]
 		// One transaction proves a whole batch unchanged since this node
-		// wrote it (each key's mod revision is the one it wrote at); only
-		// when it fails are the batch's keys read, in its Else.
+		// wrote it (each key's mod revision is the one it wrote at). It
+		// carries the compares alone, each key once: only when it fails
+		// are the batch's keys read, by a second one. (Every node sends
+		// this every period: docs/benchmarks.md, "Cluster scale".)
 		cmps := make([]clientv3.Cmp, len(batch))
-		gets := make([]clientv3.Op, len(batch))
 		revs := make([]int64, len(batch))
 		for i, h := range batch {
 			key := referencePrefix(h.Labels.Canonical()) + b.node
 			revs[i] = h.Token()
 			cmps[i] = clientv3.Compare(clientv3.ModRevision(key), "=", revs[i])
-			gets[i] = clientv3.OpGet(key)
 		}
 		rctx, cancel := b.requestContext(ctx)
-		resp, err := cli.Txn(rctx).If(cmps...).Else(gets...).Commit()
+		resp, err := cli.Txn(rctx).If(cmps...).Commit()
 		cancel()
 		if err != nil {
 			return 0, fmt.Errorf("%w: checking %d reference keys: %w", globalstore.ErrUnavailable, len(batch), err)
 		}
 		if resp.Succeeded {
 			continue
+		}
+		gets := make([]clientv3.Op, len(batch))
+		for i, h := range batch {
+			gets[i] = clientv3.OpGet(referencePrefix(h.Labels.Canonical()) + b.node)
+		}
+		rctx, cancel = b.requestContext(ctx)
+		resp, err = cli.Txn(rctx).Then(gets...).Commit()
+		cancel()
+		if err != nil {
+			return 0, fmt.Errorf("%w: reading %d reference keys: %w", globalstore.ErrUnavailable, len(batch), err)
 		}
 		for i, h := range batch {
 			var kvs []*mvccpb.KeyValue

@@ -2,6 +2,10 @@ package etcdstore
 
 import (
 	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -28,14 +32,22 @@ func TestEtcdPeriodicSyncBatches(t *testing.T) {
 			first = lbls
 		}
 	}
-	before := n.kv.RequestCounts()
+	keyBytes := 0
+	for i := range 100 {
+		keyBytes += len(refKey(labels.MustParse(fmt.Sprintf("k8s:app=sync-%d", i)), "node1"))
+	}
+	before, receivedBefore := n.kv.RequestCounts(), receivedBytes(t, c)
 	if rewritten, err := n.backend.SyncReferences(ctx); err != nil || rewritten != 0 {
 		t.Fatalf("sync: %d rewritten, %v", rewritten, err)
 	}
-	after := n.kv.RequestCounts()
+	after, received := n.kv.RequestCounts(), receivedBytes(t, c)-receivedBefore
 	// The node-name check reads one key; the references cost no read.
 	if txns, ranges := after["Txn"]-before["Txn"], after["Range"]-before["Range"]; txns != 2 || ranges > 1 {
 		t.Errorf("a sync of 100 unchanged references sent %d transactions and %d reads, want 2 and at most 1", txns, ranges)
+	}
+	// Every node sends this every period: each key once, in its compare.
+	if received > keyBytes*3/2 {
+		t.Errorf("etcd received %d bytes for a sync of 100 unchanged references of %d key bytes in all; want each key sent once", received, keyBytes)
 	}
 
 	if _, err := cli.Delete(ctx, refKey(first, "node1")); err != nil {
@@ -47,4 +59,29 @@ func TestEtcdPeriodicSyncBatches(t *testing.T) {
 	if _, _, ok := getValue(t, cli, refKey(first, "node1")); !ok {
 		t.Error("the deleted reference was not written again")
 	}
+}
+
+// receivedBytes is what etcd counts of the gRPC messages its clients sent.
+func receivedBytes(t *testing.T, c *etcdtest.Cluster) int {
+	t.Helper()
+	resp, err := http.Get(c.Endpoints()[0] + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(body)) {
+		if v, ok := strings.CutPrefix(line, "etcd_network_client_grpc_received_bytes_total "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return int(f)
+		}
+	}
+	t.Fatal("etcd's /metrics has no etcd_network_client_grpc_received_bytes_total")
+	return 0
 }
