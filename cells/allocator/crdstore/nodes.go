@@ -17,6 +17,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
@@ -202,10 +203,11 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 		var ids []uint32
 		if err == nil {
 			ids = rec.idsToWrite(s.heldIDs(), time.Now())
-			if written && !renew && slices.Equal(ids, last) {
+			same := written && slices.Equal(ids, last)
+			if same && !renew {
 				continue
 			}
-			err = s.writeNode(ctx, ids, &rec)
+			err = s.writeNode(ctx, ids, &rec, !same)
 		}
 		if err != nil {
 			if ctx.Err() != nil {
@@ -239,8 +241,12 @@ func (s *Store) writeLoop(ctx context.Context, h cell.Health) {
 
 // writeNode writes this node's IdentityNode with ids and a fresh renewal
 // time: a merge patch of its spec, with the resourceVersion of the last
-// write as precondition, or a create when it does not exist.
-func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) error {
+// write as precondition, or a create when it does not exist. A renewal
+// (full false: the record holds ids since this node's last write) patches
+// the renewal time alone. Either asks for the object's metadata only in
+// the answer: a renewal's answer would otherwise be the whole record,
+// every lease/3 from every node (docs/benchmarks.md, "Cluster scale").
+func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord, full bool) error {
 	if ids == nil {
 		ids = []uint32{}
 	}
@@ -253,7 +259,12 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) err
 	s.writer.writes.Add(1)
 	var err error
 	for range 3 {
-		body := map[string]any{"spec": spec}
+		var body map[string]any
+		if full || rec.rv == "" {
+			body = map[string]any{"spec": spec}
+		} else {
+			body = map[string]any{"spec": map[string]any{"renewTime": spec.RenewTime}}
+		}
 		if rec.rv != "" {
 			body["metadata"] = map[string]any{"resourceVersion": rec.rv}
 		}
@@ -261,13 +272,16 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) err
 		if merr != nil {
 			return merr
 		}
-		var got IdentityNode
-		err = s.nodeClient.Patch(types.MergePatchType).Resource("identitynodes").Name(s.node).Body(patch).Do(ctx).Into(&got)
+		var rv string
+		rv, err = patchMetadataOnly(ctx, s.nodeClient, "identitynodes", s.node, patch)
 		switch {
 		case err == nil:
-			rec.rv = got.ResourceVersion
+			rec.rv = rv
 			return nil
 		case apierrors.IsConflict(err):
+			// Whoever wrote the record may have changed its
+			// identities: the next attempt writes them all.
+			full = true
 			// Nothing but this node's writer changes the record
 			// of a live node: another process does, under the same
 			// --node-name.
@@ -292,6 +306,7 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) err
 			ObjectMeta: metav1.ObjectMeta{Name: s.node},
 			Spec:       spec,
 		}
+		var got IdentityNode
 		err = s.nodeClient.Post().Resource("identitynodes").Body(obj).Do(ctx).Into(&got)
 		switch {
 		case err == nil:
@@ -304,6 +319,29 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord) err
 		}
 	}
 	return err
+}
+
+// metadataOnly asks the API server to answer with the object's metadata
+// (a PartialObjectMetadata) instead of the whole object.
+const metadataOnly = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+
+// patchMetadataOnly sends a JSON merge patch of resource's object name and
+// returns the resourceVersion it got. Errors are the API server's, as
+// apierrors classifies them.
+func patchMetadataOnly(ctx context.Context, c rest.Interface, resource, name string, patch []byte) (string, error) {
+	raw, err := c.Patch(types.MergePatchType).Resource(resource).Name(name).
+		SetHeader("Accept", metadataOnly).Body(patch).Do(ctx).Raw()
+	if err != nil {
+		return "", err
+	}
+	var got metav1.PartialObjectMetadata
+	if err := json.Unmarshal(raw, &got); err != nil {
+		return "", fmt.Errorf("reading the answer to a patch of %s %s: %w", resource, name, err)
+	}
+	if got.ResourceVersion == "" {
+		return "", fmt.Errorf("the answer to a patch of %s %s has no resourceVersion", resource, name)
+	}
+	return got.ResourceVersion, nil
 }
 
 // renewTick is the renewal timer's work: it asks the writer for a write,

@@ -1,10 +1,14 @@
 package crdstore
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -15,8 +19,10 @@ import (
 	"github.com/cilium/hive/cell"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
 )
 
 // TestRestartKeepsEarlierRecord: a restarted node keeps listing the
@@ -268,5 +274,124 @@ func TestRecordTimesInAnyRFC3339Form(t *testing.T) {
 			return fmt.Errorf("the listing shows %d of the %d records", seen, len(forms))
 		}
 		return nil
+	})
+}
+
+// patchLog records the PATCHes of IdentityNode objects a client sends: the
+// request's body and the answer's.
+type patchLog struct {
+	mu      sync.Mutex
+	patches []recordedPatch
+}
+
+type recordedPatch struct{ request, answer string }
+
+func (l *patchLog) wrap(rt http.RoundTripper) http.RoundTripper {
+	return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+		if req.Method != http.MethodPatch || !strings.Contains(req.URL.Path, "/identitynodes/") {
+			return rt.RoundTrip(req)
+		}
+		var body []byte
+		if req.Body != nil {
+			b, err := io.ReadAll(req.Body)
+			req.Body.Close()
+			if err != nil {
+				return nil, err
+			}
+			body = b
+			req.Body = io.NopCloser(bytes.NewReader(b))
+		}
+		resp, err := rt.RoundTrip(req)
+		if err != nil {
+			return resp, err
+		}
+		answer, rerr := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		resp.Body = io.NopCloser(bytes.NewReader(answer))
+		l.mu.Lock()
+		l.patches = append(l.patches, recordedPatch{string(body), string(answer)})
+		l.mu.Unlock()
+		return resp, rerr
+	})
+}
+
+func (l *patchLog) take() []recordedPatch {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := l.patches
+	l.patches = nil
+	return out
+}
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
+
+// TestRenewalSendsOnlyItsTime: a renewal of the IdentityNode record, which
+// every node sends every lease/3, patches the renewal time alone and gets
+// the object's metadata back, not the record with all its identities; a
+// change of the identities still writes them all.
+func TestRenewalSendsOnlyItsTime(t *testing.T) {
+	srv := startServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	var patches patchLog
+	rc := rest.CopyConfig(srv.RESTConfig())
+	rc.Wrap(patches.wrap)
+	a := startNode(t, rc, "node-a")
+	var ids []identity.NumericIdentity
+	for i := range 20 {
+		id, _ := a.allocate(t, web(i))
+		ids = append(ids, id)
+	}
+	cli.nodeLists(t, "node-a", ids...)
+	before, err := cli.node(t, "node-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	patches.take()
+
+	if err := a.store.renewTick(); err != nil {
+		t.Fatal(err)
+	}
+	var renewals []recordedPatch
+	require(t, 30*time.Second, func() error {
+		renewals = append(renewals, patches.take()...)
+		if len(renewals) == 0 {
+			return errors.New("no renewal sent")
+		}
+		return nil
+	})
+	for _, p := range renewals {
+		if strings.Contains(p.request, "identities") {
+			t.Errorf("a renewal sent the identities: %s", p.request)
+		}
+		var answer map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(p.answer), &answer); err != nil {
+			t.Fatalf("a renewal's answer: %v: %.300s", err, p.answer)
+		}
+		if _, ok := answer["spec"]; ok || string(answer["kind"]) != `"PartialObjectMetadata"` {
+			t.Errorf("a renewal's answer is the whole record (%d bytes), not its metadata: %.300s", len(p.answer), p.answer)
+		}
+	}
+	after, err := cli.node(t, "node-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !after.Spec.RenewTime.After(before.Spec.RenewTime.Time) {
+		t.Errorf("renewal time %s not after %s", after.Spec.RenewTime.Time, before.Spec.RenewTime.Time)
+	}
+	cli.nodeLists(t, "node-a", ids...)
+
+	// A release changes the identities: the write lists them all.
+	a.release(t, ids[0])
+	cli.nodeLists(t, "node-a", ids[1:]...)
+	// The answer is logged after the server applied the write.
+	require(t, 10*time.Second, func() error {
+		for _, p := range patches.take() {
+			if strings.Contains(p.request, "identities") {
+				return nil
+			}
+		}
+		return errors.New("the write after a release did not send the identities")
 	})
 }
