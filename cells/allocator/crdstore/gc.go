@@ -477,14 +477,16 @@ func (s *Store) markForGC(ctx context.Context, o *gcObject) error {
 	if err != nil {
 		return err
 	}
-	return s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(o.obj.Name).Body(patch).Do(ctx).Error()
+	_, err = patchMetadataOnly(ctx, s.ciliumClient, "ciliumidentities", o.obj.Name, patch)
+	return err
 }
 
 // gcUnmark removes the heartbeat mark of o's object, if its
 // resourceVersion is still the listed one.
 func (s *Store) gcUnmark(ctx context.Context, o *gcObject) error {
 	patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:null}}}`, o.obj.ResourceVersion, HeartbeatAnnotation)
-	return s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(o.obj.Name).Body(patch).Do(ctx).Error()
+	_, err := patchMetadataOnly(ctx, s.ciliumClient, "ciliumidentities", o.obj.Name, patch)
+	return err
 }
 
 // deleteIdentity deletes o's object if its UID and resourceVersion are

@@ -18,7 +18,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
@@ -646,7 +645,7 @@ func newIdentityObject(id identity.NumericIdentity, lbls labels.Labels) *CiliumI
 // is still rv.
 func (s *Store) unmark(ctx context.Context, id identity.NumericIdentity, rv string) error {
 	patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:null}}}`, rv, HeartbeatAnnotation)
-	err := s.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(id.String()).Body(patch).Do(ctx).Error()
+	_, err := patchMetadataOnly(ctx, s.ciliumClient, "ciliumidentities", id.String(), patch)
 	if err == nil {
 		s.stats.unmarked.Add(1)
 		s.log.Info("Removed the heartbeat mark of a global identity this node needs", "id", id)
