@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -148,11 +150,65 @@ func startCRDNode(ctx context.Context, log *slog.Logger, rc *rest.Config, i int,
 
 // ownTransport returns a copy of rc that client-go cannot share a transport
 // for: a configuration with a proxy function is never cached, so each node
-// opens its own connections, as separate agents do.
+// opens its own connections, as separate agents do. The answers to its
+// writes are counted in writeAnswers.
 func ownTransport(rc *rest.Config) *rest.Config {
 	rc = rest.CopyConfig(rc)
 	rc.Proxy = func(*http.Request) (*url.URL, error) { return nil, nil }
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper { return answerCounter{rt} })
 	return rc
+}
+
+// writeAnswers counts, by "VERB resource", the bytes of the bodies of the
+// API server's answers to the nodes' writes, as the nodes read them: the
+// server's own metrics size the answers to reads only.
+var writeAnswers sync.Map
+
+// writeAnswerBytes is a snapshot of writeAnswers as series of the name
+// writeAnswerSeries, labelled verb and resource.
+func writeAnswerBytes() snapshot {
+	out := snapshot{}
+	writeAnswers.Range(func(k, v any) bool {
+		verb, resource, _ := strings.Cut(k.(string), " ")
+		series := fmt.Sprintf("%s{resource=%q,verb=%q}", writeAnswerSeries, resource, verb)
+		out[series] = sample{name: writeAnswerSeries, labels: map[string]string{"verb": verb, "resource": resource}, value: float64(v.(*atomic.Uint64).Load())}
+		return true
+	})
+	return out
+}
+
+const writeAnswerSeries = "scalebench_write_answer_bytes"
+
+type answerCounter struct{ next http.RoundTripper }
+
+func (c answerCounter) RoundTrip(req *http.Request) (*http.Response, error) {
+	resp, err := c.next.RoundTrip(req)
+	if err != nil || !writeVerbs[req.Method] {
+		return resp, err
+	}
+	// /apis/<group>/<version>/<resource>[/<name>[/<subresource>]]
+	parts := strings.Split(strings.Trim(req.URL.Path, "/"), "/")
+	if len(parts) < 4 || parts[0] != "apis" {
+		return resp, err
+	}
+	key := req.Method + " " + parts[3]
+	v, ok := writeAnswers.Load(key)
+	if !ok {
+		v, _ = writeAnswers.LoadOrStore(key, new(atomic.Uint64))
+	}
+	resp.Body = countingBody{resp.Body, v.(*atomic.Uint64)}
+	return resp, nil
+}
+
+type countingBody struct {
+	io.ReadCloser
+	n *atomic.Uint64
+}
+
+func (b countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n.Add(uint64(n))
+	return n, err
 }
 
 func (n *node) stop(ctx context.Context) error {

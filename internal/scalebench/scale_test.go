@@ -120,6 +120,16 @@ func TestScaleSmoke(t *testing.T) {
 		if refs.requests == 0 || refs.sent == 0 || events.events == 0 || events.sent == 0 {
 			t.Errorf("%s: churn window's counters did not move: refs+GC %+v, events %+v", mode, refs, events)
 		}
+		if mode == modeCRD {
+			// The answers to writes are counted by the nodes, not
+			// estimated.
+			for _, row := range r.churn.rows {
+				verb, _, _ := strings.Cut(row.kind, " ")
+				if writeVerbs[verb] && row.requests > 0 && (row.sent == 0 || row.sentEst) {
+					t.Errorf("crd: %s: %v requests, answers %v bytes, estimated %v; want counted", row.kind, row.requests, row.sent, row.sentEst)
+				}
+			}
+		}
 		if r.steady.gc.runs == 0 || r.steady.collectors == 0 || r.gcPer.requests == 0 {
 			t.Errorf("%s: no collection counted in the steady window: %+v, %d collectors, per run %+v", mode, r.steady.gc, r.steady.collectors, r.gcPer)
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math"
 	"net/http"
 	"net/url"
@@ -318,8 +319,16 @@ func (s *crdServer) describe() string {
 	return "API server at " + s.srv.URL() + " (apiextensions-apiserver; its own etcd, fsync off, is not counted)"
 }
 
+// scrape reads the server's /metrics and adds the nodes' count of the
+// answers to their writes (writeAnswers).
 func (s *crdServer) scrape(ctx context.Context) (snapshot, error) {
-	return scrape(ctx, s.http, s.srv.URL()+"/metrics")
+	answers := writeAnswerBytes()
+	snap, err := scrape(ctx, s.http, s.srv.URL()+"/metrics")
+	if err != nil {
+		return nil, err
+	}
+	maps.Copy(snap, answers)
+	return snap, nil
 }
 
 func (s *crdServer) startNode(ctx context.Context, log *slog.Logger, i int, cfg config) (*node, error) {
@@ -376,6 +385,7 @@ func (s *crdServer) attribute(w *window) {
 		rows[k] = r
 		return r
 	}
+	counted := map[key]bool{}
 	for _, x := range d {
 		if x.value == 0 {
 			continue
@@ -402,12 +412,16 @@ func (s *crdServer) attribute(w *window) {
 			r := row("watch events", res)
 			r.class, r.gc = crdClass("WATCH", res)
 			r.sent += x.value
+		case writeAnswerSeries:
+			row(verb, res).sent += x.value
+			counted[key{verb, res}] = true
 		}
 	}
-	// The server counts the response sizes of reads only; a write's
-	// response is the object written (or deleted).
+	// The server counts the response sizes of reads only. The nodes
+	// count the answers to their writes; in runs saved before they did,
+	// a write's answer is estimated as the object written (or deleted).
 	for k, r := range rows {
-		if size, ok := s.object[k.resource]; ok && writeVerbs[k.verb] {
+		if size, ok := s.object[k.resource]; ok && writeVerbs[k.verb] && !counted[k] {
 			r.sent += r.requests * size
 			r.sentEst = true
 		}
@@ -449,7 +463,7 @@ func (s *crdServer) bytesNote() string {
 	} else {
 		note += "; the server counts no request body sizes (received bytes not shown)"
 	}
-	return note + "; the server counts no response sizes of writes: \"~\" marks an estimate, the writes times the size of an object of the resource as a GET returns it. HTTP headers, TLS and HTTP/2 framing are not counted. ciliumidentities watch events include the MODIFIED events of the collection's marks (the counter has no event type)"
+	return note + "; the server counts no response sizes of writes: the nodes count the bodies of the answers to theirs as they read them (in runs saved before they did, \"~\" marks an estimate, the writes times the size of an object of the resource as a GET returns it). HTTP headers, TLS and HTTP/2 framing are not counted. ciliumidentities watch events include the MODIFIED events of the collection's marks (the counter has no event type)"
 }
 
 func (s *crdServer) gcCost(w *window) cost {
