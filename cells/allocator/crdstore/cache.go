@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/logtext"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -141,7 +142,7 @@ func (c *identityCache) ignore(obj *CiliumIdentity, err error) {
 	}
 	c.ignored[obj.Name] = obj.ResourceVersion
 	c.ignoredTotal.Add(1)
-	c.log.Debug("Ignoring CiliumIdentity object", "name", obj.Name, "resourceVersion", obj.ResourceVersion, "error", err)
+	c.log.Debug("Ignoring CiliumIdentity object", "name", logtext.Cap(obj.Name), "resourceVersion", obj.ResourceVersion, "error", logtext.Error(err))
 }
 
 // Add implements cache.ReflectorStore.

@@ -19,6 +19,7 @@ import (
 
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/logtext"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -267,7 +268,10 @@ func (c *masterCache) reject(kv *mvccpb.KeyValue, err error) {
 		return
 	}
 	c.rejectedTotal.Add(1)
-	c.cacheLog.Warn("Rejecting master key of "+c.what, "key", string(kv.Key), "value", string(kv.Value), "error", err)
+	// The key and value are whatever another writer put in etcd: every
+	// node logs them, so they are capped.
+	c.cacheLog.Warn("Rejecting master key of "+c.what,
+		"key", logtext.Cap(string(kv.Key)), "value", logtext.Cap(string(kv.Value)), "error", logtext.Error(err))
 }
 
 // parseMaster parses and validates a master key.

@@ -1,9 +1,11 @@
 package etcdstore
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"testing"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -142,5 +144,25 @@ func TestListPrefixPages(t *testing.T) {
 	}
 	if resp, err := cli.Get(ctx, prefix+"99999"); err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].ModRevision <= rev {
 		t.Fatalf("the late key (%v, %v) was not written after the listing's revision %d", resp, err, rev)
+	}
+}
+
+// TestRejectedMasterKeyLogCapped: a hostile master key (here a 200 KB
+// value) is rejected with a log line of bounded length, not one that holds
+// the whole value.
+func TestRejectedMasterKeyLogCapped(t *testing.T) {
+	var out bytes.Buffer
+	c := newMasterCache(slog.New(slog.NewTextHandler(&out, nil)), nil, "test identities", cacheHooks{})
+	hostile := "k8s:app=" + strings.Repeat("x", 200_000)
+	c.apply([]*clientv3.Event{masterPut(identity.NumericIdentity(12345), hostile+"\x00;", 7)})
+	line := out.String()
+	if !strings.Contains(line, "Rejecting master key") {
+		t.Fatalf("no rejection logged: %.300q", line)
+	}
+	if len(line) > 4096 {
+		t.Errorf("the rejection's log line is %d bytes long", len(line))
+	}
+	if got := c.rejectedTotal.Load(); got != 1 {
+		t.Errorf("rejected total %d, want 1", got)
 	}
 }
