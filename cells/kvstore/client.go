@@ -335,6 +335,11 @@ func (c *Client) connect(ctx context.Context, endpoints []string, e *embeddedEtc
 	where := strings.Join(endpoints, ",")
 	dialCtx, cancel := context.WithTimeout(ctx, c.cfg.KVStoreDialTimeout)
 	defer cancel()
+	if e == nil {
+		if err := checkTLS(dialCtx, endpoints, cfg.TLS); err != nil {
+			return nil, err
+		}
+	}
 	cli, err := clientv3.New(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("kvstore: connecting to etcd at %s: %w", where, flatError{err})

@@ -394,3 +394,51 @@ func freePort(t testing.TB) string {
 	_, port, _ := strings.Cut(l.Addr().String(), ":")
 	return port
 }
+
+// TestTLSPermanentErrorsFailFast: a CA that did not sign etcd's
+// certificate, a client certificate etcd does not trust and no client
+// certificate fail the start at once, not after the dial timeout, with an error that names the flag to
+// set.
+func TestTLSPermanentErrorsFailFast(t *testing.T) {
+	t.Parallel()
+	etcd := etcdtest.StartSingle(t, etcdtest.WithTLS(nil), etcdtest.WithUnsafeNoFsync())
+	certs := etcd.Certs()
+	other, err := etcdtest.GenerateCerts(filepath.Join(t.TempDir(), "other"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name      string
+		endpoints []string
+		ca        string
+		cert, key string
+		want      string
+	}{
+		{"unknown CA", etcd.Endpoints(), other.CAFile, certs.ClientCertFile, certs.ClientKeyFile, "set --kvstore-ca-file"},
+		{"untrusted client certificate", etcd.Endpoints(), certs.CAFile, other.ClientCertFile, other.ClientKeyFile, "set --kvstore-cert-file and --kvstore-key-file"},
+		{"no client certificate", etcd.Endpoints(), certs.CAFile, "", "", "set --kvstore-cert-file and --kvstore-key-file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNode(t, t.TempDir(), func(c *kvstore.Config) {
+				c.KVStoreEndpoints = tc.endpoints
+				c.KVStoreCAFile = tc.ca
+				c.KVStoreCertFile = tc.cert
+				c.KVStoreKeyFile = tc.key
+				c.KVStoreDialTimeout = 30 * time.Second
+			})
+			start := time.Now()
+			err := n.start()
+			took := time.Since(start)
+			if err == nil {
+				t.Fatal("start succeeded")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error does not say %q: %v", tc.want, err)
+			}
+			if took > 10*time.Second {
+				t.Errorf("start failed after %s with a 30s dial timeout", took)
+			}
+			t.Logf("%s after %s", err, took.Round(time.Millisecond))
+		})
+	}
+}

@@ -52,7 +52,11 @@
 //
 // At start the client checks within --kvstore-dial-timeout that an endpoint
 // answers, so an unreachable etcd fails the start with one line naming the
-// endpoints instead of hanging.
+// endpoints instead of hanging. Before that it makes one TLS handshake with
+// each TLS endpoint: when every one fails in a way no retry mends (etcd's
+// certificate not signed by --kvstore-ca-file or not naming the endpoint's
+// host, this client's certificate refused or missing), the start fails at
+// once with an error that names the flag to set.
 //
 // # crd mode
 //
