@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -68,4 +69,46 @@ func TestOperationsDocFlags(t *testing.T) {
 		return
 	}
 	t.Fatalf("the flag table of %s differs from identityd --help; run\n  go test ./cmd/identityd -run TestOperationsDocFlags -update-docs\nwant:\n%s", operationsDoc, want)
+}
+
+// TestReadmeComposition: the composition README.md shows has every cell of
+// the agent's own (but those it says are optional: the shell, and the CRD
+// store with its client) and its provider of the automatic grace period,
+// so that an agent composed from it behaves as identityd's --help says.
+func TestReadmeComposition(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	block, ok := goBlockWith(string(readme), "hive.NewWithOptions(")
+	if !ok {
+		t.Fatal("README.md has no Go block with hive.NewWithOptions")
+	}
+	agent, err := os.ReadFile("agent.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := string(agent)
+	cells := src[strings.Index(src, "var agentCells"):]
+	cells = cells[:strings.Index(cells, "\n}\n")]
+	optional := map[string]bool{"cell.Cell": true, "shell.Cell": true, "k8sclient.Cell": true, "crdstore.Cell": true}
+	for _, m := range regexp.MustCompile(`\b[a-z]+\.Cell\b`).FindAllString(cells, -1) {
+		if !optional[m] && !strings.Contains(block, m) {
+			t.Errorf("README.md's composition lacks %s", m)
+		}
+	}
+	if strings.Contains(cells, "restoration.AutomaticGracePeriod") && !strings.Contains(block, "restoration.AutomaticGracePeriodFor(") {
+		t.Error("README.md's composition lacks the provider of restoration.AutomaticGracePeriod: its agents get another grace period than --help says")
+	}
+}
+
+// goBlockWith returns the first ```go block of md that contains sub.
+func goBlockWith(md, sub string) (string, bool) {
+	for _, part := range strings.Split(md, "```go\n")[1:] {
+		block, _, _ := strings.Cut(part, "```")
+		if strings.Contains(block, sub) {
+			return block, true
+		}
+	}
+	return "", false
 }
