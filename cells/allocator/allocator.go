@@ -168,6 +168,7 @@ func newIdentityAllocator(cfg Config, log *slog.Logger, db *statedb.DB, table st
 	}
 	a.reserved = identity.NewReservedResolver(cfg.ReservedConfig())
 	a.contracts.timeout = cfg.IdentityAllocationTimeout
+	a.contracts.log = log
 	a.contracts.open.Store(true)
 	tw.known = a.disp.known
 	for _, r := range a.reserved.Identities() {

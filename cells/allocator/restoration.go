@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -22,6 +25,18 @@ type Restoration interface {
 	// everything or not; a Restoration that never closes it keeps local
 	// allocations waiting until their bound.
 	Done() <-chan struct{}
+}
+
+// RestorationStarter is a Restoration that tells when its start hook
+// began. A local allocation still waiting a second after it asked, for a
+// restoration whose start hook has not begun, is most likely made from a
+// start hook that runs before restoration's and so keeps it from running:
+// the allocator logs that, naming the caller and the fix, instead of
+// waiting silently for --identity-allocation-timeout.
+type RestorationStarter interface {
+	Restoration
+	// Started is closed when the start hook of the restoration begins.
+	Started() <-chan struct{}
 }
 
 // RestorationOut registers a Restoration from a constructor of another
@@ -80,7 +95,15 @@ type contracts struct {
 	finalizers   []Finalizer
 	// timeout bounds an allocation's wait (--identity-allocation-timeout).
 	timeout time.Duration
+	log     *slog.Logger
+	// warned is set once a wait for a restoration that had not started
+	// was logged.
+	warned atomic.Bool
 }
+
+// notStartedAfter is how long a local allocation waits for a restoration
+// whose start hook has not begun before that is logged.
+const notStartedAfter = time.Second
 
 type contractsParams struct {
 	cell.In
@@ -156,10 +179,59 @@ func (c *contracts) wait(ctx context.Context, restored bool) error {
 	}
 	ctx, cancel := context.WithTimeoutCause(ctx, c.timeout, errRestorationTimeout)
 	defer cancel()
+	if !c.warned.Load() {
+		caller := callerOutside()
+		t := time.AfterFunc(notStartedAfter, func() { c.warnNotStarted(caller) })
+		defer t.Stop()
+	}
 	if err := c.waitForRestoration(ctx); err != nil {
 		return fmt.Errorf("local identity: %w", err)
 	}
 	return nil
+}
+
+// warnNotStarted logs, once, that a local allocation of caller waits for
+// a restoration whose start hook has not begun.
+func (c *contracts) warnNotStarted(caller string) {
+	if c.open.Load() || c.log == nil {
+		return
+	}
+	for _, r := range c.restorations {
+		s, ok := r.(RestorationStarter)
+		if !ok {
+			continue
+		}
+		select {
+		case <-s.Started():
+			continue
+		default:
+		}
+		if c.warned.CompareAndSwap(false, true) {
+			c.log.Error("A local identity allocation waits for restoration, whose start hook has not run: "+
+				"an allocation from a start hook that runs before restoration's waits until --identity-allocation-timeout. "+
+				"Make the cell that allocates at start depend on *restoration.Restorer, or allocate from a job",
+				"caller", caller, "timeout", c.timeout)
+		}
+		return
+	}
+}
+
+// callerOutside names the first function on the stack outside this
+// package: the cell that asked for the allocation.
+func callerOutside() string {
+	var pcs [32]uintptr
+	n := runtime.Callers(3, pcs[:])
+	frames := runtime.CallersFrames(pcs[:n])
+	const self = "github.com/identityd/identityd/cells/allocator."
+	for {
+		f, more := frames.Next()
+		if f.Function != "" && !strings.HasPrefix(f.Function, self) && !strings.HasPrefix(f.Function, "runtime.") {
+			return fmt.Sprintf("%s (%s:%d)", f.Function, f.File, f.Line)
+		}
+		if !more {
+			return "unknown"
+		}
+	}
 }
 
 // admitBatch is admit for the requests of a batch that need it, waiting

@@ -132,9 +132,10 @@ type Restorer struct {
 
 	// initDone marks restoration's ipcache initializer done.
 	initDone func()
-	// done is closed when the start hook has restored what it could;
-	// ready when the prefixes are in the ipcache too.
-	done, ready chan struct{}
+	// started is closed when the start hook begins; done when it has
+	// restored what it could; ready when the prefixes are in the ipcache
+	// too.
+	started, done, ready chan struct{}
 	// bulk holds the prefixes of restored identities between the start
 	// hook and restoreBulk.
 	bulk []ipcache.MapEntry
@@ -195,6 +196,7 @@ func newRestorer(p params) (*Restorer, error) {
 		ipc:       p.IPCache,
 		dualStack: p.IPCacheConfig.IPCacheDualStack,
 		grace:     grace,
+		started:   make(chan struct{}),
 		done:      make(chan struct{}),
 		ready:     make(chan struct{}),
 		state:     StatePending,
@@ -218,6 +220,10 @@ func newRestorer(p params) (*Restorer, error) {
 // is the allocator.Restoration the cell registers: local allocations wait
 // for it (Allocator.WaitForRestoration).
 func (r *Restorer) Done() <-chan struct{} { return r.done }
+
+// Started implements allocator.RestorationStarter: it is closed when the
+// start hook begins.
+func (r *Restorer) Started() <-chan struct{} { return r.started }
 
 // Ready returns a channel closed once the old map's prefixes are back in
 // the ipcache table as well, and the ipcache may prune the map.
@@ -284,6 +290,7 @@ func (r *Restorer) Held() []identity.Identity {
 // other local allocation waits for it. Its own allocations, through the
 // ipcache too, are marked allocator.Restoring: they must not wait for it.
 func (r *Restorer) Start(hctx cell.HookContext) error {
+	close(r.started)
 	defer close(r.done)
 	ctx := allocator.Restoring(hctx)
 	start := time.Now()
