@@ -62,7 +62,8 @@
 // with a job registry (job.Cell) and a health provider, the job
 // k8s-connectivity asks /readyz every 5s (3s timeout) unless a request got
 // an answer meanwhile, so that an idle node notices a lost server, and
-// turns OK again once it is back.
+// every second while the last request failed, so that it turns OK again
+// within about a second of the server's return.
 //
 // # Metrics
 //

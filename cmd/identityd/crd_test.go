@@ -247,6 +247,7 @@ func TestCRDModeProcess(t *testing.T) {
 
 	// The API server goes away mid-watch.
 	srv.Stop(t)
+	down := time.Now()
 	_, body = a.waitFor("/readyz", http.StatusServiceUnavailable, 60*time.Second)
 	if !strings.Contains(body, "k8s-client") {
 		t.Errorf("/readyz with the API server down does not name the Kubernetes client:\n%s", body)
@@ -254,8 +255,15 @@ func TestCRDModeProcess(t *testing.T) {
 	if code, body := a.probe("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz %d with the API server down (liveness must stay):\n%s", code, body)
 	}
+	// Long enough away for the watch's retries to back off to many
+	// seconds: readiness must not wait for them.
+	time.Sleep(20*time.Second - time.Since(down))
 	srv.Restart(t)
+	back := time.Now()
 	a.waitFor("/readyz", http.StatusOK, 90*time.Second)
+	if took := time.Since(back); took > 2*time.Second {
+		t.Errorf("/readyz turned 200 %s after the API server was back, want within 2s", took.Round(10*time.Millisecond))
+	}
 	if code, body := a.probe("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz %d after the API server returned:\n%s", code, body)
 	}

@@ -262,7 +262,11 @@ func (s *Store) Stop(ctx context.Context) error {
 // resourceVersion and lists again after a 410 Gone or a broken watch. Its
 // failures go to health, its log to the store's logger.
 func (s *Store) runReflector(ctx context.Context, h cell.Health, resource string, expected runtime.Object, store cache.ReflectorStore, cli *rest.RESTClient, newList func() runtime.Object) {
-	var broken atomic.Bool
+	var (
+		broken, probing atomic.Bool
+		probes          sync.WaitGroup
+	)
+	defer probes.Wait()
 	fail := func(what string, err error) {
 		if ctx.Err() != nil {
 			return
@@ -272,6 +276,14 @@ func (s *Store) runReflector(ctx context.Context, h cell.Health, resource string
 			// The API server failed or is unreachable: readiness,
 			// not liveness (a restart would not bring it back).
 			h.Degraded(what+" of "+resource+" failed", health.External(err))
+			if probing.CompareAndSwap(false, true) {
+				probes.Go(func() {
+					defer probing.Store(false)
+					probeUntilAnswered(ctx, cli, &broken, func() {
+						h.OK("API server answers again; the " + resource + " watch resumes after its backoff")
+					})
+				})
+			}
 		}
 	}
 	ok := func(what string) {
@@ -304,6 +316,36 @@ func (s *Store) runReflector(ctx context.Context, h cell.Health, resource string
 	r := cache.NewReflectorWithOptions(lw, expected, &reportingStore{ReflectorStore: store, listed: func() { ok("listed") }},
 		cache.ReflectorOptions{Name: resource, Logger: &logger})
 	r.RunWithContext(ctx)
+}
+
+// reachabilityProbe is the pace at which probeUntilAnswered asks.
+const reachabilityProbe = time.Second
+
+// probeUntilAnswered asks the API server for /version every second while
+// broken is set, and calls answered at its first answer. The reflector
+// retries its listing with a backoff that grows to 30 s, and spread over
+// the nodes, so that an API server that comes back is not listed by all of
+// them at once; readiness, which says whether this node can allocate, must
+// not wait for it.
+func probeUntilAnswered(ctx context.Context, cli *rest.RESTClient, broken *atomic.Bool, answered func()) {
+	t := time.NewTicker(reachabilityProbe)
+	defer t.Stop()
+	for broken.Load() {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		pctx, cancel := context.WithTimeout(ctx, reachabilityProbe)
+		err := cli.Get().AbsPath("/version").Do(pctx).Error()
+		cancel()
+		if err == nil {
+			if broken.Load() {
+				answered()
+			}
+			return
+		}
+	}
 }
 
 // reportingStore tells health when a listing completed.
