@@ -315,8 +315,9 @@ func TestHealthWhileExternalEtcdDown(t *testing.T) {
 	etcd.Member(0).Restart()
 	back, _ := a.waitFor("/readyz", http.StatusOK, 30*time.Second)
 	t.Logf("/readyz turned 200 %s after etcd served again", back.Round(time.Millisecond))
-	if back > bound {
-		t.Errorf("/readyz turned 200 %s after etcd returned, want within %s", back, bound)
+	// Readiness follows the store within a second or two of its return.
+	if back > 2*time.Second {
+		t.Errorf("/readyz turned 200 %s after etcd returned, want within 2s", back)
 	}
 	if code, body := a.probe("/healthz"); code != http.StatusOK || !strings.Contains(body, "kvstore.job-etcd-connectivity: level=OK") {
 		t.Errorf("/healthz after etcd returned: %d\n%s", code, body)
