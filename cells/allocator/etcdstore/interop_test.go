@@ -596,8 +596,8 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := n.backend.NodeStats()
-	if rewritten != 1 || st.NameConflicts != 1 || st.ReferencesRewritten != 1 {
-		t.Fatalf("rewritten %d, stats %+v; want one conflict and one rewrite", rewritten, st)
+	if rewritten != 0 || st.NameConflicts != 1 || st.ReferencesRewritten != 0 {
+		t.Fatalf("rewritten %d, stats %+v; want one conflict and no rewrite", rewritten, st)
 	}
 	if ok, _ := prov.Healthy(); ok {
 		t.Fatal("health is OK while another writer uses the node's name")
@@ -605,8 +605,10 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if live, _ := prov.Live(); !live {
 		t.Fatal("a node-name conflict makes the agent not live: a liveness probe would restart it for nothing")
 	}
-	if _, lease, _ := getValue(t, cli, refKey(l, "busy")); lease == int64(other.ID) {
-		t.Fatal("the reference is still on the other writer's lease")
+	// The other writer's key is never written over: moved to this
+	// node's lease, it would go with this node's stop.
+	if _, lease, _ := getValue(t, cli, refKey(l, "busy")); lease != int64(other.ID) {
+		t.Fatalf("the other writer's reference was written over (lease %x, not %x)", lease, other.ID)
 	}
 
 	// Another agent's node key.
@@ -614,17 +616,22 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if _, err := n.backend.SyncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n.backend.NodeStats().NameConflicts != 2 {
+	// The check counts the node key and, again, the other writer's
+	// reference.
+	if n.backend.NodeStats().NameConflicts != 3 {
 		t.Fatalf("stats %+v; the other agent's node key was not counted", n.backend.NodeStats())
 	}
 
-	// Once the other writer is gone, a check finds nothing and health
-	// recovers.
+	// Once the other writer is gone, with its keys, a check writes this
+	// node's reference again and health recovers.
 	if _, err := cli.Delete(ctx, NodeKeyPrefix+"busy"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.backend.SyncReferences(ctx); err != nil {
+	if _, err := cli.Revoke(ctx, other.ID); err != nil {
 		t.Fatal(err)
+	}
+	if rewritten, err := n.backend.SyncReferences(ctx); err != nil || rewritten != 1 {
+		t.Fatalf("sync after the other writer left: %d rewritten, %v; want 1", rewritten, err)
 	}
 	if ok, bad := prov.Healthy(); !ok {
 		t.Fatalf("health after the conflict ended: %v", bad)
@@ -885,4 +892,62 @@ func TestEtcdTakenIdentityReported(t *testing.T) {
 	if v, _, ok := getValue(t, cli, refKey(l, "node1")); !ok || v != mine.ID.String() {
 		t.Fatalf("node1's reference after the ID came back: %q %v", v, ok)
 	}
+}
+
+// TestEtcdForeignReferenceNotWrittenOver: a reference key under this
+// node's name that another writer put there (as a Cilium agent whose node
+// IP is this node's --node-name writes it, on its own lease) is reported as
+// a node-name conflict when this node would write it, and never written
+// over or deleted, by an allocation, a sync or a stop.
+func TestEtcdForeignReferenceNotWrittenOver(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	ctx := testCtx(t, time.Minute)
+	const node = "10.0.0.7"
+	l := labels.MustParse("k8s:app=cilium-held", "k8s:io.kubernetes.pod.namespace=prod")
+	const id = "31337"
+	cilium, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, masterKey(31337), l.Canonical()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, refKey(l, node), id, clientv3.WithLease(cilium.ID)); err != nil {
+		t.Fatal(err)
+	}
+	untouched := func(when string) {
+		t.Helper()
+		v, lease, ok := getValue(t, cli, refKey(l, node))
+		if !ok || v != id || lease != int64(cilium.ID) {
+			t.Fatalf("%s: the other writer's reference is %q on lease %x (present %v), want %s on %x", when, v, lease, ok, id, cilium.ID)
+		}
+	}
+
+	n, prov := startCheckedNode(t, c, node)
+	_, _, err = n.alloc.Allocate(ctx, l)
+	if !errors.Is(err, ErrNodeNameInUse) || !strings.Contains(err.Error(), "not by this agent") {
+		t.Fatalf("allocating a label set another writer references under this node's name: %v", err)
+	}
+	untouched("after the allocation")
+	if n.backend.NodeStats().NameConflicts == 0 {
+		t.Error("the conflict was not counted")
+	}
+	if ok, _ := prov.Healthy(); ok {
+		t.Error("health is OK while another writer uses the node's name")
+	}
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	untouched("after a sync")
+	n.stop()
+	untouched("after the stop")
+
+	// A restarted agent finds it again at its first allocation.
+	n2, _ := startCheckedNode(t, c, node)
+	if _, _, err := n2.alloc.Allocate(ctx, l); !errors.Is(err, ErrNodeNameInUse) {
+		t.Fatalf("allocation after a restart: %v", err)
+	}
+	n2.stop()
+	untouched("after the second stop")
 }

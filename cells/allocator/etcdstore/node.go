@@ -106,6 +106,8 @@ func (b *Store) claimNodeName(ctx context.Context) error {
 			return fmt.Errorf("%w: claiming node name %q: %w", globalstore.ErrUnavailable, b.node, err)
 		}
 		if take.Succeeded {
+			// The gone agent's reference keys are this node's now.
+			b.predecessorLease.Store(kvs[0].Lease)
 			if other.Instance != b.claim.Instance {
 				b.log.Info("Took over the node name from an agent that is gone", "node", b.node, "previous", other.String())
 			}

@@ -29,6 +29,7 @@ import (
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idpool"
+	"github.com/identityd/identityd/internal/logtext"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -155,6 +156,12 @@ type Store struct {
 	// the repair loop when it changes.
 	lease     atomic.Int64
 	leaseSeen chan struct{}
+	// predecessorLease is the lease of the agent of this node name whose
+	// node key this one took over (gone from this host): its reference
+	// keys are this node's to write over. Any other lease's key under this
+	// node's name is another writer's (a Cilium agent with the same node
+	// suffix) and never written over or deleted.
+	predecessorLease atomic.Int64
 	// lostMasters holds IDs whose master key vanished while this node
 	// references them; repairWake tells the repair loop.
 	lostMu      sync.Mutex
@@ -745,28 +752,47 @@ func (b *Store) adoptWith(ctx context.Context, cli *clientv3.Client, lease clien
 	if scannedAt != 0 {
 		agree = clientv3.Compare(clientv3.ModRevision(refs), "<", scannedAt+1).WithRange(end)
 	}
-	put := clientv3.OpPut(refs+b.node, id.String(), clientv3.WithLease(lease))
-	rctx, cancel := b.requestContext(ctx)
-	defer cancel()
-	// A value compare over an empty range fails, so a label set nobody
-	// references is the nested transaction's case.
-	resp, err := cli.Txn(rctx).
-		If(holds, agree).
-		Then(put).
-		Else(clientv3.OpTxn(
-			[]clientv3.Cmp{holds, clientv3.Compare(clientv3.CreateRevision(refs), "=", 0).WithRange(end)},
-			[]clientv3.Op{put},
-			[]clientv3.Op{clientv3.OpGet(master), clientv3.OpGet(refs, clientv3.WithRange(end), clientv3.WithLimit(1))},
-		)).
-		Commit()
-	if err != nil {
-		return attempt{}, err
-	}
-	nested := resp.Responses[0].GetResponseTxn()
-	if resp.Succeeded || nested.GetSucceeded() {
-		b.pool.Remove(idpool.ID(id))
-		record(globalstore.NewReference(id, lbls, resp.Header.GetRevision()))
-		return attempt{out: outDone, id: id}, nil
+	own := refs + b.node
+	put := clientv3.OpPut(own, id.String(), clientv3.WithLease(lease))
+	// This node's reference key is missing (lease 0), or on the lease
+	// this node found it on: never one another writer put there.
+	var ownLease int64
+	var resp *clientv3.TxnResponse
+	var nested *pb.TxnResponse
+	for attempts := 0; ; attempts++ {
+		mine := clientv3.Compare(clientv3.LeaseValue(own), "=", ownLease)
+		rctx, cancel := b.requestContext(ctx)
+		// A value compare over an empty range fails, so a label set
+		// nobody references is the nested transaction's case.
+		var err error
+		resp, err = cli.Txn(rctx).
+			If(holds, agree, mine).
+			Then(put).
+			Else(clientv3.OpTxn(
+				[]clientv3.Cmp{holds, clientv3.Compare(clientv3.CreateRevision(refs), "=", 0).WithRange(end)},
+				[]clientv3.Op{put},
+				[]clientv3.Op{clientv3.OpGet(master), clientv3.OpGet(refs, clientv3.WithRange(end), clientv3.WithLimit(1)), clientv3.OpGet(own)},
+			)).
+			Commit()
+		cancel()
+		if err != nil {
+			return attempt{}, err
+		}
+		nested = resp.Responses[0].GetResponseTxn()
+		if resp.Succeeded || nested.GetSucceeded() {
+			b.pool.Remove(idpool.ID(id))
+			record(globalstore.NewReference(id, lbls, resp.Header.GetRevision()))
+			return attempt{out: outDone, id: id}, nil
+		}
+		kvs := nested.Responses[2].GetResponseRange().GetKvs()
+		if len(kvs) == 0 || kvs[0].Lease == ownLease {
+			break
+		}
+		if !b.writesOver(kvs[0].Lease) || attempts > 0 {
+			err := b.foreignReference(kvs[0])
+			return attempt{}, err
+		}
+		ownLease = kvs[0].Lease
 	}
 	kvs := nested.Responses[0].GetResponseRange().GetKvs()
 	if len(kvs) > 0 && string(kvs[0].Value) != key && referenceBase(string(kvs[0].Value)) == referenceBase(key) {
@@ -958,7 +984,8 @@ func (b *Store) Held() map[string]identity.NumericIdentity {
 // retryable tells transient failures (no leader, member down, timeout, lost
 // lease) from refusals that another attempt would meet again.
 func retryable(err error) bool {
-	if errors.Is(err, kvstore.ErrStopped) || errors.Is(err, kvstore.ErrNotStarted) || errors.Is(err, context.Canceled) {
+	if errors.Is(err, kvstore.ErrStopped) || errors.Is(err, kvstore.ErrNotStarted) || errors.Is(err, context.Canceled) ||
+		errors.Is(err, ErrNodeNameInUse) {
 		return false
 	}
 	if isLeaseNotFound(err) || errors.Is(err, context.DeadlineExceeded) {
@@ -1155,6 +1182,13 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 		}
 		var other identity.NumericIdentity
 		for _, kv := range got.Kvs {
+			if string(kv.Key) == own && !b.writesOver(kv.Lease) {
+				// Another writer's key under this node's name: this
+				// node never writes it (reported, and the other
+				// references go on).
+				b.foreignReference(kv)
+				return false, nil
+			}
 			if string(kv.Key) == own || !isReferenceOf(kv.Key, refs) || string(kv.Value) == id.String() {
 				continue
 			}
@@ -1204,6 +1238,29 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 		// References changed under the read: read again.
 	}
 	return false, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", globalstore.ErrConflict, id, key)
+}
+
+// writesOver tells whether a reference key of this node's name on lease
+// is this node's to write over: missing (0), on this node's lease, or on
+// the lease of the agent of this name that was gone when this one took
+// the name over.
+func (b *Store) writesOver(lease int64) bool {
+	return lease == 0 || lease == b.lease.Load() || lease == b.predecessorLease.Load()
+}
+
+// foreignReference reports a reference key under this node's name that
+// another writer put there (on a lease not this node's), as a conflict of
+// node names, and returns the error for the allocation that found it.
+// Cilium's agents suffix their reference keys with their node's IP
+// address, identityd's with --node-name: the two meet when a node name is
+// a Cilium agent's address. Writing over the key would move it to this
+// node's lease, so that this node's stop deleted a reference the other
+// writer still has.
+func (b *Store) foreignReference(kv *mvccpb.KeyValue) error {
+	err := fmt.Errorf("%w: reference key %s was written on lease %x, not by this agent (lease %x); it is left as it is",
+		ErrNodeNameInUse, logtext.Cap(string(kv.Key)), kv.Lease, b.lease.Load())
+	b.nameConflict(err)
+	return err
 }
 
 // idTaken reports that the master key of an ID this node uses holds
@@ -1345,11 +1402,13 @@ func (b *Store) SyncReferences(ctx context.Context) (int, error) {
 				kvs = resp.Responses[i].GetResponseRange().GetKvs()
 			}
 			if len(kvs) == 0 || kvs[0].ModRevision != revs[i] || string(kvs[0].Value) != h.ID.String() {
-				stale = append(stale, staleRef{h, revs[i]})
-				if len(kvs) > 0 && kvs[0].Lease != b.lease.Load() {
-					b.nameConflict(fmt.Errorf("%w: reference key %s was written on lease %x, not this node's",
-						ErrNodeNameInUse, kvs[0].Key, kvs[0].Lease))
+				if len(kvs) > 0 && !b.writesOver(kvs[0].Lease) {
+					// Another writer's now: reported, never
+					// written over.
+					b.foreignReference(kvs[0])
+					continue
 				}
+				stale = append(stale, staleRef{h, revs[i]})
 			}
 		}
 	}
