@@ -22,7 +22,6 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
-	"github.com/identityd/identityd/identity"
 )
 
 // TestRestartKeepsEarlierRecord: a restarted node keeps listing the
@@ -338,11 +337,7 @@ func TestRenewalSendsOnlyItsTime(t *testing.T) {
 	rc := rest.CopyConfig(srv.RESTConfig())
 	rc.Wrap(patches.wrap)
 	a := startNode(t, rc, "node-a")
-	var ids []identity.NumericIdentity
-	for i := range 20 {
-		id, _ := a.allocate(t, web(i))
-		ids = append(ids, id)
-	}
+	ids := a.allocateWeb(t, 20)
 	cli.nodeLists(t, "node-a", ids...)
 	before, err := cli.node(t, "node-a")
 	if err != nil {

@@ -203,6 +203,16 @@ func (n *testNode) allocate(tb testing.TB, lbls labels.Labels) (identity.Numeric
 	return id, created
 }
 
+// allocateWeb allocates web(0) to web(count-1) and returns their IDs.
+func (n *testNode) allocateWeb(tb testing.TB, count int) []identity.NumericIdentity {
+	tb.Helper()
+	ids := make([]identity.NumericIdentity, count)
+	for i := range count {
+		ids[i], _ = n.allocate(tb, web(i))
+	}
+	return ids
+}
+
 func (n *testNode) release(tb testing.TB, id identity.NumericIdentity) {
 	tb.Helper()
 	ref := n.refs.drop(id)
@@ -390,11 +400,7 @@ func TestRestartKeepsIdentities(t *testing.T) {
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
-	var ids []identity.NumericIdentity
-	for i := range 10 {
-		id, _ := a.allocate(t, web(i))
-		ids = append(ids, id)
-	}
+	ids := a.allocateWeb(t, 10)
 	cli.nodeLists(t, "node-a", ids...)
 	before, err := cli.node(t, "node-a")
 	if err != nil {
