@@ -30,13 +30,28 @@ ROBUSTNESS_RUN_kvstore := ^TestRobustness$$
 ROBUSTNESS_RUN_crd     := ^TestRobustnessCRD$$
 ROBUSTNESS_RUN_all     := ^TestRobustness(CRD)?$$
 STATICCHECK_VERSION := v0.8.2
+# `make image`: the image's name, the container builder (podman, else
+# docker), the version `identityd version` prints, the builder stage's Go
+# image (empty: the Dockerfile's), and further flags for the builder.
+IMAGE ?= identityd:latest
+CONTAINER_BUILDER ?= $(shell command -v podman 2>/dev/null || command -v docker 2>/dev/null)
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+GO_IMAGE ?=
+IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build run shell test vet fmt-check test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test vet fmt-check test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN) ./cmd/identityd
+
+# Builds the agent's container image (Dockerfile: a static binary on an
+# empty base), which deploy/ runs; docs/operations.md, "Running on
+# Kubernetes".
+image:
+	$(if $(CONTAINER_BUILDER),,$(error make image needs podman or docker; set CONTAINER_BUILDER))
+	$(CONTAINER_BUILDER) build --build-arg VERSION=$(VERSION) $(if $(GO_IMAGE),--build-arg GO_IMAGE=$(GO_IMAGE)) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
 
 # Runs the agent on the embedded etcd with its state under $(STATE_DIR);
 # needs no root and no external service. Ctrl-C stops it.

@@ -14,15 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"go.yaml.in/yaml/v3"
-
 	"github.com/identityd/identityd/cells/allocator/crdstore"
 	"github.com/identityd/identityd/internal/k8stest"
 )
-
-// agentUser is the user the agents of TestCRDModeKilledNodeGC authenticate
-// as, so that the audit log tells their requests from the test's own.
-const agentUser = "identityd-agent"
 
 // TestCRDModeKilledNodeGC runs two agent processes in crd mode with a short
 // IdentityNode lease and GC period; one of them collects
@@ -31,10 +25,12 @@ const agentUser = "identityd-agent"
 // lease, and once the killed node's lease ended its garbage collection
 // deletes the identities only the killed node used (and the one the live
 // node released), keeps the one the live node uses, and deletes the dead
-// node's IdentityNode. The API server's audit log of the run is then checked
-// against docs/k8s/clusterrole.yaml (TestClusterRoleCoversAgentRequests'
-// rules): every (group, resource, verb) the agents sent is granted, and
-// every grant was used or is explained.
+// node's IdentityNode. The agents run as deploy/base's ServiceAccount, with
+// a bearer token, on an API server that authorizes them by deploy/base's
+// ClusterRole and ClusterRoleBinding (clusterAuth). The API server's audit
+// log of the run is then checked against that ClusterRole: every (group,
+// resource, verb) the agents sent is granted, and every grant was used or is
+// explained.
 func TestCRDModeKilledNodeGC(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes for minutes")
@@ -45,13 +41,17 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 	if err := os.WriteFile(policy, []byte("apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	srv := k8stest.Start(t, k8stest.WithServerArgs("--audit-log-path", auditLog, "--audit-policy-file", policy))
+	roles, bindings, agentUser := deployRBAC(t)
+	ns, name, _ := strings.Cut(strings.TrimPrefix(agentUser, "system:serviceaccount:"), ":")
+	const saToken = "token-of-the-deploy-service-account"
+	auth := startClusterAuth(t, roles, bindings, map[string]authUser{saToken: serviceAccountUser(ns, name)})
+	srv := k8stest.Start(t, k8stest.WithServerArgs("--audit-log-path", auditLog, "--audit-policy-file", policy), auth.serverArgs())
 	objs := newAPIObjects(t, srv)
 	// An outdated IdentityNode CRD, which the agent updates.
 	old := crdstore.IdentityNodeCRD()
 	old.Labels = map[string]string{"identityd.io/crd-schema-version": "0.0.1"}
 	k8stest.InstallCRD(t, srv.RESTConfig(), old)
-	kubeconfig := srv.UserKubeconfig(t, agentUser, "system:masters")
+	kubeconfig := tokenKubeconfig(t, srv, saToken)
 
 	gcFlags := []string{"--identity-node-lease-ttl=25s", "--identity-gc-interval=3s",
 		"--identity-heartbeat-timeout=2m", "--identity-restore-grace-period=1s"}
@@ -152,7 +152,10 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 		t.Errorf("CiliumIdentity %d of the reallocated label set is missing", again)
 	}
 
-	checkClusterRole(t, agentRequests(t, auditLog))
+	checkClusterRole(t, agentRequests(t, auditLog, agentUser))
+	for r, users := range auth.deniedRequests() {
+		t.Errorf("deploy/base's role refused %s to %v", r, users)
+	}
 }
 
 // apiRequest is what RBAC authorizes of a request: a resource request's
@@ -175,7 +178,7 @@ func (r apiRequest) String() string {
 
 // agentRequests reads the distinct requests of agentUser from the API
 // server's audit log.
-func agentRequests(t *testing.T, path string) map[apiRequest]int {
+func agentRequests(t *testing.T, path, agentUser string) map[apiRequest]int {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
@@ -221,41 +224,33 @@ func agentRequests(t *testing.T, path string) map[apiRequest]int {
 
 // publicPaths are the non-resource paths Kubernetes' default cluster roles
 // (system:public-info-viewer, system:discovery) grant every authenticated
-// user, which docs/k8s/clusterrole.yaml need not repeat.
+// user, which deploy/base/clusterrole.yaml need not repeat.
 var publicPaths = []string{"/healthz", "/livez", "/readyz", "/version", "/api", "/apis"}
 
-// unexercised are the grants of docs/k8s/clusterrole.yaml that a run of
+// unexercised are the grants of deploy/base/clusterrole.yaml that a run of
 // TestCRDModeKilledNodeGC need not use, each with the code path that does.
 var unexercised = map[apiRequest]string{
 	{Group: "cilium.io", Resource: "ciliumidentities", Verb: "get"}: "a create that meets AlreadyExists before the watch delivers the object reads it",
 }
 
-// checkClusterRole fails unless docs/k8s/clusterrole.yaml grants every
+// checkClusterRole fails unless deploy/base/clusterrole.yaml grants every
 // request of seen, and every grant of it was used by seen or is in
 // unexercised.
 func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 	t.Helper()
-	data, err := os.ReadFile("../../docs/k8s/clusterrole.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var role struct {
-		Kind  string
-		Rules []struct {
-			APIGroups []string `yaml:"apiGroups"`
-			Resources []string `yaml:"resources"`
-			Verbs     []string `yaml:"verbs"`
-		}
-	}
-	if err := yaml.Unmarshal(data, &role); err != nil || role.Kind != "ClusterRole" {
-		t.Fatalf("docs/k8s/clusterrole.yaml: %v (kind %q)", err, role.Kind)
-	}
+	roles, _, _ := deployRBAC(t)
 	granted := map[apiRequest]bool{}
-	for _, r := range role.Rules {
-		for _, g := range r.APIGroups {
-			for _, res := range r.Resources {
-				for _, v := range r.Verbs {
-					granted[apiRequest{Group: g, Resource: res, Verb: v}] = true
+	for _, role := range roles {
+		for _, r := range role.Rules {
+			if len(r.NonResourceURLs) > 0 || len(r.ResourceNames) > 0 ||
+				slices.Contains(r.APIGroups, "*") || slices.Contains(r.Resources, "*") || slices.Contains(r.Verbs, "*") {
+				t.Errorf("deploy/base/clusterrole.yaml: rule %+v grants more than (group, resource, verb) triples", r)
+			}
+			for _, g := range r.APIGroups {
+				for _, res := range r.Resources {
+					for _, v := range r.Verbs {
+						granted[apiRequest{Group: g, Resource: res, Verb: v}] = true
+					}
 				}
 			}
 		}
@@ -271,7 +266,7 @@ func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 			continue
 		}
 		if !granted[r] {
-			t.Errorf("the agent sent %s, which docs/k8s/clusterrole.yaml does not grant", r)
+			t.Errorf("the agent sent %s, which deploy/base/clusterrole.yaml does not grant", r)
 		}
 	}
 	sort.Strings(sent)
@@ -282,7 +277,7 @@ func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 				t.Logf("granted, not used in this run: %s (%s)", r, why)
 				continue
 			}
-			t.Errorf("docs/k8s/clusterrole.yaml grants %s, which the agent never sent", r)
+			t.Errorf("deploy/base/clusterrole.yaml grants %s, which the agent never sent", r)
 		}
 	}
 }

@@ -46,8 +46,8 @@ var built struct {
 	err  error
 }
 
-// agentBinary builds identityd from this package, once, and returns its
-// path.
+// agentBinary builds identityd from this package, once, as the Dockerfile
+// builds the image's (static, -trimpath), and returns its path.
 func agentBinary(t *testing.T) string {
 	t.Helper()
 	built.once.Do(func() {
@@ -55,8 +55,13 @@ func agentBinary(t *testing.T) string {
 			return
 		}
 		built.bin = filepath.Join(built.dir, "identityd")
-		if out, err := exec.Command("go", "build", "-o", built.bin, ".").CombinedOutput(); err != nil {
-			built.err = fmt.Errorf("go build: %w\n%s", err, out)
+		cmd, err := dockerfileBuildCmd(built.bin)
+		if err != nil {
+			built.err = err
+			return
+		}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			built.err = fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
 		}
 	})
 	if built.err != nil {

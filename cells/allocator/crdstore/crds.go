@@ -223,19 +223,22 @@ func RegisterCRDs(ctx context.Context, cfg *rest.Config) error {
 		return fmt.Errorf("%w: building the client: %w", ErrCRDRegistration, err)
 	}
 	crds := cli.CustomResourceDefinitions()
-	for _, want := range []struct {
-		crd          *apiextensionsv1.CustomResourceDefinition
-		label, value string
-	}{
-		{CiliumIdentityCRD(), ciliumSchemaVersionLabel, ciliumSchemaVersion},
-		{IdentityNodeCRD(), ownSchemaVersionLabel, ownSchemaVersion},
-		{IdentityLeaseCRD(), ownSchemaVersionLabel, ownSchemaVersion},
-	} {
-		if err := registerCRD(ctx, crds, want.crd, want.label, want.value); err != nil {
+	for _, want := range CRDs() {
+		label := ownSchemaVersionLabel
+		if want.Spec.Group == CiliumGroup {
+			label = ciliumSchemaVersionLabel
+		}
+		if err := registerCRD(ctx, crds, want, label, want.Labels[label]); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// CRDs returns the definitions RegisterCRDs installs, in its order: what
+// an administrator installs instead when the agents may not write CRDs.
+func CRDs() []*apiextensionsv1.CustomResourceDefinition {
+	return []*apiextensionsv1.CustomResourceDefinition{CiliumIdentityCRD(), IdentityNodeCRD(), IdentityLeaseCRD()}
 }
 
 func registerCRD(ctx context.Context, crds apiextensionsclient.CustomResourceDefinitionInterface, want *apiextensionsv1.CustomResourceDefinition, label, version string) error {

@@ -1,0 +1,860 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/pflag"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/strategicpatch"
+	"sigs.k8s.io/yaml"
+
+	"github.com/identityd/identityd/cells/allocator/crdstore"
+)
+
+var updateDeploy = flag.Bool("update-deploy", false, "rewrite deploy/crds from the CRDs the binary registers")
+
+// deployDir is the kustomize tree of deploy/: every directory in it with a
+// kustomization.yaml is a root `kubectl apply -k` takes.
+const deployDir = "../../deploy"
+
+// runtimeEnv are the variables a DaemonSet may set besides IDENTITYD_<flag>:
+// the Go runtime's, which identityd's --help does not list.
+var runtimeEnv = map[string]bool{"GOMEMLIMIT": true}
+
+// deployObject is one object of a kustomize build, decoded strictly into
+// its k8s.io/api type.
+type deployObject struct {
+	file       string // where it was decoded from, relative to deploy/
+	apiVersion string
+	kind       string
+	obj        metav1.Object
+}
+
+func (o deployObject) key() string {
+	return o.apiVersion + " " + o.kind + " " + o.obj.GetNamespace() + "/" + o.obj.GetName()
+}
+
+// kustomization is the part of kustomize's Kustomization that deploy/ uses.
+// It is decoded strictly, so a field kustomize would act on and this
+// test's build would not (namespace, images, a patch target) fails the
+// test instead of being ignored.
+type kustomization struct {
+	APIVersion string   `json:"apiVersion"`
+	Kind       string   `json:"kind"`
+	Resources  []string `json:"resources,omitempty"`
+	Patches    []struct {
+		Path string `json:"path"`
+	} `json:"patches,omitempty"`
+}
+
+// newTyped returns an empty object of the k8s.io/api type of apiVersion
+// and kind: the kinds deploy/ may hold.
+func newTyped(apiVersion, kind string) (metav1.Object, error) {
+	switch apiVersion + " " + kind {
+	case "v1 Namespace":
+		return &corev1.Namespace{}, nil
+	case "v1 ServiceAccount":
+		return &corev1.ServiceAccount{}, nil
+	case "rbac.authorization.k8s.io/v1 ClusterRole":
+		return &rbacv1.ClusterRole{}, nil
+	case "rbac.authorization.k8s.io/v1 ClusterRoleBinding":
+		return &rbacv1.ClusterRoleBinding{}, nil
+	case "apps/v1 DaemonSet":
+		return &appsv1.DaemonSet{}, nil
+	case "apiextensions.k8s.io/v1 CustomResourceDefinition":
+		return &apiextensionsv1.CustomResourceDefinition{}, nil
+	}
+	return nil, fmt.Errorf("kind %q of %q is not one deploy/ may hold", kind, apiVersion)
+}
+
+var docSeparator = regexp.MustCompile(`(?m)^---[ \t]*$`)
+
+// decodeManifests decodes every YAML document of data strictly: a field
+// its type does not have, or a field given twice, is an error.
+func decodeManifests(file string, data []byte) ([]deployObject, error) {
+	var objs []deployObject
+	for i, doc := range docSeparator.Split(string(data), -1) {
+		var tm metav1.TypeMeta
+		if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
+			return nil, fmt.Errorf("%s, document %d: %w", file, i+1, err)
+		}
+		if tm.APIVersion == "" && tm.Kind == "" && strings.TrimSpace(stripComments(doc)) == "" {
+			continue
+		}
+		obj, err := newTyped(tm.APIVersion, tm.Kind)
+		if err != nil {
+			return nil, fmt.Errorf("%s, document %d: %w", file, i+1, err)
+		}
+		if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
+			return nil, fmt.Errorf("%s, document %d (%s): %w", file, i+1, tm.Kind, err)
+		}
+		objs = append(objs, deployObject{file: file, apiVersion: tm.APIVersion, kind: tm.Kind, obj: obj})
+	}
+	return objs, nil
+}
+
+func stripComments(doc string) string {
+	var b strings.Builder
+	for l := range strings.Lines(doc) {
+		if !strings.HasPrefix(strings.TrimSpace(l), "#") {
+			b.WriteString(l)
+		}
+	}
+	return b.String()
+}
+
+// kustomizeBuild builds the kustomization in dir (relative to deploy/) as
+// kustomize does for the fields kustomization has: the resources in order
+// (directories built recursively), then each patch merged into its target
+// as a strategic merge patch. used collects every file it read.
+func kustomizeBuild(dir string, used map[string]bool) ([]deployObject, error) {
+	kpath := path.Join(dir, "kustomization.yaml")
+	data, err := os.ReadFile(filepath.Join(deployDir, kpath))
+	if err != nil {
+		return nil, err
+	}
+	used[kpath] = true
+	var k kustomization
+	if err := yaml.UnmarshalStrict(data, &k); err != nil {
+		return nil, fmt.Errorf("%s: %w", kpath, err)
+	}
+	if k.APIVersion != "kustomize.config.k8s.io/v1beta1" || k.Kind != "Kustomization" {
+		return nil, fmt.Errorf("%s: %s %s, want kustomize.config.k8s.io/v1beta1 Kustomization", kpath, k.APIVersion, k.Kind)
+	}
+	var objs []deployObject
+	for _, r := range k.Resources {
+		rel := path.Join(dir, r)
+		fi, err := os.Stat(filepath.Join(deployDir, rel))
+		if err != nil {
+			return nil, fmt.Errorf("%s: resource %s: %w", kpath, r, err)
+		}
+		var more []deployObject
+		if fi.IsDir() {
+			more, err = kustomizeBuild(rel, used)
+		} else {
+			more, err = readManifests(rel, used)
+		}
+		if err != nil {
+			return nil, err
+		}
+		objs = append(objs, more...)
+	}
+	seen := map[string]string{}
+	for _, o := range objs {
+		if prev, ok := seen[o.key()]; ok {
+			return nil, fmt.Errorf("%s: %s is in both %s and %s", kpath, o.key(), prev, o.file)
+		}
+		seen[o.key()] = o.file
+	}
+	for _, p := range k.Patches {
+		rel := path.Join(dir, p.Path)
+		patches, err := readManifests(rel, used)
+		if err != nil {
+			return nil, err
+		}
+		for _, patch := range patches {
+			i := slices.IndexFunc(objs, func(o deployObject) bool { return o.key() == patch.key() })
+			if i < 0 {
+				return nil, fmt.Errorf("%s: the patch of %s has no target in the resources", rel, patch.key())
+			}
+			if objs[i].obj, err = strategicMerge(objs[i], rel); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return objs, nil
+}
+
+func readManifests(rel string, used map[string]bool) ([]deployObject, error) {
+	data, err := os.ReadFile(filepath.Join(deployDir, rel))
+	if err != nil {
+		return nil, err
+	}
+	used[rel] = true
+	return decodeManifests(rel, data)
+}
+
+// strategicMerge merges the patch file rel (one document, already decoded
+// strictly) into target.
+func strategicMerge(target deployObject, rel string) (metav1.Object, error) {
+	data, err := os.ReadFile(filepath.Join(deployDir, rel))
+	if err != nil {
+		return nil, err
+	}
+	patch, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		return nil, err
+	}
+	orig, err := json.Marshal(target.obj)
+	if err != nil {
+		return nil, err
+	}
+	schema, _ := newTyped(target.apiVersion, target.kind)
+	merged, err := strategicpatch.StrategicMergePatch(orig, patch, schema)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", rel, err)
+	}
+	out, _ := newTyped(target.apiVersion, target.kind)
+	dec := json.NewDecoder(bytes.NewReader(merged))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(out); err != nil {
+		return nil, fmt.Errorf("%s merged into %s: %w", rel, target.file, err)
+	}
+	return out, nil
+}
+
+// deployRoots are the directories of deploy/ that hold a kustomization.
+func deployRoots(t *testing.T) []string {
+	t.Helper()
+	var roots []string
+	err := filepath.WalkDir(deployDir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.Name() == "kustomization.yaml" {
+			rel, _ := filepath.Rel(deployDir, filepath.Dir(p))
+			roots = append(roots, filepath.ToSlash(rel))
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(roots)
+	return roots
+}
+
+// buildDeploy builds root or fails the test.
+func buildDeploy(t *testing.T, root string) []deployObject {
+	t.Helper()
+	objs, err := kustomizeBuild(root, map[string]bool{})
+	if err != nil {
+		t.Fatalf("deploy/%s: %v", root, err)
+	}
+	return objs
+}
+
+func findObject[T any](t *testing.T, objs []deployObject, kind string) []T {
+	t.Helper()
+	var out []T
+	for _, o := range objs {
+		if o.kind == kind {
+			out = append(out, any(o.obj).(T))
+		}
+	}
+	return out
+}
+
+// TestDeployManifestsStrict decodes every manifest of deploy/ strictly
+// into its k8s.io/api type (an unknown or repeated field fails), builds
+// every kustomization as `kubectl apply -k` would, and fails on a YAML
+// file no kustomization reads. With kubectl on the PATH it also compares
+// `kubectl kustomize` of every root with this test's build.
+func TestDeployManifestsStrict(t *testing.T) {
+	roots := deployRoots(t)
+	for _, want := range []string{"base", "crds", "overlays/etcd"} {
+		if !slices.Contains(roots, want) {
+			t.Errorf("deploy/%s has no kustomization.yaml (roots: %v)", want, roots)
+		}
+	}
+	used := map[string]bool{}
+	built := map[string][]deployObject{}
+	for _, root := range roots {
+		objs, err := kustomizeBuild(root, used)
+		if err != nil {
+			t.Errorf("deploy/%s: %v", root, err)
+			continue
+		}
+		if len(objs) == 0 {
+			t.Errorf("deploy/%s builds no object", root)
+		}
+		built[root] = objs
+	}
+	err := filepath.WalkDir(deployDir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(deployDir, p)
+		rel = filepath.ToSlash(rel)
+		switch {
+		case !strings.HasSuffix(rel, ".yaml") && !strings.HasSuffix(rel, ".yml"):
+			t.Errorf("deploy/%s: only YAML manifests belong in deploy/", rel)
+		case !used[rel]:
+			t.Errorf("deploy/%s: no kustomization reads it", rel)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	kubectl, err := exec.LookPath("kubectl")
+	if err != nil {
+		t.Log("kubectl is not on the PATH: `kubectl kustomize` of deploy/ not compared with this test's build")
+		return
+	}
+	for root, objs := range built {
+		out, err := exec.Command(kubectl, "kustomize", filepath.Join(deployDir, root)).Output()
+		if err != nil {
+			var ee *exec.ExitError
+			if errors.As(err, &ee) {
+				err = fmt.Errorf("%w: %s", err, ee.Stderr)
+			}
+			t.Errorf("kubectl kustomize deploy/%s: %v", root, err)
+			continue
+		}
+		theirs, err := decodeManifests("kubectl kustomize deploy/"+root, out)
+		if err != nil {
+			t.Error(err)
+			continue
+		}
+		if a, b := normalized(t, objs), normalized(t, theirs); a != b {
+			t.Errorf("kubectl kustomize deploy/%s differs from this test's build:\n--- kubectl\n%s\n--- test\n%s", root, b, a)
+		}
+	}
+}
+
+// normalized renders objs in a canonical order for comparison: objects by
+// key, and the lists a strategic merge may order differently (containers'
+// variables and mounts, volumes) by name.
+func normalized(t *testing.T, objs []deployObject) string {
+	t.Helper()
+	objs = slices.Clone(objs)
+	sort.Slice(objs, func(i, j int) bool { return objs[i].key() < objs[j].key() })
+	var b strings.Builder
+	for _, o := range objs {
+		obj := o.obj
+		if ds, ok := obj.(*appsv1.DaemonSet); ok {
+			ds = ds.DeepCopy()
+			spec := &ds.Spec.Template.Spec
+			slices.SortFunc(spec.Volumes, func(a, b corev1.Volume) int { return strings.Compare(a.Name, b.Name) })
+			for i := range spec.Containers {
+				c := &spec.Containers[i]
+				slices.SortFunc(c.Env, func(a, b corev1.EnvVar) int { return strings.Compare(a.Name, b.Name) })
+				slices.SortFunc(c.VolumeMounts, func(a, b corev1.VolumeMount) int { return strings.Compare(a.Name, b.Name) })
+			}
+			obj = ds
+		}
+		data, err := yaml.Marshal(obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(&b, "# %s\n%s", o.key(), data)
+	}
+	return b.String()
+}
+
+// binaryFlags returns the flags `identityd --help` lists, as the binary
+// prints them, and checks them against the command's flag set, whose
+// definitions (defaults, types) the callers use.
+func binaryFlags(t *testing.T) (all *pflag.FlagSet, hive map[string]bool) {
+	t.Helper()
+	out, err := run(t, "--help")
+	if err != nil {
+		t.Fatalf("identityd --help: %v\n%s", err, out)
+	}
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^\s+(?:-\w, )?--([a-z0-9-]+)`).FindAllStringSubmatch(out, -1) {
+		listed[m[1]] = true
+	}
+	root := newRootCmd(newHive(), &bytes.Buffer{}, &bytes.Buffer{})
+	all = root.Flags()
+	all.AddFlagSet(root.PersistentFlags())
+	all.VisitAll(func(f *pflag.Flag) {
+		if !listed[f.Name] {
+			t.Errorf("identityd --help does not list --%s", f.Name)
+		}
+	})
+	if len(listed) < 10 {
+		t.Fatalf("identityd --help lists %d flags:\n%s", len(listed), out)
+	}
+	hive = map[string]bool{}
+	hfs := pflag.NewFlagSet("hive", pflag.ContinueOnError)
+	newHive().RegisterFlags(hfs)
+	hfs.VisitAll(func(f *pflag.Flag) { hive[f.Name] = true })
+	return all, hive
+}
+
+// agentSettings are the flags a container sets: from its args, literal
+// values or from the environment (IDENTITYD_<FLAG>), the default otherwise.
+type agentSettings struct {
+	args    map[string]string // --name=value
+	fromEnv map[string]corev1.EnvVar
+	flags   *pflag.FlagSet
+}
+
+// value is the flag's value in the container: its arg, its variable's
+// literal value, or its default; fromEnv is true when a variable sets it
+// from elsewhere (the downward API, a ConfigMap).
+func (s agentSettings) value(name string) (v string, fromEnv bool) {
+	if v, ok := s.args[name]; ok {
+		return v, false
+	}
+	if e, ok := s.fromEnv[name]; ok {
+		return e.Value, e.ValueFrom != nil
+	}
+	return s.flags.Lookup(name).DefValue, false
+}
+
+func (s agentSettings) duration(t *testing.T, name string) time.Duration {
+	t.Helper()
+	v, _ := s.value(name)
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		t.Fatalf("--%s=%q: %v", name, v, err)
+	}
+	return d
+}
+
+// containerSettings checks the container's args and variables against the
+// binary's flags and returns what they set.
+func containerSettings(t *testing.T, c corev1.Container, flags *pflag.FlagSet, hiveFlags map[string]bool) agentSettings {
+	t.Helper()
+	s := agentSettings{args: map[string]string{}, fromEnv: map[string]corev1.EnvVar{}, flags: flags}
+	if len(c.Command) > 0 {
+		t.Errorf("container %s sets command %q: the image's entrypoint is the agent", c.Name, c.Command)
+	}
+	for _, a := range c.Args {
+		name, val, ok := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if !strings.HasPrefix(a, "--") || !ok {
+			t.Errorf("arg %q: want --flag=value, one arg per flag", a)
+			continue
+		}
+		if flags.Lookup(name) == nil {
+			t.Errorf("arg %q: identityd --help has no --%s", a, name)
+			continue
+		}
+		if _, dup := s.args[name]; dup {
+			t.Errorf("arg --%s given twice", name)
+		}
+		s.args[name] = val
+	}
+	for _, e := range c.Env {
+		if runtimeEnv[e.Name] {
+			continue
+		}
+		name, ok := strings.CutPrefix(e.Name, EnvPrefix)
+		if !ok {
+			t.Errorf("variable %s: identityd reads only %s<FLAG> (and the Go runtime %v)", e.Name, EnvPrefix, slices.Sorted(func(yield func(string) bool) {
+				for k := range runtimeEnv {
+					if !yield(k) {
+						return
+					}
+				}
+			}))
+			continue
+		}
+		flag := strings.ReplaceAll(strings.ToLower(name), "_", "-")
+		switch {
+		case flags.Lookup(flag) == nil:
+			t.Errorf("variable %s: identityd --help has no --%s", e.Name, flag)
+		case !hiveFlags[flag]:
+			t.Errorf("variable %s: --%s is not one of the hive's flags, which alone are read from the environment", e.Name, flag)
+		case hasKey(s.args, flag):
+			t.Errorf("variable %s and arg --%s both set the flag; the arg wins", e.Name, flag)
+		}
+		s.fromEnv[flag] = e
+	}
+	return s
+}
+
+// TestDeployDaemonSet checks the DaemonSet of every root of deploy/
+// against the binary: its args are flags of `identityd --help` whose values
+// the agent accepts (`identityd hive` with them), its variables name flags
+// of the hive, the probes ask /healthz and /readyz on the address of
+// --prometheus-serve-addr, the state directory and the pin path are on the
+// host, the grace period covers the stop, and a rolling update never runs
+// two agents on a node. The base runs in crd mode as its ServiceAccount,
+// bound to the ClusterRole; the etcd overlay in kvstore mode with the TLS
+// files of a mounted secret.
+func TestDeployDaemonSet(t *testing.T) {
+	flags, hiveFlags := binaryFlags(t)
+	for _, root := range []string{"base", "overlays/etcd"} {
+		t.Run(strings.ReplaceAll(root, "/", "-"), func(t *testing.T) {
+			objs := buildDeploy(t, root)
+			dss := findObject[*appsv1.DaemonSet](t, objs, "DaemonSet")
+			if len(dss) != 1 {
+				t.Fatalf("deploy/%s has %d DaemonSets, want 1", root, len(dss))
+			}
+			ds := dss[0]
+			spec := ds.Spec.Template.Spec
+			if len(spec.Containers) != 1 {
+				t.Fatalf("%d containers, want the agent alone", len(spec.Containers))
+			}
+			c := spec.Containers[0]
+			s := containerSettings(t, c, flags, hiveFlags)
+			checkAgentAcceptsSettings(t, c)
+
+			// The node name comes from the pod's node, and from nowhere else.
+			nn, ok := s.fromEnv["node-name"]
+			if !ok || nn.Name != "IDENTITYD_NODE_NAME" || nn.ValueFrom == nil || nn.ValueFrom.FieldRef == nil || nn.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
+				t.Errorf("IDENTITYD_NODE_NAME is not taken from spec.nodeName: %+v", nn)
+			}
+
+			mode, _ := s.value("identity-allocation-mode")
+			switch root {
+			case "base":
+				if mode != "crd" {
+					t.Errorf("--identity-allocation-mode=%s, want crd", mode)
+				}
+			case "overlays/etcd":
+				if mode != "kvstore" {
+					t.Errorf("--identity-allocation-mode=%s, want kvstore", mode)
+				}
+				checkEtcdTLS(t, s, spec, c)
+			}
+
+			checkProbes(t, s, spec, c)
+			checkHostPaths(t, s, spec, c)
+
+			// The grace period covers hive's stop timeout, within which the
+			// final checkpoint is written, with room for the exit.
+			if g := spec.TerminationGracePeriodSeconds; g == nil || time.Duration(*g)*time.Second < agentOptions().StopTimeout+10*time.Second {
+				t.Errorf("terminationGracePeriodSeconds %v, want at least the stop timeout %v and 10s", derefInt64(g), agentOptions().StopTimeout)
+			}
+			us := ds.Spec.UpdateStrategy
+			switch {
+			case us.Type != appsv1.RollingUpdateDaemonSetStrategyType || us.RollingUpdate == nil || us.RollingUpdate.MaxUnavailable == nil:
+				t.Errorf("updateStrategy %+v: want RollingUpdate with maxUnavailable", us)
+			case us.RollingUpdate.MaxSurge != nil && us.RollingUpdate.MaxSurge.String() != "0":
+				t.Errorf("maxSurge %s: two agents on one node share the state directory and the pin, the second cannot start", us.RollingUpdate.MaxSurge)
+			case us.RollingUpdate.MaxUnavailable.String() == "0" || us.RollingUpdate.MaxUnavailable.String() == "0%":
+				t.Errorf("maxUnavailable %s: the update could never start", us.RollingUpdate.MaxUnavailable)
+			}
+
+			req, lim := c.Resources.Requests, c.Resources.Limits
+			if req.Cpu().IsZero() || req.Memory().IsZero() {
+				t.Errorf("resource requests %v: want cpu and memory", req)
+			}
+			if m, ok := lim[corev1.ResourceMemory]; ok && m.Cmp(*req.Memory()) < 0 {
+				t.Errorf("memory limit %s below the request %s", m.String(), req.Memory())
+			}
+
+			checkServiceAccount(t, objs, ds)
+
+			if ds.Spec.Selector == nil || !labelsMatch(ds.Spec.Selector.MatchLabels, ds.Spec.Template.Labels) {
+				t.Errorf("the selector %v does not select the pod template's labels %v", ds.Spec.Selector, ds.Spec.Template.Labels)
+			}
+			if sc := c.SecurityContext; sc == nil || sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Drop, "ALL") {
+				t.Errorf("the container does not drop every capability it does not add: %+v", c.SecurityContext)
+			}
+		})
+	}
+}
+
+func derefInt64(p *int64) any {
+	if p == nil {
+		return nil
+	}
+	return *p
+}
+
+func labelsMatch(sel, labels map[string]string) bool {
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return len(sel) > 0
+}
+
+// checkAgentAcceptsSettings runs `identityd hive` with the container's args
+// and variables (the ones set from elsewhere given a sample value), which
+// parses every flag and builds the agent's cells without starting them.
+func checkAgentAcceptsSettings(t *testing.T, c corev1.Container) {
+	t.Helper()
+	env := []string{}
+	for _, e := range c.Env {
+		v := e.Value
+		switch {
+		case e.ValueFrom == nil:
+		case e.Name == "GOMEMLIMIT":
+			v = "536870912"
+		case strings.HasSuffix(e.Name, "_ENDPOINTS"):
+			v = "https://127.0.0.1:2379"
+		default:
+			v = "node-a"
+		}
+		env = append(env, e.Name+"="+v)
+	}
+	cmd := agentCmd(t, append([]string{"hive"}, c.Args...)...)
+	cmd.Env = append(cmd.Env, env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "Start hooks:") {
+		t.Errorf("identityd hive %s (with %v): %v\n%.2000s", strings.Join(c.Args, " "), env, err, out)
+	}
+}
+
+// checkProbes: liveness (and startup) on /healthz, readiness on /readyz, at
+// the address --prometheus-serve-addr serves; the startup probe's window
+// covers the start's wait for the first listing of global identities.
+func checkProbes(t *testing.T, s agentSettings, spec corev1.PodSpec, c corev1.Container) {
+	t.Helper()
+	addr, _ := s.value("prometheus-serve-addr")
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		t.Fatalf("--prometheus-serve-addr=%q: %v", addr, err)
+	}
+	if ip := net.ParseIP(host); ip != nil && ip.IsLoopback() && !spec.HostNetwork {
+		t.Errorf("--prometheus-serve-addr=%s is loopback, which the kubelet reaches only with hostNetwork", addr)
+	}
+	for _, p := range []struct {
+		name  string
+		probe *corev1.Probe
+		path  string
+	}{
+		{"startupProbe", c.StartupProbe, "/healthz"},
+		{"livenessProbe", c.LivenessProbe, "/healthz"},
+		{"readinessProbe", c.ReadinessProbe, "/readyz"},
+	} {
+		if p.probe == nil || p.probe.HTTPGet == nil {
+			t.Errorf("%s: want an httpGet of %s", p.name, p.path)
+			continue
+		}
+		g := p.probe.HTTPGet
+		if g.Path != p.path {
+			t.Errorf("%s asks %s, want %s", p.name, g.Path, p.path)
+		}
+		if g.Port.String() != port || (g.Host != host && !(g.Host == "" && (host == "" || host == "0.0.0.0" || host == "::"))) {
+			t.Errorf("%s asks %s:%s, the agent serves at %s (--prometheus-serve-addr)", p.name, g.Host, g.Port.String(), addr)
+		}
+		if g.Scheme != "" && g.Scheme != corev1.URISchemeHTTP {
+			t.Errorf("%s: scheme %s, the agent serves HTTP", p.name, g.Scheme)
+		}
+	}
+	if sp := c.StartupProbe; sp != nil {
+		window := time.Duration(max(sp.PeriodSeconds, 1)*max(sp.FailureThreshold, 1)) * time.Second
+		if list := s.duration(t, "allocator-list-timeout"); window < list {
+			t.Errorf("the startup probe gives the start %v, less than --allocator-list-timeout %v", window, list)
+		}
+	}
+}
+
+// mountOf returns the volume mounted at the longest mount path that holds
+// dir, and that mount.
+func mountOf(spec corev1.PodSpec, c corev1.Container, dir string) (*corev1.Volume, *corev1.VolumeMount) {
+	var best *corev1.VolumeMount
+	for i, m := range c.VolumeMounts {
+		mp := path.Clean(m.MountPath)
+		if (dir == mp || strings.HasPrefix(dir, mp+"/")) && (best == nil || len(mp) > len(best.MountPath)) {
+			best = &c.VolumeMounts[i]
+		}
+	}
+	if best == nil {
+		return nil, nil
+	}
+	for i, v := range spec.Volumes {
+		if v.Name == best.Name {
+			return &spec.Volumes[i], best
+		}
+	}
+	return nil, best
+}
+
+// checkHostPaths: the state directory is a host directory of its own,
+// created when missing, and the ipcache map's pin is on the host's bpffs.
+func checkHostPaths(t *testing.T, s agentSettings, spec corev1.PodSpec, c corev1.Container) {
+	t.Helper()
+	dir, _ := s.value("state-dir")
+	v, m := mountOf(spec, c, dir)
+	switch {
+	case v == nil || v.HostPath == nil:
+		t.Errorf("--state-dir=%s is not on a hostPath volume: the checkpoint would not outlive the pod", dir)
+	case path.Clean(m.MountPath) != path.Clean(dir):
+		t.Errorf("--state-dir=%s is below the mount %s: the agent's 0700 and owner check apply to the state directory itself", dir, m.MountPath)
+	case v.HostPath.Type == nil || *v.HostPath.Type != corev1.HostPathDirectoryOrCreate:
+		t.Errorf("the state directory's hostPath %s: want type DirectoryOrCreate", v.HostPath.Path)
+	case m.ReadOnly:
+		t.Errorf("the state directory is mounted read-only")
+	}
+
+	if mapKind, _ := s.value("ipcache-map"); mapKind == "file" {
+		return
+	}
+	pin, _ := s.value("ipcache-map-pin-path")
+	v, m = mountOf(spec, c, path.Dir(pin))
+	switch {
+	case v == nil || v.HostPath == nil || v.HostPath.Path != "/sys/fs/bpf":
+		t.Errorf("--ipcache-map-pin-path=%s is not on the host's bpffs (hostPath /sys/fs/bpf): the map would not outlive the pod", pin)
+	case m.ReadOnly:
+		t.Errorf("the bpffs is mounted read-only")
+	}
+}
+
+// checkEtcdTLS: the overlay reaches external etcd with the certificate and
+// key of a secret mounted read-only, the endpoints set.
+func checkEtcdTLS(t *testing.T, s agentSettings, spec corev1.PodSpec, c corev1.Container) {
+	t.Helper()
+	if ep, fromEnv := s.value("kvstore-endpoints"); ep == "" && !fromEnv {
+		t.Errorf("--kvstore-endpoints is not set: the agent would run an embedded etcd")
+	}
+	for _, f := range []string{"kvstore-ca-file", "kvstore-cert-file", "kvstore-key-file"} {
+		file, _ := s.value(f)
+		if file == "" {
+			t.Errorf("--%s is not set", f)
+			continue
+		}
+		v, m := mountOf(spec, c, path.Dir(file))
+		if v == nil || v.Secret == nil || !m.ReadOnly {
+			t.Errorf("--%s=%s is not in a secret mounted read-only", f, file)
+			continue
+		}
+		if dm := v.Secret.DefaultMode; dm == nil || *dm&0o077 != 0 {
+			t.Errorf("secret %s: defaultMode %s lets others than the agent's user read the key", v.Secret.SecretName, fileMode(dm))
+		}
+	}
+}
+
+// checkServiceAccount: the pods run as the ServiceAccount of the build,
+// which a binding of the build gives the build's ClusterRole.
+func checkServiceAccount(t *testing.T, objs []deployObject, ds *appsv1.DaemonSet) {
+	t.Helper()
+	sa := ds.Spec.Template.Spec.ServiceAccountName
+	if !slices.ContainsFunc(findObject[*corev1.ServiceAccount](t, objs, "ServiceAccount"), func(o *corev1.ServiceAccount) bool {
+		return o.Name == sa && o.Namespace == ds.Namespace
+	}) {
+		t.Errorf("serviceAccountName %q: no such ServiceAccount in namespace %s", sa, ds.Namespace)
+	}
+	if !slices.ContainsFunc(findObject[*corev1.Namespace](t, objs, "Namespace"), func(o *corev1.Namespace) bool { return o.Name == ds.Namespace }) {
+		t.Errorf("namespace %s is not created by the build", ds.Namespace)
+	}
+	roles := findObject[*rbacv1.ClusterRole](t, objs, "ClusterRole")
+	if !slices.ContainsFunc(findObject[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding"), func(b *rbacv1.ClusterRoleBinding) bool {
+		return b.RoleRef.Kind == "ClusterRole" && b.RoleRef.APIGroup == rbacv1.GroupName &&
+			slices.ContainsFunc(roles, func(r *rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name }) &&
+			slices.Contains(b.Subjects, rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: sa, Namespace: ds.Namespace})
+	}) {
+		t.Errorf("no ClusterRoleBinding of the build binds a ClusterRole of the build to ServiceAccount %s/%s", ds.Namespace, sa)
+	}
+}
+
+// TestDeployCRDs: deploy/crds holds exactly the CRDs the binary registers
+// (crdstore.CRDs), field for field. -update-deploy rewrites it.
+func TestDeployCRDs(t *testing.T) {
+	want := crdstore.CRDs()
+	if *updateDeploy {
+		writeDeployCRDs(t, want)
+	}
+	got := findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")
+	byName := map[string]*apiextensionsv1.CustomResourceDefinition{}
+	for _, c := range got {
+		byName[c.Name] = c
+	}
+	for _, w := range want {
+		g, ok := byName[w.Name]
+		if !ok {
+			t.Errorf("deploy/crds lacks %s, which the agent registers", w.Name)
+			continue
+		}
+		delete(byName, w.Name)
+		g = g.DeepCopy()
+		g.TypeMeta = metav1.TypeMeta{} // the agent's objects leave it to the client
+		if !apiequality.Semantic.DeepEqual(g, w) {
+			gy, _ := yaml.Marshal(g)
+			wy, _ := yaml.Marshal(w)
+			t.Errorf("deploy/crds' %s differs from the one the agent registers; run\n  go test ./cmd/identityd -run TestDeployCRDs -update-deploy\ndeploy/crds:\n%s\nthe agent's:\n%s", w.Name, gy, wy)
+		}
+	}
+	for name := range byName {
+		t.Errorf("deploy/crds holds %s, which the agent does not register", name)
+	}
+	// The base leaves the CRDs out: deleting it must not delete them.
+	for _, o := range buildDeploy(t, "base") {
+		if o.kind == "CustomResourceDefinition" {
+			t.Errorf("deploy/base holds CRD %s: `kubectl delete -k deploy/base` would delete every object of it", o.obj.GetName())
+		}
+	}
+}
+
+// writeDeployCRDs writes one file per CRD into deploy/crds, and its
+// kustomization.
+func writeDeployCRDs(t *testing.T, crds []*apiextensionsv1.CustomResourceDefinition) {
+	t.Helper()
+	dir := filepath.Join(deployDir, "crds")
+	old, _ := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	for _, f := range old {
+		os.Remove(f)
+	}
+	const header = "# Generated from cells/allocator/crdstore (go test ./cmd/identityd -run TestDeployCRDs -update-deploy).\n"
+	kust := "# The CRDs the agent registers at start, for an administrator who\n" +
+		"# installs them instead (the agents' ClusterRole then needs only get on\n" +
+		"# customresourcedefinitions). Never delete ciliumidentities.cilium.io\n" +
+		"# while Cilium uses it: every CiliumIdentity goes with it.\n" + header +
+		"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n"
+	for _, c := range crds {
+		c = c.DeepCopy()
+		c.APIVersion, c.Kind = "apiextensions.k8s.io/v1", "CustomResourceDefinition"
+		data, err := yaml.Marshal(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The zero status and creation time are the server's to fill.
+		var m map[string]any
+		if err := yaml.Unmarshal(data, &m); err != nil {
+			t.Fatal(err)
+		}
+		delete(m, "status")
+		delete(m["metadata"].(map[string]any), "creationTimestamp")
+		if data, err = yaml.Marshal(m); err != nil {
+			t.Fatal(err)
+		}
+		name := c.Name + ".yaml"
+		if err := os.WriteFile(filepath.Join(dir, name), append([]byte(header), data...), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		kust += "  - " + name + "\n"
+	}
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(kust), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deployRBAC returns the ClusterRoles and ClusterRoleBindings of
+// deploy/base and the user its DaemonSet's pods authenticate as (their
+// ServiceAccount's), for the API server tests' authorizer.
+func deployRBAC(t *testing.T) (roles []rbacv1.ClusterRole, bindings []rbacv1.ClusterRoleBinding, saUser string) {
+	t.Helper()
+	objs := buildDeploy(t, "base")
+	for _, r := range findObject[*rbacv1.ClusterRole](t, objs, "ClusterRole") {
+		roles = append(roles, *r)
+	}
+	for _, b := range findObject[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding") {
+		bindings = append(bindings, *b)
+	}
+	dss := findObject[*appsv1.DaemonSet](t, objs, "DaemonSet")
+	if len(dss) != 1 || dss[0].Spec.Template.Spec.ServiceAccountName == "" {
+		t.Fatalf("deploy/base: want one DaemonSet with a serviceAccountName")
+	}
+	ds := dss[0]
+	return roles, bindings, "system:serviceaccount:" + ds.Namespace + ":" + ds.Spec.Template.Spec.ServiceAccountName
+}
+
+func fileMode(m *int32) string {
+	if m == nil {
+		return "unset (0644)"
+	}
+	return fmt.Sprintf("%#o", *m)
+}
+
+func hasKey[V any](m map[string]V, k string) bool {
+	_, ok := m[k]
+	return ok
+}
