@@ -111,9 +111,10 @@ bench-cilium:
 # Runs the cluster scale benchmark (internal/scalebench, BenchmarkScale,
 # which other targets skip): N simulated nodes of each store, every node with
 # its own connection, against a real etcd and a real API server, counting at
-# the servers what a steady window and a churn window cost, for N = 8 to 64,
-# and the extrapolation to 1,000 and 5,000 nodes (docs/benchmarks.md,
-# "Cluster scale"). About 70 minutes on two cores. SCALE_NODES, SCALE_MODES,
+# the servers what a steady window and a churn window cost, for N = 8 to
+# 128, and the extrapolation to 1,000 and 5,000 nodes (docs/benchmarks.md,
+# "Cluster scale"). About 2 hours on two cores; N = 128 needs 9 GB of
+# memory in crd mode. SCALE_NODES, SCALE_MODES,
 # SCALE_IDENTITIES, SCALE_WINDOW, SCALE_SAVE, SCALE_LOAD and the other
 # SCALE_* variables of the package's documentation change the sweep.
 bench-scale:

@@ -64,7 +64,7 @@ const (
 // loadConfig reads the SCALE_* variables over the sweep's defaults.
 func loadConfig() (config, error) {
 	c := config{
-		nodes:      []int{8, 16, 32, 64},
+		nodes:      []int{8, 16, 32, 64, 128},
 		modes:      []string{modeEtcd, modeCRD},
 		identities: defaultIdentities,
 		shared:     -1,

@@ -14,7 +14,7 @@
 //
 // Its settings are environment variables:
 //
-//	SCALE_NODES        node counts, comma-separated (8,16,32,64)
+//	SCALE_NODES        node counts, comma-separated (8,16,32,64,128)
 //	SCALE_MODES        stores: etcd, crd or both (etcd,crd)
 //	SCALE_IDENTITIES   global identities per node (100)
 //	SCALE_SHARED       of these, label sets every node holds (a tenth)
