@@ -136,6 +136,18 @@ func TestScrapeNodeChecks(t *testing.T) {
 	if _, err := cli.Put(t.Context(), ref, id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
+	// The other writer's key is reported, never written over.
+	if n, err := etcd.SyncReferences(t.Context()); err != nil || n != 0 {
+		t.Fatalf("sync rewrote %d, err %v; want 0", n, err)
+	}
+	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{
+		`identityd_kvstore_node_name_conflicts_total`:  1,
+		`identityd_kvstore_references_rewritten_total`: 0,
+	})
+	// Once it is gone with its lease, the sync writes this node's again.
+	if _, err := cli.Revoke(t.Context(), other.ID); err != nil {
+		t.Fatal(err)
+	}
 	if n, err := etcd.SyncReferences(t.Context()); err != nil || n != 1 {
 		t.Fatalf("sync rewrote %d, err %v; want 1", n, err)
 	}
