@@ -1,0 +1,305 @@
+package checkpoint
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/journal"
+	"github.com/identityd/identityd/internal/testhive"
+)
+
+// countJournalWrites counts the journal's fsyncs from now on.
+func countJournalWrites(cp *Checkpoint) *atomic.Int64 {
+	var n atomic.Int64
+	f := func(step string) error {
+		if step == "fsync" {
+			n.Add(1)
+		}
+		return nil
+	}
+	cp.jfault.Store(&f)
+	return &n
+}
+
+// copyState copies the checkpoint and its journal as they are on disk,
+// as a crash would leave them.
+func copyState(t *testing.T, from string) string {
+	t.Helper()
+	to := t.TempDir()
+	for _, name := range []string{FileName, JournalFileName} {
+		data, err := os.ReadFile(filepath.Join(from, name))
+		if os.IsNotExist(err) {
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(to, name), data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return to
+}
+
+// loadState loads the checkpoint of dir the way restoration does, in a
+// hive of its own, and returns the identities by number.
+func loadState(t *testing.T, dir string) (map[identity.NumericIdentity]string, LoadResult) {
+	t.Helper()
+	_, cp, _ := syncHive(t, dir)
+	res, err := cp.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[identity.NumericIdentity]string{}
+	for _, id := range res.Identities {
+		out[id.ID] = id.Labels.String()
+	}
+	return out, res
+}
+
+// TestDurableAnswerAppendsToJournal: a durable answer writes one journal
+// record, not the checkpoint; a label set already held waits for no write;
+// and what the answers made durable is restored from the checkpoint and
+// the journal as a crash leaves them.
+func TestDurableAnswerAppendsToJournal(t *testing.T) {
+	dir := t.TempDir()
+	_, cp, alloc := syncHive(t, dir)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	writes := countJournalWrites(cp)
+
+	answered := map[identity.NumericIdentity]string{}
+	for i := range 100 {
+		lbls := cidr("10.7." + itoa(i) + ".0/24")
+		id, _, err := alloc.Allocate(ctx, lbls)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cp.SyncIdentities(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		answered[id.ID] = id.Labels.String()
+	}
+	if w := cp.Status().Counters.Writes; w != 0 {
+		t.Fatalf("%d checkpoint writes for 100 durable answers with an interval of an hour, want 0", w)
+	}
+	if w := writes.Load(); w != 100 {
+		t.Fatalf("%d journal writes for 100 answers of one caller, want 100", w)
+	}
+	// A label set the node already holds changes nothing on disk.
+	before := writes.Load()
+	id, allocated, err := alloc.Allocate(ctx, cidr("10.7.3.0/24"))
+	if err != nil || allocated {
+		t.Fatalf("second allocation: %v, new %v", err, allocated)
+	}
+	if err := cp.SyncIdentities(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if w := writes.Load(); w != before {
+		t.Fatalf("a label set already held cost %d journal writes", w-before)
+	}
+
+	got, res := loadState(t, copyState(t, dir))
+	if res.Report.Journal.Records != 100 || res.Report.Journal.Damage != nil {
+		t.Fatalf("journal report %+v", res.Report.Journal)
+	}
+	for id, lbls := range answered {
+		if got[id] != lbls {
+			t.Errorf("identity %d: restored %q, answered %q", id, got[id], lbls)
+		}
+	}
+}
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// TestCheckpointWriteEmptiesJournal: a checkpoint write is the journal's
+// snapshot: the journal is emptied, and changes after the write go on in
+// it; the state restored is the same.
+func TestCheckpointWriteEmptiesJournal(t *testing.T) {
+	dir := t.TempDir()
+	_, cp, alloc := syncHive(t, dir)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	var held []*identity.Identity
+	for i := range 20 {
+		id, _, err := alloc.Allocate(ctx, cidr("10.8."+itoa(i)+".0/24"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cp.SyncIdentities(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, id)
+	}
+	if _, err := cp.Write(); err != nil {
+		t.Fatal(err)
+	}
+	jpath := filepath.Join(dir, JournalFileName)
+	if fi, err := os.Stat(jpath); err != nil || fi.Size() != journal.HeaderSize {
+		t.Fatalf("journal after a checkpoint write: %v, %v bytes", err, fi.Size())
+	}
+	// Release two, allocate one: three records after the snapshot.
+	for _, id := range held[:2] {
+		if _, err := alloc.Release(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	id, _, err := alloc.Allocate(ctx, cidr("10.9.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.SyncIdentities(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	got, res := loadState(t, copyState(t, dir))
+	if len(got) != 19 || got[held[0].ID] != "" || got[held[1].ID] != "" || got[id.ID] == "" {
+		t.Fatalf("restored %d identities (%v), want 19 without the two released", len(got), got)
+	}
+	if res.Report.Journal.Records != 3 {
+		t.Fatalf("%d journal records after the snapshot, want 3", res.Report.Journal.Records)
+	}
+}
+
+// damagedJournalDir writes a state directory whose checkpoint holds
+// identities 1..5 and whose journal adds 6..10, then lets damage change the
+// journal's bytes.
+func damagedJournalDir(t *testing.T, damage func([]byte) []byte) string {
+	t.Helper()
+	dir := t.TempDir()
+	ids := cidrIdentities(10)
+	if err := WriteFile(filepath.Join(dir, FileName), AppendJSON(nil, ids[:5])); err != nil {
+		t.Fatal(err)
+	}
+	data := journal.Header(journalKind)
+	for _, id := range ids[5:] {
+		data = journal.AppendRecord(data, encodeRecord(nil, allocator.Change{Kind: allocator.ChangeUpsert, ID: id.ID, Labels: id.Labels}))
+	}
+	if err := os.WriteFile(filepath.Join(dir, JournalFileName), damage(data), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// TestDamagedJournal: a torn last record, a flipped byte in the middle, a
+// zero-length file and a journal of a newer format: the load works with
+// the checkpoint and the journal's valid records, a copy of the damaged
+// journal is kept, the log says so, and the journal goes on.
+func TestDamagedJournal(t *testing.T) {
+	recLen := journal.RecordOverhead + len(encodeRecord(nil, allocator.Change{ID: cidrIdentities(10)[9].ID, Labels: cidrIdentities(10)[9].Labels}))
+	cases := []struct {
+		name   string
+		damage func([]byte) []byte
+		want   int  // identities restored
+		kept   bool // a copy is kept
+	}{
+		{"torn last record", func(d []byte) []byte { return d[:len(d)-3] }, 9, true},
+		{"flipped byte in the middle", func(d []byte) []byte {
+			d[journal.HeaderSize+2*recLen+journal.RecordOverhead+3] ^= 0x10
+			return d
+		}, 7, true},
+		{"zero-length file", func([]byte) []byte { return nil }, 5, false},
+		{"newer format", func(d []byte) []byte {
+			binary.LittleEndian.PutUint32(d[8:], journal.Version+1)
+			return d
+		}, 5, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := damagedJournalDir(t, tc.damage)
+			damaged, _ := os.ReadFile(filepath.Join(dir, JournalFileName))
+			var logs lockedLog
+			cp, alloc := syncHiveLogs(t, dir, &logs)
+			res, err := cp.Load()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(res.Identities) != tc.want {
+				t.Fatalf("%d identities loaded, want %d", len(res.Identities), tc.want)
+			}
+			rep := res.Report.Journal
+			if tc.kept {
+				if rep.Damage == nil || rep.KeptAs == "" {
+					t.Fatalf("journal report %+v, want damage and a copy", rep)
+				}
+				kept, err := os.ReadFile(rep.KeptAs)
+				if err != nil || !bytes.Equal(kept, damaged) {
+					t.Fatalf("copy %s differs from the damaged journal (%v)", rep.KeptAs, err)
+				}
+				if !strings.Contains(logs.String(), "Identity journal damaged") || !strings.Contains(logs.String(), rep.KeptAs) {
+					t.Fatalf("no clear log line for the damaged journal:\n%s", logs.String())
+				}
+			} else if rep.Damage != nil || rep.KeptAs != "" {
+				t.Fatalf("journal report %+v, want no damage", rep)
+			}
+			// The journal goes on after its valid records.
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			id, _, err := alloc.Allocate(ctx, cidr("10.99.0.0/16"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := cp.SyncIdentities(ctx, id); err != nil {
+				t.Fatal(err)
+			}
+			got, res2 := loadState(t, copyState(t, dir))
+			if res2.Report.Journal.Damage != nil || got[id.ID] == "" {
+				t.Fatalf("after the damaged load: %+v, identity %d restored: %v", res2.Report.Journal, id.ID, got[id.ID] != "")
+			}
+		})
+	}
+}
+
+// lockedLog is a log the hive writes while the test reads it.
+type lockedLog struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *lockedLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *lockedLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+// syncHiveLogs is syncHive with the hive's logs in logs.
+func syncHiveLogs(t *testing.T, dir string, logs *lockedLog) (*Checkpoint, allocator.Allocator) {
+	t.Helper()
+	var (
+		cp    *Checkpoint
+		alloc allocator.Allocator
+	)
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, allocator.Cell, statedir.Cell, Cell,
+		cell.Invoke(func(c *Checkpoint, a allocator.Allocator) { cp, alloc = c, a }),
+	)
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *Config) { c.IdentityCheckpointInterval = time.Hour })
+	if _, err := testhive.TryStart(t, h, slog.New(slog.NewTextHandler(logs, nil))); err != nil {
+		t.Fatal(err)
+	}
+	return cp, alloc
+}
