@@ -280,7 +280,11 @@ func (c *Checkpoint) record(ch allocator.Change) {
 	c.jmu.Lock()
 	defer c.jmu.Unlock()
 	if c.jrn == nil {
-		c.early = append(c.early, ch)
+		if !c.loaded {
+			c.early = append(c.early, ch)
+		}
+		// Loaded without a journal: the load failed, writes are
+		// disabled and nothing is recorded.
 		return
 	}
 	c.recordLocked(ch)
@@ -344,7 +348,7 @@ func (c *Checkpoint) SyncIdentities(ctx context.Context, ids ...*identity.Identi
 		return fmt.Errorf("checkpoint sync: %w", blocked)
 	}
 	j, err := c.openJournal()
-	if err != nil {
+	if err != nil || j == nil {
 		c.log.Warn("Identity journal unavailable, writing the whole checkpoint", "error", err)
 		return c.Sync(ctx)
 	}

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -22,6 +24,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/internal/testhive"
 )
@@ -302,4 +305,81 @@ func syncHiveLogs(t *testing.T, dir string, logs *lockedLog) (*Checkpoint, alloc
 		t.Fatal(err)
 	}
 	return cp, alloc
+}
+
+// TestConcurrentDurableAnswers: callers allocate and release concurrently,
+// each waiting for SyncIdentities, while checkpoints are written (and the
+// journal emptied) in between: whenever a caller's answer returns, a crash
+// would restore its identity, and the state a crash leaves at the end is
+// the allocator's.
+func TestConcurrentDurableAnswers(t *testing.T) {
+	dir := t.TempDir()
+	_, cp, alloc := syncHive(t, dir)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	const callers, each = 8, 40
+	stop := make(chan struct{})
+	var snapshots sync.WaitGroup
+	snapshots.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			if _, err := cp.Write(); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for i := range each {
+				id, _, err := alloc.Allocate(ctx, cidr(fmt.Sprintf("10.%d.%d.0/24", 50+c, i)))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if err := cp.SyncIdentities(ctx, id); err != nil {
+					t.Error(err)
+					return
+				}
+				if i%4 == 3 {
+					// Released again: the journal records the release.
+					if _, err := alloc.Release(ctx, id); err != nil {
+						t.Error(err)
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(stop)
+	snapshots.Wait()
+	// Every change is recorded once the allocator's events are in; one
+	// more waited answer makes them durable.
+	id, _, err := alloc.Allocate(ctx, cidr("10.49.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.SyncIdentities(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	want := map[identity.NumericIdentity]string{}
+	for _, id := range alloc.LocalIdentities() {
+		want[id.ID] = id.Labels.String()
+	}
+	eventually.Within(t, 10*time.Second, "the state a crash leaves equals the allocator's", func() bool {
+		if err := cp.SyncIdentities(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		j, _ := cp.openJournal()
+		if err := j.Sync(j.Appended()); err != nil {
+			t.Fatal(err)
+		}
+		got, _ := loadState(t, copyState(t, dir))
+		return maps.Equal(got, want)
+	})
 }
