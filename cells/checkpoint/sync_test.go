@@ -35,13 +35,13 @@ import (
 // syncHive starts the checkpoint with its allocator, with a checkpoint
 // interval of an hour: only Sync writes while the test runs. The hive
 // stops when the test ends.
-func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+func syncHive(t testing.TB, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
 	return syncHiveEvery(t, dir, time.Hour, overrides...)
 }
 
 // syncHiveEvery is syncHive with the given --identity-checkpoint-interval.
-func syncHiveEvery(t *testing.T, dir string, interval time.Duration, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+func syncHiveEvery(t testing.TB, dir string, interval time.Duration, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
 	var (
 		cp    *Checkpoint
