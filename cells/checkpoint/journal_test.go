@@ -383,3 +383,44 @@ func TestConcurrentDurableAnswers(t *testing.T) {
 		return maps.Equal(got, want)
 	})
 }
+
+// TestJournalNotRestored: in a hive without restoration nobody replays the
+// journal, so its old records do not belong to the state this agent
+// writes: the first durable answer keeps a copy of it aside and starts it
+// afresh, instead of leaving old records to be replayed over a newer
+// checkpoint.
+func TestJournalNotRestored(t *testing.T) {
+	dir := damagedJournalDir(t, func(d []byte) []byte { return d })
+	old := mustReadFile(t, filepath.Join(dir, JournalFileName))
+	var logs lockedLog
+	cp, alloc := syncHiveLogs(t, dir, &logs)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	id, _, err := alloc.Allocate(ctx, cidr("10.98.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.SyncIdentities(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	kept, _ := filepath.Glob(filepath.Join(dir, JournalFileName+".unrestored-*"))
+	if len(kept) != 1 || !bytes.Equal(mustReadFile(t, kept[0]), old) {
+		t.Fatalf("copies of the unrestored journal: %v", kept)
+	}
+	if !strings.Contains(logs.String(), "Identity journal not restored") {
+		t.Fatalf("no log line for the unrestored journal:\n%s", logs.String())
+	}
+	c := journal.Decode(mustReadFile(t, filepath.Join(dir, JournalFileName)), journalKind)
+	if c.Damage != nil || len(c.Records) != 1 {
+		t.Fatalf("journal after the first answer: %d records, damage %v; want only the new one", len(c.Records), c.Damage)
+	}
+}
+
+func mustReadFile(t *testing.T, path string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
