@@ -104,7 +104,7 @@ func TestDurableDeleteKill(t *testing.T) {
 }
 
 // killRounds is the number of SIGKILLs of TestKillDuringDurableAnswers per
-// backend: IDENTITYD_KILL_ROUNDS, default 3 (a restart after SIGKILL takes
+// backend: IDENTITYD_KILL_ROUNDS, default 2 (a restart after SIGKILL takes
 // about 2.5s); make robustness runs 20.
 func killRounds(t *testing.T) int {
 	if s := os.Getenv("IDENTITYD_KILL_ROUNDS"); s != "" {
@@ -114,7 +114,7 @@ func killRounds(t *testing.T) int {
 		}
 		return n
 	}
-	return 3
+	return 2
 }
 
 // allocRow is what the test reads of identity/allocate -o json.
