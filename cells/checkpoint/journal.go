@@ -341,11 +341,18 @@ func (c *Checkpoint) SyncIdentities(ctx context.Context, ids ...*identity.Identi
 	if err := c.alloc.WaitForRestoration(ctx); err != nil {
 		return fmt.Errorf("checkpoint sync: %w", err)
 	}
-	c.mu.Lock()
-	blocked := c.blocked
-	c.mu.Unlock()
-	if blocked != nil {
-		return fmt.Errorf("checkpoint sync: %w", blocked)
+	// A checkpoint write holds mu for as long as it writes the whole
+	// file, and an answer that is durable already must not wait for it.
+	// That write found nothing forbidding it (it checks blocked first),
+	// and only Load, which restoration ran before, sets blocked: a held
+	// mu means writing is allowed. (Should it be forbidden after all, the
+	// journal is not open and Sync below says why.)
+	if c.mu.TryLock() {
+		blocked := c.blocked
+		c.mu.Unlock()
+		if blocked != nil {
+			return fmt.Errorf("checkpoint sync: %w", blocked)
+		}
 	}
 	j, err := c.openJournal()
 	if err != nil || j == nil {

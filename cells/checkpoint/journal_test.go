@@ -424,3 +424,59 @@ func mustReadFile(t *testing.T, path string) []byte {
 	}
 	return data
 }
+
+// TestDurableAnswerDuringCheckpointWrite: while a checkpoint write hangs
+// at its fsync, an answer for a label set already durable returns at once
+// instead of waiting for the disk's answer to the whole file.
+func TestDurableAnswerDuringCheckpointWrite(t *testing.T) {
+	dir := t.TempDir()
+	_, cp, alloc := syncHive(t, dir)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	held, _, err := alloc.Allocate(ctx, cidr("10.97.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.SyncIdentities(ctx, held); err != nil {
+		t.Fatal(err)
+	}
+	reached, resume := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	cp.mu.Lock()
+	cp.fault = func(step string) error {
+		if step == "fsync" {
+			once.Do(func() { close(reached) })
+			<-resume
+		}
+		return nil
+	}
+	cp.mu.Unlock()
+	written := make(chan error, 1)
+	go func() {
+		_, err := cp.Write()
+		written <- err
+	}()
+	<-reached
+	again, allocated, err := alloc.Allocate(ctx, cidr("10.97.0.0/16"))
+	if err != nil || allocated {
+		t.Fatalf("allocate a held label set: %v, new %v", err, allocated)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cp.SyncIdentities(ctx, again) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		close(resume)
+		t.Fatal("an answer already durable waited for the running checkpoint write")
+	}
+	close(resume)
+	if err := <-written; err != nil {
+		t.Fatal(err)
+	}
+	cp.mu.Lock()
+	cp.fault = nil
+	cp.mu.Unlock()
+}
