@@ -194,6 +194,8 @@ func tour(ctx context.Context, c api) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	var started <-chan struct{} = c.Restorer.Started()
+	<-started
 	var done <-chan struct{} = c.Restorer.Done()
 	<-done
 	var status restoration.Status = c.Restorer.Status()
