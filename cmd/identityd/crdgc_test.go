@@ -36,6 +36,7 @@ const agentUser = "identityd-agent"
 // rules): every (group, resource, verb) the agents sent is granted, and
 // every grant was used or is explained.
 func TestCRDModeKilledNodeGC(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes for minutes")
 	}
