@@ -335,6 +335,7 @@ func web(i int) labels.Labels {
 }
 
 func TestAllocateAdoptRelease(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -387,6 +388,7 @@ func TestAllocateAdoptRelease(t *testing.T) {
 }
 
 func TestRestartKeepsIdentities(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -423,6 +425,7 @@ func TestRestartKeepsIdentities(t *testing.T) {
 }
 
 func TestHostileLabelsAreStored(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -444,6 +447,7 @@ func TestHostileLabelsAreStored(t *testing.T) {
 }
 
 func TestMalformedObjectsAreIgnored(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -487,6 +491,7 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 // an identity it uses, from one it adopts, and from one whose slot its new
 // identity skips.
 func TestHeartbeatMarks(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -541,6 +546,7 @@ func TestHeartbeatMarks(t *testing.T) {
 // TestDeletedIdentityInUseIsRecreated: an object deleted by someone who
 // does not follow the collector's rules comes back while a node uses it.
 func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -559,6 +565,7 @@ func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
 // for as long as it lasts: until it re-creates its own object once the
 // other label set's is deleted, or until it releases the ID.
 func TestTakenIdentityReported(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	var healthA *cell.SimpleHealth
@@ -717,6 +724,7 @@ func TestCreateCostsOneRequest(t *testing.T) {
 // version again until the conflicts run out. (The store is not started,
 // so its cache stays as the test sets it.)
 func TestAdoptFromStaleCache(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	cluster := identity.ClusterInfo{Name: "default"}
@@ -753,6 +761,7 @@ func TestAdoptFromStaleCache(t *testing.T) {
 // within its context with ErrUnavailable, in words that name the store in
 // general rather than etcd.
 func TestAllocateServerDown(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	a := startNode(t, srv.RESTConfig(), "node-a")
 	srv.Stop(t)
