@@ -194,6 +194,7 @@ func TestCRDModeWithoutKubeconfig(t *testing.T) {
 // reaches the other node's cache). A restart of the agent (SIGTERM) keeps
 // its identities and its IdentityNode record.
 func TestCRDModeProcess(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes")
 	}

@@ -3,16 +3,28 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 )
+
+// processParallel is how many tests of this package run at a time unless
+// -test.parallel says otherwise. Most tests here run agent, etcd and API
+// server processes and spend their time waiting for them (a lease to end,
+// a GC period, a restart): go test's default, GOMAXPROCS, would keep two
+// such waits at a time on a two-core machine. Tests that measure time
+// bounds, file descriptors or goroutines, or need a tmpfs mount or a BPF
+// pin, do not call t.Parallel and run alone before the others.
+const processParallel = 4
 
 // TestMain lets the test binary act as identityd when IDENTITYD_AS_MAIN is
 // set, so process tests run the real main without a separate build. The
@@ -29,7 +41,20 @@ func TestMain(m *testing.M) {
 		main()
 		os.Exit(0)
 	}
+	flag.Parse()
+	parallelSet := false
+	flag.Visit(func(f *flag.Flag) { parallelSet = parallelSet || f.Name == "test.parallel" })
+	if !parallelSet {
+		flag.Set("test.parallel", strconv.Itoa(max(processParallel, runtime.GOMAXPROCS(0))))
+	}
+	// A whole run needs the binary (TestProcessRestart,
+	// TestDurableAnswerRestart): it is linked while the first tests run
+	// rather than on the way of the test that needs it first.
+	if !testing.Short() && flag.Lookup("test.run").Value.String() == "" && flag.Lookup("test.list").Value.String() == "" {
+		go built.once.Do(buildAgent)
+	}
 	code := m.Run()
+	built.once.Do(func() {}) // a build still running is waited for
 	if built.dir != "" {
 		os.RemoveAll(built.dir)
 	}
@@ -50,24 +75,28 @@ var built struct {
 // builds the image's (static, -trimpath), and returns its path.
 func agentBinary(t *testing.T) string {
 	t.Helper()
-	built.once.Do(func() {
-		if built.dir, built.err = os.MkdirTemp("", "identityd-test-bin"); built.err != nil {
-			return
-		}
-		built.bin = filepath.Join(built.dir, "identityd")
-		cmd, err := dockerfileBuildCmd(built.bin)
-		if err != nil {
-			built.err = err
-			return
-		}
-		if out, err := cmd.CombinedOutput(); err != nil {
-			built.err = fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
-		}
-	})
+	built.once.Do(buildAgent)
 	if built.err != nil {
 		t.Fatal(built.err)
 	}
 	return built.bin
+}
+
+func buildAgent() {
+	if built.dir, built.err = os.MkdirTemp("", "identityd-test-bin"); built.err != nil {
+		return
+	}
+	built.bin = filepath.Join(built.dir, "identityd")
+	// Built as the image builds it (static, -trimpath), so the process
+	// tests run the binary the image holds.
+	cmd, err := dockerfileBuildCmd(built.bin)
+	if err != nil {
+		built.err = err
+		return
+	}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		built.err = fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
+	}
 }
 
 func agentCmd(t *testing.T, args ...string) *exec.Cmd {
@@ -106,6 +135,7 @@ func TestHelpListsEveryCellsFlags(t *testing.T) {
 }
 
 func TestHiveAndVersionCommands(t *testing.T) {
+	t.Parallel()
 	out, err := run(t, "hive")
 	if err != nil || !strings.Contains(out, "allocator (Security identity allocator)") || !strings.Contains(out, "Start hooks:") {
 		t.Fatalf("hive: %v\n%s", err, out)
@@ -128,6 +158,7 @@ func TestHiveAndVersionCommands(t *testing.T) {
 }
 
 func TestStartErrorIsOneLine(t *testing.T) {
+	t.Parallel()
 	file := filepath.Join(t.TempDir(), "file")
 	os.WriteFile(file, nil, 0o600)
 	out, err := run(t, "--state-dir", file, "--log-level", "error")
@@ -149,6 +180,7 @@ func TestStartErrorIsOneLine(t *testing.T) {
 // --policy-cidr-match-mode other than Cilium's "nodes", instead of
 // numbering remote nodes by a mode it does not know.
 func TestInvalidPolicyCIDRMatchMode(t *testing.T) {
+	t.Parallel()
 	var out bytes.Buffer
 	cmd := agentCmd(t, "--state-dir", t.TempDir(), "--log-level", "error", "--policy-cidr-match-mode", "pods")
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -173,6 +205,7 @@ func TestInvalidPolicyCIDRMatchMode(t *testing.T) {
 // TestSignalStopsCleanly runs the agent as a process on the embedded etcd,
 // reaches it through the shell, and stops it with SIGTERM.
 func TestSignalStopsCleanly(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts an agent process")
 	}

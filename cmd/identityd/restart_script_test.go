@@ -21,6 +21,7 @@ const restartCmd = "agent/restart"
 // by a fresh one on the same state directory and map, as a restarted
 // process would be, and script commands go to whichever hive is current.
 func TestRestartScript(t *testing.T) {
+	t.Parallel()
 	scripttest.Test(t, context.Background(),
 		func(t testing.TB, args []string) *script.Engine {
 			stateDir := t.TempDir()

@@ -22,12 +22,16 @@ import (
 // state directory: every prefix -> identity pair of the datapath map must
 // be the same.
 func TestProcessRestart(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("builds and runs the binary")
 	}
 	bin := agentBinary(t)
 	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGKILL} {
-		t.Run(sig.String(), func(t *testing.T) { testProcessRestart(t, bin, sig) })
+		t.Run(sig.String(), func(t *testing.T) {
+			t.Parallel()
+			testProcessRestart(t, bin, sig)
+		})
 	}
 }
 

@@ -26,6 +26,7 @@ import (
 // own state directory, through the same commands the shell offers. A
 // script's first line may set agent flags: "#! --identity-restore-grace-period=1s".
 func TestScript(t *testing.T) {
+	t.Parallel()
 	scripttest.Test(t, context.Background(),
 		func(t testing.TB, args []string) *script.Engine {
 			h := newHive()

@@ -28,15 +28,16 @@ import (
 // an argument that is not a valid label is refused with a clear error
 // instead of being rewritten or starting a second command.
 func TestShellArgumentsVerbatim(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts an agent process")
 	}
 	// Both the agent and the client hold this variable; "$IDENTITYD_SECRET"
 	// in an argument must stay those 17 bytes.
-	t.Setenv("IDENTITYD_SECRET", "leaked-secret")
-	dir := startAgentProc(t)
+	secret := "IDENTITYD_SECRET=leaked-secret"
+	dir := startAgentProc(t, secret)
 	sh := func(args ...string) (string, error) {
-		return run(t, append([]string{"shell", "--state-dir", dir, "--"}, args...)...)
+		return runEnv(t, []string{secret}, append([]string{"shell", "--state-dir", dir, "--"}, args...)...)
 	}
 
 	// The old line protocol read 4,096 bytes at a time and ran the rest of
@@ -114,7 +115,7 @@ func TestShellArgumentsVerbatim(t *testing.T) {
 		"identity/allocate k8s:after=exit",
 	}, "\n")
 	piped := []string{`k8s:piped=a b`, `k8s:quoted="x" $HOME`, "k8s:dollar=$IDENTITYD_SECRET", "k8s:hash=#x"}
-	out, err := runStdin(t, script, "shell", "--state-dir", dir)
+	out, err := runStdin(t, script, []string{secret}, "shell", "--state-dir", dir)
 	if err == nil || !strings.Contains(out, "2 of 4 commands failed") || !strings.Contains(out, "at most 1048576 allowed") ||
 		!strings.Contains(out, "unterminated quote") || !strings.Contains(out, `"value": "a b"`) {
 		t.Errorf("piped commands: %v\n%.2000s", err, out)
@@ -165,23 +166,37 @@ func short(sets []string) string {
 	return b.String()
 }
 
-// runStdin runs identityd with args and stdin as its standard input.
-func runStdin(t *testing.T, stdin string, args ...string) (string, error) {
+// runEnv is run with env added to identityd's environment.
+func runEnv(t *testing.T, env []string, args ...string) (string, error) {
 	var out bytes.Buffer
 	cmd := agentCmd(t, args...)
+	cmd.Env = append(cmd.Env, env...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	return out.String(), err
+}
+
+// runStdin runs identityd with args, stdin as its standard input and env
+// added to its environment.
+func runStdin(t *testing.T, stdin string, env []string, args ...string) (string, error) {
+	var out bytes.Buffer
+	cmd := agentCmd(t, args...)
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdin = strings.NewReader(stdin)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()
 	return out.String(), err
 }
 
-// startAgentProc runs the agent as a process on a fresh state directory
-// and returns the directory once the agent's shell answers.
-func startAgentProc(t *testing.T) string {
+// startAgentProc runs the agent as a process on a fresh state directory,
+// with env added to its environment, and returns the directory once the
+// agent's shell answers.
+func startAgentProc(t *testing.T, env ...string) string {
 	t.Helper()
 	dir := t.TempDir()
 	var logs syncBuffer
 	agent := agentCmd(t, "--state-dir", dir, "--ipcache-map", "file", "--prometheus-serve-addr", "127.0.0.1:0")
+	agent.Env = append(agent.Env, env...)
 	agent.Stdout, agent.Stderr = &logs, &logs
 	if err := agent.Start(); err != nil {
 		t.Fatal(err)
@@ -223,6 +238,7 @@ func (b *syncBuffer) String() string {
 // command that runs until stopped (db/watch) and returns to the prompt,
 // where the next command works.
 func TestShellTerminal(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts an agent process")
 	}

@@ -23,65 +23,83 @@ const InstallTimeout = 60 * time.Second
 // for servers that have not seen the CRD yet in a highly available setup).
 const justEstablished = 2 * time.Second
 
-// InstallCRD creates crd (an existing CRD of that name is left as it is)
-// and waits until it is Established and its objects are served, and past
-// the API server's delay of creates on a just established CRD, so that the
-// test's first create is as fast as the following ones.
-func InstallCRD(tb testing.TB, cfg *rest.Config, crd *apiextensionsv1.CustomResourceDefinition) {
+// InstallCRD creates crds (an existing CRD of a name is left as it is)
+// and waits until they are Established and their objects are served, and
+// past the API server's delay of creates on a just established CRD, so
+// that the test's first create is as fast as the following ones. Several
+// CRDs are created together and share that wait.
+func InstallCRD(tb testing.TB, cfg *rest.Config, crds ...*apiextensionsv1.CustomResourceDefinition) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(tb.Context(), InstallTimeout)
 	defer cancel()
-	if err := installCRD(ctx, cfg, crd); err != nil {
-		tb.Fatalf("k8stest: installing CRD %s: %v", crd.Name, err)
+	if err := installCRDs(ctx, cfg, crds); err != nil {
+		tb.Fatalf("k8stest: %v", err)
 	}
 }
 
-func installCRD(ctx context.Context, cfg *rest.Config, crd *apiextensionsv1.CustomResourceDefinition) error {
+func installCRDs(ctx context.Context, cfg *rest.Config, crds []*apiextensionsv1.CustomResourceDefinition) error {
 	cli, err := apiextensionsclient.NewForConfig(cfg)
 	if err != nil {
 		return err
 	}
-	crds := cli.ApiextensionsV1().CustomResourceDefinitions()
-	if _, err := crds.Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
 		return err
 	}
+	for _, crd := range crds {
+		if _, err := cli.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("installing CRD %s: %w", crd.Name, err)
+		}
+	}
+	var latest time.Time
+	for _, crd := range crds {
+		established, err := waitServed(ctx, cli, dyn, crd)
+		if err != nil {
+			return fmt.Errorf("installing CRD %s: %w", crd.Name, err)
+		}
+		if established.After(latest) {
+			latest = established
+		}
+	}
+	// The condition's time has a resolution of a second, truncated: waiting
+	// until 2s after it is enough for the server, which reads the same value.
+	return sleep(ctx, time.Until(latest.Add(justEstablished+50*time.Millisecond)))
+}
+
+// waitServed waits until crd is Established and its objects are served,
+// and returns when it became Established.
+func waitServed(ctx context.Context, cli apiextensionsclient.Interface, dyn dynamic.Interface, crd *apiextensionsv1.CustomResourceDefinition) (time.Time, error) {
+	crds := cli.ApiextensionsV1().CustomResourceDefinitions()
 	var established time.Time
 	for {
 		got, err := crds.Get(ctx, crd.Name, metav1.GetOptions{})
 		if err != nil {
-			return err
+			return established, err
 		}
 		if t, ok := establishedSince(got); ok {
 			established = t
 			break
 		}
 		if err := sleep(ctx, 20*time.Millisecond); err != nil {
-			return fmt.Errorf("not established: %w", err)
+			return established, fmt.Errorf("not established: %w", err)
 		}
 	}
 
 	// The handler serves the CRD once its own cache has it, which may be a
 	// moment after the condition is stored: list until it answers.
-	dyn, err := dynamic.NewForConfig(cfg)
-	if err != nil {
-		return err
-	}
 	gvr := schema.GroupVersionResource{Group: crd.Spec.Group, Version: storageVersion(crd), Resource: crd.Spec.Names.Plural}
 	for {
 		_, err := dyn.Resource(gvr).List(ctx, metav1.ListOptions{Limit: 1})
 		if err == nil {
-			break
+			return established, nil
 		}
 		if !apierrors.IsNotFound(err) {
-			return fmt.Errorf("listing %s: %w", gvr.Resource, err)
+			return established, fmt.Errorf("listing %s: %w", gvr.Resource, err)
 		}
 		if err := sleep(ctx, 20*time.Millisecond); err != nil {
-			return fmt.Errorf("%s not served: %w", gvr.Resource, err)
+			return established, fmt.Errorf("%s not served: %w", gvr.Resource, err)
 		}
 	}
-	// The condition's time has a resolution of a second, truncated: waiting
-	// until 2s after it is enough for the server, which reads the same value.
-	return sleep(ctx, time.Until(established.Add(justEstablished+50*time.Millisecond)))
 }
 
 func establishedSince(crd *apiextensionsv1.CustomResourceDefinition) (time.Time, bool) {

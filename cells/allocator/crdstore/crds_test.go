@@ -10,6 +10,7 @@ import (
 )
 
 func TestRegisterCRDsCreatesAndUpdates(t *testing.T) {
+	t.Parallel()
 	srv := startBareServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	rl "k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
@@ -449,13 +450,18 @@ func TestGCStopsWithLostLock(t *testing.T) {
 	// Another holder takes the lock (an administrator, or a node that
 	// judged the lease ended).
 	cli := newClient(t, srv.RESTConfig())
-	lock, err := cli.lease(t, "identity-gc-0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, lease, now := "node-x_1", int32(60), metav1.NewMicroTime(time.Now())
-	lock.Spec.HolderIdentity, lock.Spec.LeaseDurationSeconds, lock.Spec.RenewTime = &other, &lease, &now
-	if err := cli.nodes.Put().Resource("identityleases").Name("identity-gc-0").Body(lock).Do(t.Context()).Error(); err != nil {
+	other, lease := "node-x_1", int32(60)
+	// node-a renews the lock every retry period: a write that meets one
+	// of its renewals reads the lock again.
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		lock, err := cli.lease(t, "identity-gc-0")
+		if err != nil {
+			return err
+		}
+		now := metav1.NewMicroTime(time.Now())
+		lock.Spec.HolderIdentity, lock.Spec.LeaseDurationSeconds, lock.Spec.RenewTime = &other, &lease, &now
+		return cli.nodes.Put().Resource("identityleases").Name("identity-gc-0").Body(lock).Do(t.Context()).Error()
+	}); err != nil {
 		t.Fatal(err)
 	}
 	taken := time.Now()

@@ -63,6 +63,7 @@ func TestRestartKeepsEarlierRecord(t *testing.T) {
 // TestRestartAfterExpiredRecord: a record whose lease has ended protects
 // nothing, and the restarted node does not bring its identities back.
 func TestRestartAfterExpiredRecord(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -132,6 +133,7 @@ func (l errorLog) has(sub string) bool {
 // refuses to start, naming the first; a write of the record by anyone else
 // while the node runs shows as a conflict and is reported.
 func TestDuplicateNodeName(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	logA := newErrorLog(testLogger(t).Handler())
@@ -187,6 +189,7 @@ func TestDuplicateNodeName(t *testing.T) {
 // host whose process has ended (a restart after SIGKILL) is taken over with
 // its identities; an expired one protects nothing.
 func TestNodeNameHolders(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	host, _ := os.Hostname()
@@ -233,6 +236,7 @@ func TestNodeNameHolders(t *testing.T) {
 // record written by hand must neither break the collector's listing of
 // every record nor be misread.
 func TestRecordTimesInAnyRFC3339Form(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	now := time.Now().UTC()

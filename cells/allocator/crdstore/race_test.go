@@ -60,6 +60,7 @@ func allocateAll(ctx context.Context, n *testNode, sets []labels.Labels, gorouti
 // (with a random free ID per create, as Cilium picks, it fails: 863
 // objects for the 300 label sets of -short, 570 ID mismatches).
 func TestRaceNoDuplicates(t *testing.T) {
+	t.Parallel()
 	nodes, setCount, goroutines := 3, raceSetCount, 8
 	if testing.Short() {
 		setCount = 300

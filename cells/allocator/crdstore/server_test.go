@@ -12,11 +12,13 @@ import (
 func startServer(tb testing.TB, opts ...k8stest.Option) *k8stest.Server {
 	tb.Helper()
 	srv := startBareServer(tb, opts...)
-	k8stest.InstallCRD(tb, srv.RESTConfig(), CiliumIdentityCRD())
-	k8stest.InstallCRD(tb, srv.RESTConfig(), IdentityNodeCRD())
-	k8stest.InstallCRD(tb, srv.RESTConfig(), IdentityLeaseCRD())
+	k8stest.InstallCRD(tb, srv.RESTConfig(), CiliumIdentityCRD(), IdentityNodeCRD(), IdentityLeaseCRD())
 	return srv
 }
+
+// Tests on a server of their own call t.Parallel: most of their time is
+// the server's start and waits on watches. Those that time leases,
+// heartbeat marks or elections in seconds, or count requests, run alone.
 
 // startBareServer starts an API server without CRDs.
 func startBareServer(tb testing.TB, opts ...k8stest.Option) *k8stest.Server {

@@ -345,6 +345,7 @@ func web(i int) labels.Labels {
 }
 
 func TestAllocateAdoptRelease(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -397,6 +398,7 @@ func TestAllocateAdoptRelease(t *testing.T) {
 }
 
 func TestRestartKeepsIdentities(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -429,6 +431,7 @@ func TestRestartKeepsIdentities(t *testing.T) {
 }
 
 func TestHostileLabelsAreStored(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -450,6 +453,7 @@ func TestHostileLabelsAreStored(t *testing.T) {
 }
 
 func TestMalformedObjectsAreIgnored(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -493,6 +497,7 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 // an identity it uses, from one it adopts, and from one whose slot its new
 // identity skips.
 func TestHeartbeatMarks(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -547,6 +552,7 @@ func TestHeartbeatMarks(t *testing.T) {
 // TestDeletedIdentityInUseIsRecreated: an object deleted by someone who
 // does not follow the collector's rules comes back while a node uses it.
 func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
@@ -565,6 +571,7 @@ func TestDeletedIdentityInUseIsRecreated(t *testing.T) {
 // for as long as it lasts: until it re-creates its own object once the
 // other label set's is deleted, or until it releases the ID.
 func TestTakenIdentityReported(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	var healthA *cell.SimpleHealth
@@ -723,6 +730,7 @@ func TestCreateCostsOneRequest(t *testing.T) {
 // version again until the conflicts run out. (The store is not started,
 // so its cache stays as the test sets it.)
 func TestAdoptFromStaleCache(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	cluster := identity.ClusterInfo{Name: "default"}
@@ -759,6 +767,7 @@ func TestAdoptFromStaleCache(t *testing.T) {
 // within its context with ErrUnavailable, in words that name the store in
 // general rather than etcd.
 func TestAllocateServerDown(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	a := startNode(t, srv.RESTConfig(), "node-a")
 	srv.Stop(t)

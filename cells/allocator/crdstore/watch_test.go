@@ -18,6 +18,7 @@ import (
 // TestWatchSurvivesServerRestart: a node's cache follows what another node
 // creates after the API server restarted under its watch.
 func TestWatchSurvivesServerRestart(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	a := startNode(t, srv.RESTConfig(), "node-a")
 	b := startNode(t, srv.RESTConfig(), "node-b")
@@ -50,6 +51,7 @@ func TestWatchSurvivesServerRestart(t *testing.T) {
 // resumes from a resourceVersion the restarted server no longer serves:
 // 410 Gone), deletions included.
 func TestRelistAfterGone(t *testing.T) {
+	t.Parallel()
 	etcd := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
 	s1 := startServer(t, k8stest.WithEtcd(etcd.Endpoints()...))
 	// The same prefix: both servers serve the same objects.
@@ -94,6 +96,7 @@ func TestRelistAfterGone(t *testing.T) {
 // TestRegisterCRDsForbidden: without the right to CRDs the start fails
 // with an error that names the CRD and the verb refused.
 func TestRegisterCRDsForbidden(t *testing.T) {
+	t.Parallel()
 	srv := startBareServer(t)
 	cfg, err := clientcmd.BuildConfigFromFlags("", srv.UserKubeconfig(t, "agent"))
 	if err != nil {
