@@ -272,8 +272,10 @@ func TestCRDModeProcess(t *testing.T) {
 	if objs.identity(after) == nil {
 		t.Fatalf("CiliumIdentity %d allocated after the API server's restart is not there", after)
 	}
-	// node-b's cache learns of it from its watch, which recovered.
-	waitUntil(t, 60*time.Second, "node-b's watch delivers an identity created after the API server's restart", func() error {
+	// node-b's cache learns of it from its watch, which resumes after
+	// client-go's backoff: at most 30 s, jittered up to twice that, and
+	// readiness no longer waits for it.
+	waitUntil(t, 2*time.Minute, "node-b's watch delivers an identity created after the API server's restart", func() error {
 		out, err := shB.Run(time.Now().Add(30*time.Second), "identity/get", strconv.Itoa(after))
 		if err != nil || !strings.Contains(out, "k8s:app=after-restart") {
 			return fmt.Errorf("identity/get %d on node-b: %v %s", after, err, out)

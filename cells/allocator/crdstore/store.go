@@ -323,7 +323,8 @@ const reachabilityProbe = time.Second
 
 // probeUntilAnswered asks the API server for /version every second while
 // broken is set, and calls answered at its first answer. The reflector
-// retries its listing with a backoff that grows to 30 s, and spread over
+// retries its listing with a backoff that grows to 30 s, jittered up to
+// twice that, and spread over
 // the nodes, so that an API server that comes back is not listed by all of
 // them at once; readiness, which says whether this node can allocate, must
 // not wait for it.
