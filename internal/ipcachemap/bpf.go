@@ -559,10 +559,6 @@ func (b *bpfMap) Sync() error {
 	return nil
 }
 
-func (b *bpfMap) SyncKeys([]Key) error { return b.Sync() }
-
-func (b *bpfMap) Compact() error { return b.Sync() }
-
 func (b *bpfMap) Close() error {
 	if b.closed.Swap(true) {
 		return nil
