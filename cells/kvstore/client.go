@@ -66,6 +66,10 @@ type Client struct {
 	embedded  *embeddedEtcd
 	endpoints []string
 	lease     *nodeLease
+	// forgotten is the last lease forgotten as lost, so that LeaseLost
+	// of it waits for its loss to be reported rather than returning at
+	// once in the moment between the forgetting and the report.
+	forgotten *nodeLease
 	lastErr   error
 	stopped   bool
 	// lostLease is the lease that was lost (not revoked by this node)
@@ -667,6 +671,7 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 	stopped := c.stopped
 	if current {
 		c.lease = nil
+		c.forgotten = l
 		if why != reasonRevoked && !stopped {
 			c.lostLease, c.lostWhy = l.id, why
 		}
@@ -674,7 +679,8 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 	c.mu.Unlock()
 	l.cancel()
 	l.lostOnce.Do(func() {
-		close(l.lost)
+		// Health hears of the loss before anyone waiting on it wakes.
+		defer close(l.lost)
 		switch {
 		case why == reasonRevoked:
 			// Asked for by this node (at stop): not a loss to warn of.
@@ -688,13 +694,17 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 }
 
 // LeaseLost returns a channel that is closed once lease id is lost or
-// revoked. It is closed already when id is not the current lease. After it
+// revoked, after health has heard of the loss. It is closed already when id
+// is neither the current lease nor the last one lost. After it
 // closes, Lease grants a new lease; keys written with the old one are gone.
 func (c *Client) LeaseLost(id clientv3.LeaseID) <-chan struct{} {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.lease != nil && c.lease.id == id {
 		return c.lease.lost
+	}
+	if c.forgotten != nil && c.forgotten.id == id {
+		return c.forgotten.lost
 	}
 	return closedChan
 }

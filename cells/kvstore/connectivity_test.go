@@ -183,6 +183,61 @@ func TestLostLeaseHealthRecovers(t *testing.T) {
 	}
 }
 
+// TestLeaseLostWaitsForReport: LeaseLost of a lease just lost does not
+// return before health heard of the loss, even once the client has
+// forgotten the lease. It returned a closed channel in that moment, and a
+// caller acting on it saw the client neither degraded nor holding a lease.
+func TestLeaseLostWaitsForReport(t *testing.T) {
+	t.Parallel()
+	etcd := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	p, c := startHealthNode(t, etcd)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	old, err := c.Lease(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := kvstore.HoldHealthReports(c)
+	released := false
+	defer func() {
+		if !released {
+			release()
+		}
+	}()
+	if _, err := etcd.Client(t).Revoke(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	// A write with the revoked lease is refused, and the client forgets
+	// the lease; its report waits for release, and so does the write.
+	go c.Client().Put(ctx, "ref", "1", clientv3.WithLease(old)) //nolint:errcheck // refused
+	for c.Status(ctx).LeaseID == old {
+		if ctx.Err() != nil {
+			t.Fatal("the client never forgot its revoked lease")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	lost := c.LeaseLost(old)
+	select {
+	case <-lost:
+		t.Fatal("LeaseLost closed before health heard of the loss")
+	case <-time.After(200 * time.Millisecond):
+	}
+	release()
+	released = true
+	select {
+	case <-lost:
+	case <-ctx.Done():
+		t.Fatal("LeaseLost never closed")
+	}
+	for _, st := range p.All() {
+		if st.Name == "kvstore" && st.Level != cell.StatusDegraded {
+			if lease := c.Status(ctx).LeaseID; lease == 0 || lease == old {
+				t.Errorf("kvstore %s with lease %x after losing %x", st.Level, lease, old)
+			}
+		}
+	}
+}
+
 // keepaliveScope is the health scope of the kvstore's keepalive job.
 const keepaliveScope = "kvstore.job-" + kvstore.KeepaliveJob
 
