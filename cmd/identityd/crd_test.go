@@ -183,6 +183,36 @@ func TestCRDModeWithoutKubeconfig(t *testing.T) {
 	}
 }
 
+// TestCRDModeHeartbeatTimeoutTooShort: in crd mode the agent refuses to
+// start with a heartbeat timeout too short for the Cilium agents that may
+// share the identities, with an error naming the flag, the minimum and the
+// way out where no Cilium agent allocates; below the store's own minimum
+// that way out is refused too.
+func TestCRDModeHeartbeatTimeoutTooShort(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	kc := "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \"https://127.0.0.1:1\"}\n" +
+		"users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\ncurrent-context: c\n"
+	if err := os.WriteFile(kubeconfig, []byte(kc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	run := func(extra ...string) (string, error) {
+		args := append([]string{"--state-dir", t.TempDir(), "--identity-allocation-mode=crd", "--k8s-kubeconfig-path", kubeconfig,
+			"--node-name", "node-a", "--ipcache-map", "file", "--prometheus-serve-addr", "", "--log-level", "error"}, extra...)
+		return runAgentToExit(t, args...)
+	}
+	out, err := run("--identity-heartbeat-timeout=5m")
+	if err == nil || !strings.Contains(out, "--identity-heartbeat-timeout must be at least 10m0s beside Cilium agents, not 5m0s") ||
+		!strings.Contains(out, "--identity-gc-cilium-agents=false") {
+		t.Errorf("--identity-heartbeat-timeout=5m: %v, want a refusal naming the flag, 10m0s and --identity-gc-cilium-agents=false:\n%s", err, out)
+	}
+	out, err = run("--identity-heartbeat-timeout=1m", "--identity-gc-cilium-agents=false")
+	if err == nil || !strings.Contains(out, "--identity-heartbeat-timeout must be at least 2m0s in crd mode, not 1m0s") {
+		t.Errorf("--identity-heartbeat-timeout=1m without Cilium agents: %v, want a refusal naming 2m0s:\n%s", err, out)
+	}
+}
+
 // TestCRDModeProcess runs two agent processes in crd mode on one real API
 // server: a global identity allocated through the shell of one is a
 // CiliumIdentity object, the other node adopts the same ID, each node's

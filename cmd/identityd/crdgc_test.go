@@ -54,8 +54,10 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 	k8stest.InstallCRD(t, srv.RESTConfig(), old)
 	kubeconfig := tokenKubeconfig(t, srv, saToken)
 
+	// No Cilium agent runs here: --identity-gc-cilium-agents=false allows
+	// the 2m timeout that keeps the run within minutes.
 	gcFlags := []string{"--identity-node-lease-ttl=25s", "--identity-gc-interval=3s",
-		"--identity-heartbeat-timeout=2m", "--identity-restore-grace-period=1s"}
+		"--identity-heartbeat-timeout=2m", "--identity-gc-cilium-agents=false", "--identity-restore-grace-period=1s"}
 	agents := map[string]*healthAgent{
 		"node-a": startCRDAgent(t, filepath.Join(dir, "a"), kubeconfig, "node-a", gcFlags...),
 		"node-b": startCRDAgent(t, filepath.Join(dir, "b"), kubeconfig, "node-b", gcFlags...),

@@ -175,9 +175,11 @@ func TestRobustnessCRD(t *testing.T) {
 				"--identity-allocation-mode", "crd",
 				"--k8s-kubeconfig-path", api.Kubeconfig(),
 				"--identity-node-lease-ttl", leaseTTL.String(),
-				// The shortest the store allows: identities marked
-				// unused are deleted within the run.
+				// The shortest the store allows where no Cilium
+				// agent allocates: identities marked unused are
+				// deleted within the run.
 				"--identity-heartbeat-timeout", crdstore.MinHeartbeatTimeout.String(),
+				"--identity-gc-cilium-agents=false",
 			},
 			faults: []EventKind{APIServerRestart, APIServerKill},
 			// The workload's label sets are always held by someone

@@ -39,7 +39,8 @@ type config struct {
 // collection interval is by default the lease TTL, as at the defaults (15m
 // and 15m): every timer runs faster than at the defaults by one factor,
 // timeScale (36). The heartbeat timeout of the CRD store's collector gets
-// its minimum.
+// its minimum where only identityd nodes allocate (no Cilium agents run
+// in the benchmark).
 var (
 	leaseTTL     = max(kvstore.MinLeaseTTL, crdstore.MinIdentityNodeLeaseTTL)
 	syncInterval = leaseTTL / 3

@@ -129,7 +129,12 @@ func startCRDNode(ctx context.Context, log *slog.Logger, rc *rest.Config, i int,
 		cell.Invoke(func(a allocator.Allocator, s *crdstore.Store) { n.alloc, store = a, s }),
 	)
 	hive.AddConfigOverride(n.h, func(c *allocator.Config) { c.IdentityAllocationMode = identity.AllocationModeCRD })
-	hive.AddConfigOverride(n.h, func(c *crdstore.Config) { c.IdentityNodeLeaseTTL = leaseTTL })
+	// Only identityd nodes allocate: the heartbeat timeout may go below
+	// what Cilium agents need.
+	hive.AddConfigOverride(n.h, func(c *crdstore.Config) {
+		c.IdentityNodeLeaseTTL = leaseTTL
+		c.IdentityGCCiliumAgents = false
+	})
 	hive.AddConfigOverride(n.h, func(c *globalstore.Config) {
 		c.IdentityGCInterval = cfg.gcInterval
 		c.IdentityHeartbeatTimeout = heartbeat

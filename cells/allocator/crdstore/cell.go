@@ -25,7 +25,9 @@ import (
 // identity.ClusterInfo, this node's name as an identity.NodeName and the
 // stores' shared flags as a globalstore.Config (the first listing's
 // timeout and the garbage collection's settings), and registers
-// --identity-node-lease-ttl. Its loops are jobs of this module: the
+// --identity-node-lease-ttl and --identity-gc-cilium-agents; beside Cilium
+// agents (the default) it refuses a heartbeat timeout shorter than
+// MinHeartbeatTimeoutBesideCilium. Its loops are jobs of this module: the
 // watch of CiliumIdentity objects, the IdentityNode writer and its
 // renewal, the removal of heartbeat marks from identities this node uses,
 // and the garbage collection with the election of the one node of the
@@ -107,6 +109,12 @@ func newStore(p params) (*Store, error) {
 		if err := s.SetGCConfig(gc); err != nil {
 			return nil, err
 		}
+	}
+	// The bound that Cilium agents need is the cell's: a store made with
+	// New (tests, benchmarks of identityd alone) may go down to
+	// MinHeartbeatTimeout.
+	if err := p.Config.validateHeartbeat(s.gc.cfg.HeartbeatTimeout); err != nil {
+		return nil, err
 	}
 	return s, nil
 }

@@ -33,12 +33,14 @@
 // identity-unmark (removes the heartbeat mark from identities this node
 // uses), and, unless the collection's interval is 0, identity-gc-election
 // (client-go's leader election over the IdentityLease; its health names
-// the node that collects) and identity-gc (the collection's timer, whose
-// runs happen only on the elected node).
+// the node that collects), identity-gc (the collection's timer, whose
+// runs happen only on the elected node) and identity-gc-endpoints (its
+// health says whether the collector found Cilium's endpoint CRDs).
 //
 // # Flags
 //
-//	--identity-node-lease-ttl   how long this node's IdentityNode counts after its renewal (15m; at least 25s)
+//	--identity-node-lease-ttl     how long this node's IdentityNode counts after its renewal (15m; at least 25s)
+//	--identity-gc-cilium-agents   Cilium agents may use the identities (default): the heartbeat timeout is then at least MinHeartbeatTimeoutBesideCilium, else MinHeartbeatTimeout
 //
 // # Metrics
 //
@@ -59,8 +61,10 @@
 //
 // The collector (gc.go), one node per cluster (election.go), decides on
 // its own consistent listing of both kinds of objects, made after the time
-// it measures marks against: it marks identities no live IdentityNode
-// lists and no fence needs, deletes those marked a heartbeat timeout
+// it measures marks against, and on a listing of Cilium's CiliumEndpoint
+// and CiliumEndpointSlice objects (endpoints.go), which name the
+// identities Cilium agents use: it marks identities no live IdentityNode
+// lists, no endpoint object names and no fence needs, deletes those marked a heartbeat timeout
 // earlier with their UID and resourceVersion as preconditions, paced by a
 // rate limit, and deletes IdentityNode objects a lease after their lease
 // ended. Its settings are a GCConfig (DefaultGCConfig unless the hive

@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"golang.org/x/time/rate"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -97,6 +98,13 @@ type gcState struct {
 	// keptUsed and keptFenced are the last run's counts.
 	keptUsed, keptFenced atomic.Uint64
 
+	// endpoints is what the last run learned of the CiliumEndpoint and
+	// CiliumEndpointSlice objects.
+	endpoints endpointState
+	// pageSize is the page size of the listings of Cilium's endpoint
+	// objects (gcListPageSize; tests make it small).
+	pageSize int64
+
 	// beforeDelete, when set (by tests), runs before each delete of an
 	// identity.
 	beforeDelete func(*gcObject)
@@ -105,7 +113,7 @@ type gcState struct {
 func newGCState(cfg GCConfig) *gcState {
 	perDeletion := cfg.RateInterval / time.Duration(max(cfg.RateLimit, 1))
 	// A burst of one keeps every window of the interval within the limit.
-	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1)}
+	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize}
 }
 
 // SetGCConfig replaces the garbage collection's configuration; it takes
@@ -125,9 +133,11 @@ type GCResult struct {
 	// changed or went since it was listed: a use won).
 	Marked, Deleted, Skipped int
 	// KeptUsed counts unreserved identities a live IdentityNode (or this
-	// node) uses; KeptFenced unused ones that the fence keeps.
+	// node) uses, or a CiliumEndpoint or CiliumEndpointSlice names;
+	// KeptFenced unused ones that the fence keeps.
 	KeptUsed, KeptFenced int
-	// Unmarked counts marks removed from fenced identities.
+	// Unmarked counts marks removed from fenced identities and from
+	// identities only Cilium's endpoint objects name.
 	Unmarked int
 	// NodesDeleted counts IdentityNode objects deleted a lease after
 	// their lease ended.
@@ -149,6 +159,13 @@ func (s *Store) startGC(life context.Context) {
 	el := newGCElection(s, timings)
 	s.election.Store(el)
 	s.jobs.Add(s.oneShot(life, "identity-gc-election", el.run))
+	// Its own scope, which the timer's reports do not overwrite: whether
+	// the collector found Cilium's endpoint objects to count.
+	s.jobs.Add(s.oneShot(life, "identity-gc-endpoints", func(ctx context.Context, h cell.Health) {
+		s.gc.endpoints.attach(h)
+		<-ctx.Done()
+		s.gc.endpoints.attach(nil)
+	}))
 	s.jobs.Add(job.Timer("identity-gc", func(ctx context.Context) error {
 		term := el.leading()
 		if term == nil || s.stopped.Load() || !s.ids.isSynced() {
@@ -195,7 +212,8 @@ type gcObject struct {
 // lock says, and two collectors at once are safe.
 //
 // An identity that no live IdentityNode lists, that this node does not
-// hold and that no fence keeps gets the heartbeat mark; one marked at
+// hold, that no CiliumEndpoint or CiliumEndpointSlice names and that no
+// fence keeps gets the heartbeat mark; one marked at
 // least HeartbeatTimeout before the run, and still unused and unfenced,
 // is deleted with its UID and resourceVersion as preconditions, so that a
 // node that removed the mark or changed the object in between wins.
@@ -219,6 +237,14 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		return res, err
 	}
 	nodes, err := s.listGCNodes(ctx)
+	if err != nil {
+		return res, err
+	}
+	// Listed after the identities: an identity created since is not
+	// in objs, and one in objs that an endpoint took since was
+	// allocated by its agent, which removed the mark (and so changed the
+	// object under the delete's precondition).
+	named, err := s.listEndpointIdentities(ctx)
 	if err != nil {
 		return res, err
 	}
@@ -249,17 +275,25 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 			continue
 		}
 		mark, marked := o.obj.Annotations[HeartbeatAnnotation]
-		if fenced[o.id] {
-			keptFenced++
+		_, byEndpoint := named[o.id]
+		if byEndpoint || fenced[o.id] {
+			if byEndpoint {
+				keptUsed++
+			} else {
+				keptFenced++
+			}
 			if marked {
 				// Another collector (a Cilium operator) may delete a
 				// marked identity; this one must stay while the fence
-				// needs it.
+				// or the endpoint needs it. Without the mark, the
+				// timeout starts again once nothing names it: an
+				// agent that still holds it has a whole timeout to
+				// remove the next mark.
 				if err := s.gcUnmark(ctx, o); err == nil {
 					res.Unmarked++
 					gc.unmarked.Add(1)
 				} else if !apierrors.IsConflict(err) && !apierrors.IsNotFound(err) {
-					return res, fmt.Errorf("%w: removing the heartbeat mark of fenced identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+					return res, fmt.Errorf("%w: removing the heartbeat mark of kept identity %d: %w", globalstore.ErrUnavailable, o.id, err)
 				}
 			}
 			continue
@@ -568,7 +602,7 @@ func newGCCollector(s *Store) *metrics.ScrapeCollector {
 			"Number of CRD identity garbage collection runs since the agent started, by outcome (a run in progress counts as success)",
 			metrics.LabelOutcome)
 		kept = metrics.NewDesc("crd_identity_gc_kept",
-			"Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it) or fenced (a later identity's probe sequence needs it)",
+			"Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it, or a CiliumEndpoint or CiliumEndpointSlice names it) or fenced (a later identity's probe sequence needs it)",
 			labelReason)
 		nodes = metrics.NewDesc("crd_identity_gc_nodes_deleted_total",
 			"Number of IdentityNode objects the garbage collection deleted a lease after their lease ended")

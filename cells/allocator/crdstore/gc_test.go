@@ -738,7 +738,7 @@ identityd_crd_identity_gc_runs{outcome="success"} 2
 		t.Fatal(err)
 	}
 	want = `
-# HELP identityd_crd_identity_gc_kept Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it) or fenced (a later identity's probe sequence needs it)
+# HELP identityd_crd_identity_gc_kept Number of CiliumIdentity objects the last garbage collection run kept, by reason: used (a live IdentityNode lists it, or a CiliumEndpoint or CiliumEndpointSlice names it) or fenced (a later identity's probe sequence needs it)
 # TYPE identityd_crd_identity_gc_kept gauge
 identityd_crd_identity_gc_kept{reason="fenced"} 7
 identityd_crd_identity_gc_kept{reason="used"} 0

@@ -65,6 +65,9 @@ type Store struct {
 
 	ciliumClient *rest.RESTClient
 	nodeClient   *rest.RESTClient
+	// sliceClient reads Cilium's v2alpha1 CiliumEndpointSlice objects,
+	// for the garbage collection.
+	sliceClient *rest.RESTClient
 
 	ids *identityCache
 
@@ -166,7 +169,11 @@ func (s *Store) connect(cfg *rest.Config) error {
 	if err != nil {
 		return err
 	}
-	s.rest, s.ciliumClient, s.nodeClient = cfg, cilium, own
+	ces, err := restClient(cfg, schema.GroupVersion{Group: CiliumGroup, Version: CiliumSliceVersion}, codecs)
+	if err != nil {
+		return err
+	}
+	s.rest, s.ciliumClient, s.nodeClient, s.sliceClient = cfg, cilium, own, ces
 	return nil
 }
 

@@ -24,6 +24,9 @@ const (
 	// the version of its IdentityNode and IdentityLease objects.
 	IdentityGroup   = "identityd.io"
 	IdentityVersion = "v1"
+	// CiliumSliceVersion is the version of Cilium's CiliumEndpointSlice
+	// objects (CiliumEndpoint objects are of CiliumVersion).
+	CiliumSliceVersion = "v2alpha1"
 
 	// HeartbeatAnnotation is the mark Cilium's operator (and identityd's
 	// garbage collection) sets on an identity it is about to delete: an
@@ -36,6 +39,10 @@ var (
 	CiliumIdentityResource = schema.GroupVersionResource{Group: CiliumGroup, Version: CiliumVersion, Resource: "ciliumidentities"}
 	IdentityNodeResource   = schema.GroupVersionResource{Group: IdentityGroup, Version: IdentityVersion, Resource: "identitynodes"}
 	IdentityLeaseResource  = schema.GroupVersionResource{Group: IdentityGroup, Version: IdentityVersion, Resource: "identityleases"}
+	// The Cilium objects whose identities the garbage collection counts as
+	// used; the store only lists them.
+	CiliumEndpointResource      = schema.GroupVersionResource{Group: CiliumGroup, Version: CiliumVersion, Resource: "ciliumendpoints"}
+	CiliumEndpointSliceResource = schema.GroupVersionResource{Group: CiliumGroup, Version: CiliumSliceVersion, Resource: "ciliumendpointslices"}
 )
 
 // CiliumIdentity is Cilium's object of one global identity: its name is the
