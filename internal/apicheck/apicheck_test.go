@@ -23,7 +23,7 @@ import (
 const module = "github.com/identityd/identityd"
 
 // publicPatterns are the packages whose exported API other agents import.
-var publicPatterns = []string{"./cells/...", "./labels/...", "./identity/..."}
+var publicPatterns = []string{"./cells/...", "./labels/...", "./identity/...", "./testenv/..."}
 
 // listed is what `go list -export -json` says of one package.
 type listed struct {

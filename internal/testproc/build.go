@@ -25,7 +25,8 @@ var (
 
 // Binary returns the path of the command in the main package pkg (a
 // directory relative to the module root, such as
-// "internal/etcdtest/etcdserver"), built from this module once into
+// "internal/etcdtest/etcdserver"), built from this module (found by
+// moduleDir, also from another module's tests) once into
 // <user cache dir>/identityd-testbin as <name>-<key>, keyed by the module's go.mod and go.sum,
 // the package's Go files and the Go toolchain, so repeated and parallel test
 // runs share one build: a file lock keeps concurrent test binaries from
@@ -51,14 +52,10 @@ func Binary(name, pkg, env string) (string, error) {
 }
 
 func build(name, pkg string) (string, error) {
-	modFile, err := goEnv("GOMOD")
+	root, err := moduleDir()
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("testproc: cannot build %s: %w", name, err)
 	}
-	if modFile == "" || modFile == os.DevNull {
-		return "", fmt.Errorf("testproc: not inside a Go module, cannot build %s", name)
-	}
-	root := filepath.Dir(modFile)
 	key, err := sourceKey(root, pkg)
 	if err != nil {
 		return "", err
@@ -94,6 +91,9 @@ func build(name, pkg string) (string, error) {
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
 	cmd := exec.Command("go", "build", "-o", tmp, "./"+pkg)
 	cmd.Dir = root
+	// This module's go.mod alone decides the versions, also under an
+	// importer's workspace.
+	cmd.Env = append(os.Environ(), "GOWORK=off")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
@@ -138,12 +138,29 @@ func sourceKey(root, pkg string) (string, error) {
 	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }
 
-func goEnv(name string) (string, error) {
-	out, err := exec.Command("go", "env", name).Output()
+// ModulePath is the path of the module whose commands Binary builds.
+const ModulePath = "github.com/identityd/identityd"
+
+// moduleDir returns the directory of this module's source as the go
+// command in the working directory sees it: the main module's when the
+// test is one of this module's, or the required (or replaced) module's
+// when the test belongs to a module that imports the public test-support
+// package. The commands are built there, with this module's own go.mod and
+// go.sum, so that an importer's tests run the same servers as this
+// module's and share their cached binaries.
+func moduleDir() (string, error) {
+	cmd := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", ModulePath)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
 	if err != nil {
-		return "", fmt.Errorf("testproc: go env %s: %w", name, err)
+		return "", fmt.Errorf("go list -m %s (run the test inside a module that requires it): %w\n%s", ModulePath, err, stderr.String())
 	}
-	return strings.TrimSpace(string(out)), nil
+	dir := strings.TrimSpace(string(out))
+	if dir == "" {
+		return "", fmt.Errorf("go list -m %s: the module's source is not in the module cache (go mod download %s)", ModulePath, ModulePath)
+	}
+	return dir, nil
 }
 
 func isExecutable(path string) bool {

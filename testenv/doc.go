@@ -1,0 +1,51 @@
+// Package testenv starts a real etcd and a real Kubernetes API server for
+// the tests of an agent that composes identityd's cells, in the spirit of
+// controller-runtime's envtest and etcd's integration package: no fakes,
+// the same servers identityd's own tests run.
+//
+// StartEtcd starts a one-member etcd as a process of its own on a free
+// 127.0.0.1 port. Give its endpoints to kvstore.Cell
+// (--kvstore-endpoints) to run the agent on external etcd, or its
+// ClientConfig to a client of your own.
+//
+// StartAPIServer starts the API server of k8s.io/apiextensions-apiserver
+// (identityd's go.mod version), which serves CustomResourceDefinitions and
+// their objects with the storage, validation, watch and conflict handling
+// of a cluster's kube-apiserver, on an etcd of its own (or the one given
+// with WithEtcd), with the CRDs of the CRD store (crdstore.CRDs) installed
+// and served. Give its KubeconfigPath to k8sclient.Cell
+// (--k8s-kubeconfig-path) with --identity-allocation-mode=crd, or its
+// RESTConfig to a client of your own. The server answers only clients of
+// its admin user (a client certificate in group system:masters): every
+// request of the kubeconfig and the REST config is allowed. It has no core
+// API (no namespaces, nodes or leases) and runs no admission webhooks.
+//
+// # Readiness
+//
+// identityd's Kubernetes client (k8sclient.Cell) asks the API server's
+// /readyz at start until it answers ok, and only then /version, for at
+// most --k8s-request-timeout: an API server that is starting, or whose
+// etcd is gone, answers some requests before it serves every resource, and
+// an agent that went on would fail later and less clearly. A bare
+// apiextensions-apiserver started for a test never answers /readyz ok
+// when it has no core API server for its core informers to list from (no
+// real --kubeconfig), and the agent's start fails when the time is up. The
+// server this package starts runs without those informers, with delegated
+// authentication and authorization that need no core API server, so it
+// passes /readyz; StartAPIServer returns once it does.
+//
+// # Processes
+//
+// The servers run as processes, built with the go command from
+// identityd's module source (the directory `go list -m
+// github.com/identityd/identityd` names in the test's working directory:
+// the module cache, or a replace target) on first use and cached under
+// the user cache directory (identityd-testbin), keyed by that source and
+// the Go toolchain: the first build of the API server is long (it compiles
+// the Kubernetes API server libraries), later tests only start the
+// processes. The environment variables
+// IDENTITYD_ETCD_BINARY and IDENTITYD_APISERVER_BINARY name binaries to use
+// instead. Every process is killed when the test ends (t.Cleanup, and by
+// the kernel if the test binary dies first on Linux); their logs are
+// printed through the test's log when the test failed.
+package testenv
