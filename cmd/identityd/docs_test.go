@@ -5,6 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -71,10 +73,29 @@ func TestOperationsDocFlags(t *testing.T) {
 	t.Fatalf("the flag table of %s differs from identityd --help; run\n  go test ./cmd/identityd -run TestOperationsDocFlags -update-docs\nwant:\n%s", operationsDoc, want)
 }
 
+// readmeDir is the module of README.md's composition and its tests.
+const readmeDir = "../../docs/examples/readme"
+
+// readmeHeader is what docs/examples/readme/readme.go has above README.md's
+// code.
+const readmeHeader = `// Package readme is the composition README.md shows, in a module of its
+// own as another agent has it; its tests run it against the real servers
+// of github.com/identityd/identityd/testenv. The code below the package
+// clause is README.md's, which cmd/identityd's TestReadmeComposition
+// keeps equal (go test ./cmd/identityd -run TestReadmeComposition
+// -update-docs rewrites it).
+package readme
+
+`
+
 // TestReadmeComposition: the composition README.md shows has every cell of
-// the agent's own (but those it says are optional: the shell, and the CRD
-// store with its client) and its provider of the automatic grace period,
-// so that an agent composed from it behaves as identityd's --help says.
+// the agent's own (but the shell, which it says is optional) and its
+// provider of the automatic grace period, and behaves as documented: its
+// code, in a module of its own (docs/examples/readme) that imports
+// identityd as another agent does, passes that module's tests, which run
+// it on the embedded etcd, on an external etcd and in crd mode against
+// the real servers of package testenv, and check the grace period --help
+// states in each.
 func TestReadmeComposition(t *testing.T) {
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
@@ -91,7 +112,7 @@ func TestReadmeComposition(t *testing.T) {
 	src := string(agent)
 	cells := src[strings.Index(src, "var agentCells"):]
 	cells = cells[:strings.Index(cells, "\n}\n")]
-	optional := map[string]bool{"cell.Cell": true, "shell.Cell": true, "k8sclient.Cell": true, "crdstore.Cell": true}
+	optional := map[string]bool{"cell.Cell": true, "shell.Cell": true}
 	for _, m := range regexp.MustCompile(`\b[a-z]+\.Cell\b`).FindAllString(cells, -1) {
 		if !optional[m] && !strings.Contains(block, m) {
 			t.Errorf("README.md's composition lacks %s", m)
@@ -100,6 +121,62 @@ func TestReadmeComposition(t *testing.T) {
 	if strings.Contains(cells, "restoration.AutomaticGracePeriod") && !strings.Contains(block, "restoration.AutomaticGracePeriodFor(") {
 		t.Error("README.md's composition lacks the provider of restoration.AutomaticGracePeriod: its agents get another grace period than --help says")
 	}
+
+	// The module's copy of the code is README.md's.
+	path := filepath.Join(readmeDir, "readme.go")
+	got, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := readmeHeader + block; string(got) != want {
+		if !*updateDocs {
+			t.Fatalf("%s is not README.md's composition; run\n  go test ./cmd/identityd -run TestReadmeComposition -update-docs", path)
+		}
+		if err := os.WriteFile(path, []byte(want), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if t.Failed() {
+		return
+	}
+	runOutsideModule(t, readmeDir)
+}
+
+// runOutsideModule runs the tests of the module in dir, which requires
+// identityd (replaced by this checkout): with -mod=mod, as another module
+// builds, and no sums beyond this module's go.sum, so that it needs no
+// download the module cache of this module's tests lacks. The build cache
+// is the one of this test's go command.
+func runOutsideModule(t *testing.T, dir string) {
+	t.Helper()
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("the go command is needed to test another module")
+	}
+	own, err := os.ReadFile("../../go.sum")
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs, err := os.ReadFile(filepath.Join(dir, "go.sum"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	known := map[string]bool{}
+	for _, l := range strings.Split(string(own), "\n") {
+		known[l] = true
+	}
+	for _, l := range strings.Split(string(theirs), "\n") {
+		if !known[l] {
+			t.Errorf("%s/go.sum has %q, which identityd's go.sum lacks", dir, l)
+		}
+	}
+	cmd := exec.Command("go", "test", "-count=1", "-timeout=5m", ".")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOFLAGS="+strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"), "GOWORK=off")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("go test in %s: %v\n%s", dir, err, out)
+	}
+	t.Logf("go test in %s:\n%s", dir, out)
 }
 
 // goBlockWith returns the first ```go block of md that contains sub.
