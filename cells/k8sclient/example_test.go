@@ -1,0 +1,61 @@
+package k8sclient_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/spf13/pflag"
+	"k8s.io/client-go/discovery"
+
+	"github.com/identityd/identityd/cells/k8sclient"
+	"github.com/identityd/identityd/internal/exampletb"
+	"github.com/identityd/identityd/testenv"
+)
+
+// With --k8s-kubeconfig-path the client talks to that file's API server:
+// its start waits for the server's /readyz and checks the credentials on
+// /version. Clients built from RESTConfig share its rate limit and
+// metrics.
+func Example() {
+	// In a test, t is its *testing.T: the API server stops when it ends.
+	t := exampletb.New("Example")
+	defer t.Finish()
+	api := testenv.StartAPIServer(t)
+
+	var c *k8sclient.Client
+	h := hive.New(job.Cell, k8sclient.Cell, cell.Invoke(func(x *k8sclient.Client) { c = x }))
+	fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
+	h.RegisterFlags(fs)
+	fs.Set("k8s-kubeconfig-path", api.KubeconfigPath())
+	log := slog.New(slog.DiscardHandler)
+	ctx := context.Background()
+	if err := h.Start(log, ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Stop(log, ctx)
+
+	st := c.Status(ctx)
+	fmt.Println("connected:", st.Connected, "server:", st.Server == api.URL(), "version known:", st.Version != "")
+
+	disco, err := discovery.NewDiscoveryClientForConfig(c.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	groups, err := disco.ServerGroups()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range groups.Groups {
+		fmt.Println(g.Name)
+	}
+	// Output:
+	// connected: true server: true version known: true
+	//
+	// apiextensions.k8s.io
+	// cilium.io
+	// identityd.io
+}
