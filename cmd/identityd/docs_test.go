@@ -189,3 +189,77 @@ func goBlockWith(md, sub string) (string, bool) {
 	}
 	return "", false
 }
+
+// TestDocsOpenWithSummary: docs/benchmarks.md and docs/reliability.md open
+// with a summary table whose every row links to a section of the page.
+func TestDocsOpenWithSummary(t *testing.T) {
+	for _, path := range []string{"../../docs/benchmarks.md", "../../docs/reliability.md"} {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(string(b), "\n")
+		anchors := map[string]bool{}
+		fenced := false
+		for _, l := range lines {
+			if strings.HasPrefix(l, "```") {
+				fenced = !fenced
+			}
+			if !fenced && strings.HasPrefix(l, "#") {
+				anchors[headingAnchor(l)] = true
+			}
+		}
+		first := -1
+		for i, l := range lines {
+			if strings.HasPrefix(l, "## ") {
+				first = i
+				break
+			}
+		}
+		if first < 0 || lines[first] != "## Summary" {
+			t.Errorf("%s: the first section is not ## Summary", path)
+			continue
+		}
+		rows := 0
+		for _, l := range lines[first+1:] {
+			if strings.HasPrefix(l, "## ") {
+				break
+			}
+			if !strings.HasPrefix(l, "| ") || strings.HasPrefix(l, "|---") {
+				continue
+			}
+			rows++
+			if rows == 1 {
+				continue // the header
+			}
+			links := regexp.MustCompile(`\]\(#([^)]+)\)`).FindAllStringSubmatch(l, -1)
+			if len(links) == 0 {
+				t.Errorf("%s: summary row links to no section: %s", path, l)
+			}
+			for _, m := range links {
+				if !anchors[m[1]] {
+					t.Errorf("%s: summary row links to #%s, which no heading has", path, m[1])
+				}
+			}
+		}
+		if rows < 3 {
+			t.Errorf("%s: the summary has %d table rows", path, rows)
+		}
+	}
+}
+
+// headingAnchor is the anchor GitHub gives a Markdown heading: lower case,
+// spaces to hyphens, other punctuation dropped.
+func headingAnchor(h string) string {
+	h = strings.ToLower(strings.TrimSpace(strings.TrimLeft(h, "#")))
+	var b strings.Builder
+	for _, r := range h {
+		switch {
+		case r == ' ':
+			b.WriteByte('-')
+		case r == '-' || r == '_' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9':
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
+}
