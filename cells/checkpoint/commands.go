@@ -83,7 +83,8 @@ func showCmd(c *Checkpoint) script.Cmd {
 				"Prints the identities of the checkpoint file as a table,",
 				"followed by the entries that would not be restored. The file",
 				"is read, never modified. Without an argument it is the agent's",
-				"checkpoint. With -o json or yaml, entries that would not be",
+				"checkpoint with its journal of later changes replayed over it:",
+				"what a restart would restore. With -o json or yaml, entries that would not be",
 				"restored are in the list with their reason in \"invalid\".",
 			},
 			Flags: shellfmt.AddFlag,
@@ -94,14 +95,20 @@ func showCmd(c *Checkpoint) script.Cmd {
 				return nil, err
 			}
 			path := c.Path()
+			var journalRecords [][]byte
 			switch len(args) {
 			case 0:
+				// The agent's own state: the journal's records count.
+				journalRecords = c.journalRecords()
 			case 1:
 				path = s.Path(args[0])
 			default:
 				return nil, script.ErrUsage
 			}
 			data, _, err := readBounded(path, MaxFileSize)
+			if errors.Is(err, fs.ErrNotExist) && len(journalRecords) > 0 {
+				data, err = []byte("[]"), nil
+			}
 			if errors.Is(err, fs.ErrNotExist) {
 				if format != shellfmt.Table {
 					// An empty list keeps the output parseable.
@@ -117,6 +124,9 @@ func showCmd(c *Checkpoint) script.Cmd {
 			ids, invalid, err := Decode(data)
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", path, err)
+			}
+			if len(journalRecords) > 0 {
+				ids, _, _ = replay(ids, journalRecords)
 			}
 			// Files written by other agents may be in any order.
 			slices.SortFunc(ids, func(a, b identity.Identity) int { return cmp.Compare(a.ID, b.ID) })

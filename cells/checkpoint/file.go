@@ -74,6 +74,9 @@ type Report struct {
 	SetAside string
 	// Duration is the time the load took.
 	Duration time.Duration
+	// Journal describes the journal replayed over the file (Checkpoint.Load
+	// only; Loader.Load reads the file alone).
+	Journal JournalReport
 }
 
 // Loader reads checkpoints. Its zero value is usable; set Log to have set
