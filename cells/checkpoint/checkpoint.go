@@ -85,7 +85,8 @@ type Checkpoint struct {
 	journaled map[identity.NumericIdentity]jentry
 	// early holds the changes observed before the journal was open.
 	early []allocator.Change
-	// jwake is closed and replaced whenever a change is recorded.
+	// jwake is closed and replaced whenever journaled or stopped changes
+	// (notifyLocked); a waiter takes it under jmu with what it read.
 	jwake chan struct{}
 	// stopped says the allocator's changes are no longer observed.
 	stopped bool

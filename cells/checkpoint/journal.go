@@ -201,11 +201,23 @@ func (c *Checkpoint) setJournal(j *journal.Journal, state map[identity.NumericId
 	defer c.jmu.Unlock()
 	c.jrn = j
 	c.journaled = state
+	c.notifyLocked()
 	early := c.early
 	c.early = nil
 	for _, ch := range early {
 		c.recordLocked(ch)
 	}
+}
+
+// notifyLocked wakes every waitRecorded; jmu held. Every change of
+// journaled and of stopped must call it, whatever made the change: a
+// waiter that found its identity missing sleeps until the next call, and
+// nothing else wakes it. (A checkpoint write that takes the identity into
+// the file, for one, leaves the allocator's later event for it nothing to
+// record.)
+func (c *Checkpoint) notifyLocked() {
+	close(c.jwake)
+	c.jwake = make(chan struct{})
 }
 
 // journalFault is the journal's fault hook, for tests of a stalled disk.
@@ -311,8 +323,7 @@ func (c *Checkpoint) recordLocked(ch allocator.Change) {
 	if c.capturing {
 		c.since = append(c.since, r)
 	}
-	close(c.jwake)
-	c.jwake = make(chan struct{})
+	c.notifyLocked()
 }
 
 // observerStopped tells SyncIdentities that no more changes will be
@@ -321,8 +332,7 @@ func (c *Checkpoint) observerStopped() {
 	c.jmu.Lock()
 	defer c.jmu.Unlock()
 	c.stopped = true
-	close(c.jwake)
-	c.jwake = make(chan struct{})
+	c.notifyLocked()
 }
 
 // SyncIdentities returns once the given local identities survive a crash
@@ -452,6 +462,9 @@ func (c *Checkpoint) endCapture(ids []*identity.Identity, written bool) {
 			}
 		}
 		c.journaled = state
+		// The file now holds identities whose records may not have
+		// come yet, and will add nothing when they do.
+		c.notifyLocked()
 	}
 	c.capturing = false
 	c.since = c.since[:0]
