@@ -424,20 +424,23 @@ func (c *Checkpoint) write() (Status, error) {
 		st  Status
 		ids []*identity.Identity
 	)
-	cerr := j.Compact(func() (uint64, error) {
+	cerr := j.Compact(func() (uint64, journal.Base, error) {
 		var (
 			upTo uint64
 			err  error
 		)
 		st, ids, err = c.writeSnapshot(func() { upTo = c.beginCapture(j) })
 		c.endCapture(ids, err == nil)
-		return upTo, err
+		// The journal's header names the file just written: its records
+		// are replayed over it, and over no other.
+		return upTo, journal.BaseOf(c.buf), err
 	})
 	if cerr != nil && st.LastError == nil {
 		// The checkpoint is on disk, but the journal could not be
-		// emptied: its records are replayed over the new checkpoint,
-		// which already holds them, so nothing is lost; the next write
-		// tries again.
+		// emptied: it still names the old checkpoint, and a restart
+		// keeps it aside, which loses nothing (the new checkpoint holds
+		// its records). Until a write empties it, durable answers write
+		// the whole checkpoint instead (journal.ErrBroken).
 		c.log.Warn("Identity journal not emptied after the checkpoint write", "file", j.Path(), "error", cerr)
 		return st, nil
 	}
@@ -498,9 +501,12 @@ func (c *Checkpoint) writeSnapshot(capture func()) (Status, []*identity.Identity
 // what the agent held at its last durable answer. A journal whose tail is
 // torn or corrupt is replayed up to its last valid record, a copy of it is
 // kept as <journal>.corrupt-<unix time>, and it goes on from that record;
-// Report.Journal says so.
+// Report.Journal says so. A journal that follows another checkpoint than
+// the file read (the file was replaced since, by a backup or another
+// agent; or it was damaged) is not replayed at all: it is kept aside the
+// same way and started afresh.
 func (c *Checkpoint) Load() (LoadResult, error) {
-	res, err := Loader{Log: c.log}.Load(c.path)
+	res, base, err := Loader{Log: c.log}.loadBase(c.path)
 	c.loads.Add(1)
 	if res.Report.Corrupt != nil {
 		c.corrupt.Add(1)
@@ -515,7 +521,7 @@ func (c *Checkpoint) Load() (LoadResult, error) {
 	c.jmu.Lock()
 	c.loaded = true
 	c.jmu.Unlock()
-	if jerr := c.loadJournal(&res); jerr != nil {
+	if jerr := c.loadJournal(&res, base); jerr != nil {
 		// The journal could not be read or kept aside: it must not be
 		// overwritten, and the checkpoint file must not be replaced by a
 		// state that lacks its records.

@@ -14,6 +14,7 @@ import (
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/durability"
+	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/internal/shellfmt"
 )
 
@@ -95,17 +96,20 @@ func showCmd(c *Checkpoint) script.Cmd {
 				return nil, err
 			}
 			path := c.Path()
-			var journalRecords [][]byte
 			switch len(args) {
 			case 0:
-				// The agent's own state: the journal's records count.
-				journalRecords = c.journalRecords()
 			case 1:
 				path = s.Path(args[0])
 			default:
 				return nil, script.ErrUsage
 			}
 			data, _, err := readBounded(path, MaxFileSize)
+			var journalRecords [][]byte
+			if len(args) == 0 && (err == nil || errors.Is(err, fs.ErrNotExist)) {
+				// The agent's own state: the journal's records count,
+				// if it follows the file read.
+				journalRecords = c.journalRecords(journal.BaseOf(data))
+			}
 			if errors.Is(err, fs.ErrNotExist) && len(journalRecords) > 0 {
 				data, err = []byte("[]"), nil
 			}

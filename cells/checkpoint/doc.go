@@ -46,7 +46,10 @@
 // Restoration reads the file and replays the journal's valid records over
 // it; a torn or corrupt tail is cut at the last valid record, a copy of
 // the damaged journal is kept as <journal>.corrupt-<unix time>, and the
-// agent logs it.
+// agent logs it. The journal's header names the checkpoint file it follows
+// (its size and checksum): over a file replaced since (an older copy
+// restored, a Cilium agent's checkpoint) none of its records is replayed,
+// and it is kept aside the same way.
 //
 // Checkpoint.Sync makes every local identity durable with a whole write:
 // it returns once a write that began after the call has succeeded, writing

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"time"
@@ -163,15 +164,20 @@ type JournalReport struct {
 
 // loadJournal opens the journal for the loaded checkpoint, replays it over
 // res, and keeps the journal open for the changes that follow.
-func (c *Checkpoint) loadJournal(res *LoadResult) error {
+func (c *Checkpoint) loadJournal(res *LoadResult, base journal.Base) error {
 	path := c.journalPath()
-	j, op, err := journal.Open(path, journalKind, time.Now())
+	j, op, err := journal.Open(path, journalKind, base, time.Now())
 	rep := &res.Report.Journal
 	rep.Path, rep.Found, rep.Damage, rep.KeptAs = path, op.Found, op.Damage, op.KeptAs
 	if err != nil {
 		return err
 	}
-	if op.Damage != nil {
+	switch {
+	case errors.Is(op.Damage, journal.ErrOtherSnapshot):
+		c.log.Warn("Identity journal follows another checkpoint than the one loaded (the checkpoint was replaced or damaged): "+
+			"none of its records is replayed, a copy of the file is kept",
+			"file", path, "checkpoint", c.path, "kept-as", op.KeptAs, "reason", op.Damage)
+	case op.Damage != nil:
 		c.log.Warn("Identity journal damaged: replaying its valid records, a copy of the file is kept",
 			"file", path, "kept-as", op.KeptAs, "valid-records", len(op.Records), "reason", op.Damage)
 	}
@@ -246,10 +252,20 @@ func (c *Checkpoint) openJournal() (*journal.Journal, error) {
 	if j != nil {
 		return j, nil
 	}
+	// The journal goes on over the checkpoint file as it is: this agent
+	// writes it only after it has opened the journal.
+	data, _, rerr := readBounded(c.path, MaxFileSize)
+	if rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
+		data = nil
+	}
+	base := journal.BaseOf(data)
 	path := c.journalPath()
-	j, op, err := journal.Open(path, journalKind, time.Now())
+	j, op, err := journal.Open(path, journalKind, base, time.Now())
 	if err != nil {
 		return nil, err
+	}
+	if op.Damage != nil {
+		c.log.Warn("Identity journal damaged or of another checkpoint, a copy is kept", "file", path, "kept-as", op.KeptAs, "reason", op.Damage)
 	}
 	if len(op.Records) > 0 {
 		kept, err := keepJournalAside(path)
@@ -257,7 +273,7 @@ func (c *Checkpoint) openJournal() (*journal.Journal, error) {
 			j.Close()
 			return nil, fmt.Errorf("identity journal %s was not restored and cannot be kept aside: %w", path, err)
 		}
-		if err := j.Compact(func() (uint64, error) { return 0, nil }); err != nil {
+		if err := j.Compact(func() (uint64, journal.Base, error) { return 0, base, nil }); err != nil {
 			j.Close()
 			return nil, err
 		}
@@ -387,6 +403,12 @@ func (c *Checkpoint) SyncIdentities(ctx context.Context, ids ...*identity.Identi
 		return nil
 	}
 	err = durability.Wait(ctx, func() error { return j.Sync(need) })
+	if errors.Is(err, journal.ErrBroken) {
+		// Not emptied after the last checkpoint write, the journal
+		// takes no record until the next write empties it: this one.
+		c.log.Warn("Identity journal unusable, writing the whole checkpoint", "error", err)
+		return c.Sync(ctx)
+	}
 	if errors.Is(err, durability.ErrWriteNotEnded) {
 		return fmt.Errorf("checkpoint sync: the identity journal: %w", err)
 	}
@@ -523,21 +545,27 @@ func (c *Checkpoint) closeJournal(finalErr error) {
 }
 
 // journalRecords reads the valid records of the journal on disk, without
-// changing it, for checkpoint/show.
-func (c *Checkpoint) journalRecords() [][]byte {
+// changing it, for checkpoint/show; none when the journal follows
+// another snapshot than base, as at restoration.
+func (c *Checkpoint) journalRecords(base journal.Base) [][]byte {
 	data, _, err := readBounded(c.journalPath(), MaxFileSize)
 	if err != nil {
 		return nil
 	}
-	return journal.Decode(data, journalKind).Records
+	jc := journal.Decode(data, journalKind)
+	if jc.Base != base {
+		return nil
+	}
+	return jc.Records
 }
 
 // LoadJournaled is Load followed by a replay of the journal beside path
 // (JournalFileName in its directory), which it reads without changing: the
 // identities a restart would restore, for tools and tests. Records after a
-// damaged one are left out, as at restoration.
+// damaged one are left out, and a journal that follows another snapshot
+// than the file is not replayed, as at restoration.
 func (l Loader) LoadJournaled(path string) (LoadResult, error) {
-	res, err := l.Load(path)
+	res, base, err := l.loadBase(path)
 	if err != nil {
 		return res, err
 	}
@@ -547,6 +575,10 @@ func (l Loader) LoadJournaled(path string) (LoadResult, error) {
 		return res, nil
 	}
 	c := journal.Decode(data, journalKind)
+	if c.Valid >= journal.HeaderSize && c.Base != base && len(c.Records) > 0 {
+		c.Records = nil
+		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the file has %v", journal.ErrOtherSnapshot, c.Base, base)
+	}
 	rep := &res.Report.Journal
 	rep.Path, rep.Found, rep.Damage, rep.Records = jpath, len(data) > 0, c.Damage, len(c.Records)
 	res.Identities, _, rep.Invalid = replay(res.Identities, c.Records)

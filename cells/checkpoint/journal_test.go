@@ -188,10 +188,11 @@ func damagedJournalDir(t *testing.T, damage func([]byte) []byte) string {
 	t.Helper()
 	dir := t.TempDir()
 	ids := cidrIdentities(10)
-	if err := WriteFile(filepath.Join(dir, FileName), AppendJSON(nil, ids[:5])); err != nil {
+	snap := AppendJSON(nil, ids[:5])
+	if err := WriteFile(filepath.Join(dir, FileName), snap); err != nil {
 		t.Fatal(err)
 	}
-	data := journal.Header(journalKind)
+	data := journal.Header(journalKind, journal.BaseOf(snap))
 	for _, id := range ids[5:] {
 		data = journal.AppendRecord(data, encodeRecord(nil, allocator.Change{Kind: allocator.ChangeUpsert, ID: id.ID, Labels: id.Labels}))
 	}

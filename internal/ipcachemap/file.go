@@ -50,6 +50,8 @@ func openFileLocked(cfg Config, info *OpenInfo) (*fileMap, error) {
 
 	entries := map[rawKey]rawValue{}
 	data, err := readMapFile(cfg.FilePath)
+	// The snapshot the journal must name to be replayed over entries.
+	base := journal.BaseOf(data)
 	var bad error
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
@@ -94,7 +96,7 @@ func openFileLocked(cfg Config, info *OpenInfo) (*fileMap, error) {
 		entries:   entries,
 	}
 	if cfg.Journal {
-		if err := f.openJournal(info); err != nil {
+		if err := f.openJournal(info, base); err != nil {
 			return nil, err
 		}
 	}

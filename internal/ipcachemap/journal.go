@@ -25,10 +25,11 @@ const (
 func (f *fileMap) journalPath() string { return f.path + JournalSuffix }
 
 // openJournal opens the journal and replays it over the entries read from
-// the file; info reports a damaged journal. Called before the map is
-// shared.
-func (f *fileMap) openJournal(info *OpenInfo) error {
-	j, op, err := journal.Open(f.journalPath(), journalKind, time.Now())
+// the file, whose bytes have the journal.Base base; info reports a damaged
+// journal, and one that follows another file (replaced since), which is
+// not replayed. Called before the map is shared.
+func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
+	j, op, err := journal.Open(f.journalPath(), journalKind, base, time.Now())
 	if err != nil {
 		return fmt.Errorf("ipcache map journal: %w", err)
 	}
@@ -39,7 +40,13 @@ func (f *fileMap) openJournal(info *OpenInfo) error {
 			invalid++
 		}
 	}
-	if op.Damage != nil {
+	switch {
+	case errors.Is(op.Damage, journal.ErrOtherSnapshot):
+		info.Warnings = append(info.Warnings, fmt.Sprintf(
+			"map journal %s follows another map file than %s (replaced or damaged since): none of its records is replayed, a copy of the file is kept as %s (%v)",
+			f.journalPath(), f.path, op.KeptAs, op.Damage))
+		info.JournalKeptAs = op.KeptAs
+	case op.Damage != nil:
 		info.Warnings = append(info.Warnings, fmt.Sprintf(
 			"map journal %s damaged (%v): replayed its %d valid records, a copy of the file is kept as %s",
 			f.journalPath(), op.Damage, len(op.Records), op.KeptAs))
@@ -94,9 +101,19 @@ func (f *fileMap) logLocked(rk *rawKey, rv *rawValue) {
 }
 
 // syncJournal makes the records up to seq durable and forgets the keys
-// they changed.
+// they changed. A journal that takes no record until the next snapshot
+// (journal.ErrBroken) gets that snapshot now.
 func (f *fileMap) syncJournal(seq uint64) error {
-	if err := f.jrn.Sync(seq); err != nil {
+	err := f.jrn.Sync(seq)
+	if errors.Is(err, journal.ErrBroken) {
+		// The file written holds the records up to seq even when the
+		// journal cannot be emptied after it (again).
+		err = f.Compact()
+		if err != nil && f.jrn.Durable() >= seq {
+			err = nil
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("ipcache map journal: %w", err)
 	}
 	f.forgetDurable()
@@ -153,7 +170,7 @@ func (f *fileMap) Compact() error {
 		// The file holds every entry: nothing to compact.
 		return nil
 	}
-	err := f.jrn.Compact(func() (uint64, error) {
+	err := f.jrn.Compact(func() (uint64, journal.Base, error) {
 		// Encoding and the journal's count under one lock: every record
 		// up to upTo is in the bytes written.
 		f.mu.Lock()
@@ -165,9 +182,10 @@ func (f *fileMap) Compact() error {
 			f.mu.Lock()
 			f.dirty = true
 			f.mu.Unlock()
-			return 0, err
+			return 0, journal.Base{}, err
 		}
-		return upTo, nil
+		// The journal's header names the file just written.
+		return upTo, journal.BaseOf(f.buf), nil
 	})
 	f.forgetDurable()
 	if err != nil && !errors.Is(err, journal.ErrClosed) {

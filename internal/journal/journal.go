@@ -6,10 +6,12 @@
 //
 // # Format
 //
-// A journal file starts with a 16-byte header: the magic "idjournl", the
-// format version (uint32, little endian, Version) and the kind (uint32,
+// A journal file starts with a 32-byte header: the magic "idjournl", the
+// format version (uint32, little endian, Version), the kind (uint32,
 // little endian), which names what the records describe so that one
-// journal is never replayed as another's. Records follow, each framed as
+// journal is never replayed as another's, the Base of the snapshot the
+// records follow (its size, uint64, and CRC-32C, uint32) and the CRC-32C
+// of the 28 bytes before it. Records follow, each framed as
 //
 //	length  uint32 LE   bytes of payload, 1..MaxRecord
 //	crc     uint32 LE   CRC-32C (Castagnoli) of the length field and the payload
@@ -19,6 +21,11 @@
 // as surely as a damaged payload. A reader stops at the first record that
 // is short, too long or fails its checksum: everything before it is the
 // valid prefix, everything from it on the damaged tail.
+//
+// A journal is replayed only over the snapshot its header names: the
+// snapshot's file may have been replaced since (a backup restored, another
+// agent's file), and the records of one state replayed over another would
+// make a third that never existed. Open keeps such a journal aside.
 //
 // # Writing
 //
@@ -48,15 +55,37 @@ import (
 	"github.com/identityd/identityd/internal/atomicfile"
 )
 
-// Version is the format version this package writes and reads.
-const Version = 1
+// Version is the format version this package writes and reads. Version 1
+// had a 16-byte header that named no snapshot: such a journal with records
+// is kept aside, a bare header is started afresh.
+const Version = 2
 
 // HeaderSize is the size of the file header; RecordOverhead the bytes
 // each record adds to its payload.
 const (
-	HeaderSize     = 16
+	HeaderSize     = 32
 	RecordOverhead = 8
 )
+
+// v1HeaderSize is the header of format version 1.
+const v1HeaderSize = 16
+
+// Base names the snapshot a journal follows by the size and the CRC-32C
+// of its file's bytes. The zero Base is no snapshot file (an empty file
+// has the same).
+type Base struct {
+	Size uint64
+	CRC  uint32
+}
+
+// BaseOf returns the Base of a snapshot file holding data.
+func BaseOf(data []byte) Base {
+	return Base{Size: uint64(len(data)), CRC: crc32.Checksum(data, castagnoli)}
+}
+
+func (b Base) String() string {
+	return fmt.Sprintf("%d bytes, crc32c %08x", b.Size, b.CRC)
+}
 
 // MaxRecord bounds a record's payload: a length above it is damage, not a
 // record to allocate memory for.
@@ -82,14 +111,25 @@ var (
 	ErrNewerVersion = errors.New("journal of a newer format version")
 	// ErrOtherKind: the journal holds records of another kind.
 	ErrOtherKind = errors.New("journal of another kind")
+	// ErrOtherSnapshot: the journal follows another snapshot than the
+	// one read (the snapshot's file was replaced), or names none.
+	ErrOtherSnapshot = errors.New("journal of another snapshot")
+	// ErrBroken: the journal cannot take records until the next
+	// snapshot (Compact): a failed write could not be undone, or the
+	// journal could not be emptied after a snapshot. The caller makes
+	// its changes durable with a snapshot instead.
+	ErrBroken = errors.New("journal unusable until the next snapshot")
 )
 
-// Header returns the 16-byte header of a journal of kind.
-func Header(kind uint32) []byte {
+// Header returns the header of a journal of kind that follows base.
+func Header(kind uint32, base Base) []byte {
 	h := make([]byte, HeaderSize)
 	copy(h, magic[:])
 	binary.LittleEndian.PutUint32(h[8:], Version)
 	binary.LittleEndian.PutUint32(h[12:], kind)
+	binary.LittleEndian.PutUint64(h[16:], base.Size)
+	binary.LittleEndian.PutUint32(h[24:], base.CRC)
+	binary.LittleEndian.PutUint32(h[28:], crc32.Checksum(h[:28], castagnoli))
 	return h
 }
 
@@ -110,11 +150,14 @@ type Contents struct {
 	// the decoded bytes.
 	Records [][]byte
 	// Valid is the length of the valid prefix in bytes, header included
-	// (0 when the header itself is bad).
+	// (0 when the header itself is bad; 16 for the bare header of format
+	// version 1, which holds nothing).
 	Valid int64
 	// Damage is why decoding stopped before the end, or nil when every
 	// byte was read. It wraps one of the Err* values.
 	Damage error
+	// Base is the snapshot the header names (when Valid > 0).
+	Base Base
 }
 
 // Decode reads a journal of kind from data. It never panics: whatever the
@@ -126,30 +169,45 @@ func Decode(data []byte, kind uint32) Contents {
 	if len(data) == 0 {
 		return c
 	}
-	if len(data) < HeaderSize {
-		if string(data) == string(magic[:min(len(data), len(magic))]) {
-			c.Damage = fmt.Errorf("%w: %d of %d header bytes", ErrTorn, len(data), HeaderSize)
-		} else {
-			c.Damage = ErrNotJournal
-		}
-		return c
-	}
-	if [8]byte(data[:8]) != magic {
+	if string(data[:min(len(data), len(magic))]) != string(magic[:min(len(data), len(magic))]) {
 		c.Damage = ErrNotJournal
 		return c
 	}
-	if v := binary.LittleEndian.Uint32(data[8:]); v != Version {
-		if v > Version {
+	if len(data) >= 12 {
+		switch v := binary.LittleEndian.Uint32(data[8:]); {
+		case v == 1 && len(data) >= v1HeaderSize && binary.LittleEndian.Uint32(data[12:]) != kind:
+			c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, binary.LittleEndian.Uint32(data[12:]), kind)
+			return c
+		case v == 1 && len(data) == v1HeaderSize:
+			// A bare header of version 1, as a clean stop left it:
+			// nothing to replay and no damage; Open writes a new
+			// header.
+			c.Valid = v1HeaderSize
+			return c
+		case v == 1:
+			c.Damage = fmt.Errorf("%w: format version 1 names no snapshot", ErrOtherSnapshot)
+			return c
+		case v > Version:
 			c.Damage = fmt.Errorf("%w: version %d, this agent reads %d", ErrNewerVersion, v, Version)
-		} else {
+			return c
+		case v != Version:
 			c.Damage = fmt.Errorf("%w: unknown version %d", ErrNotJournal, v)
+			return c
 		}
+	}
+	if len(data) < HeaderSize {
+		c.Damage = fmt.Errorf("%w: %d of %d header bytes", ErrTorn, len(data), HeaderSize)
 		return c
 	}
 	if k := binary.LittleEndian.Uint32(data[12:]); k != kind {
 		c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, k, kind)
 		return c
 	}
+	if crc32.Checksum(data[:28], castagnoli) != binary.LittleEndian.Uint32(data[28:]) {
+		c.Damage = fmt.Errorf("%w: header", ErrChecksum)
+		return c
+	}
+	c.Base = Base{Size: binary.LittleEndian.Uint64(data[16:]), CRC: binary.LittleEndian.Uint32(data[24:])}
 	off := HeaderSize
 	c.Valid = int64(off)
 	for off < len(data) {
@@ -217,6 +275,8 @@ type Opened struct {
 type Journal struct {
 	path string
 	kind uint32
+	// base is the snapshot the file's header names; guarded by fmu.
+	base Base
 
 	// mu guards the pending records.
 	mu sync.Mutex
@@ -230,27 +290,34 @@ type Journal struct {
 	fmu  sync.Mutex
 	f    *os.File
 	size int64 // bytes in the file; guarded by fmu
-	// broken is set when a failed write could not be undone: the file
-	// may hold a partial record, after which nothing may be appended.
+	// broken is set when a failed write could not be undone (the file
+	// may hold a partial record) or the file was not emptied after a
+	// snapshot (its header names the old one): nothing may be appended
+	// until a Compact succeeds.
 	broken error
 
 	durable atomic.Uint64
 	closed  bool
 	// Fault, when not nil, is called before each write and fsync of the
-	// file with the step's name ("write", "fsync", "truncate"); an error
-	// it returns fails the step. For tests of a failing or stalled disk.
+	// file with the step's name ("write", "fsync", "truncate", "header");
+	// an error it returns fails the step. For tests of a failing or
+	// stalled disk.
 	Fault func(step string) error
 }
 
-// Open opens the journal at path for kind, creating it (mode 0600) if
-// needed, and returns it with what it held. A damaged file (a torn or
-// corrupt tail, a file that is no journal, one of a newer version or of
-// another kind) is copied aside to <path>.corrupt-<unix time> first and
-// then cut to its valid prefix (or started afresh when no prefix is
-// valid), so that new records follow the last valid one. Only an error
-// that leaves the file untouched and unread is returned: the caller must
-// then not write it.
-func Open(path string, kind uint32, now time.Time) (*Journal, Opened, error) {
+// Open opens the journal at path for kind over the snapshot base (the
+// BaseOf the snapshot file's bytes just read, the zero Base when there was
+// none), creating it (mode 0600) if needed, and returns it with what it
+// held. A damaged file (a torn or corrupt tail, a file that is no journal,
+// one of a newer version or of another kind) is copied aside to
+// <path>.corrupt-<unix time> first and then cut to its valid prefix (or
+// started afresh when no prefix is valid), so that new records follow the
+// last valid one. A journal whose header names another snapshot than base
+// is copied aside the same way and started afresh, none of its records
+// returned (Damage wraps ErrOtherSnapshot); one without records just gets
+// a new header. Only an error that leaves the file untouched and unread
+// is returned: the caller must then not write it.
+func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened, error) {
 	var op Opened
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NONBLOCK, 0o600)
 	if err != nil {
@@ -277,8 +344,18 @@ func Open(path string, kind uint32, now time.Time) (*Journal, Opened, error) {
 		return nil, op, fmt.Errorf("read journal: %w", err)
 	}
 	c := Decode(data, kind)
-	op.Records, op.Damage = c.Records, c.Damage
 	valid := c.Valid
+	if valid >= HeaderSize && c.Base != base {
+		if len(c.Records) == 0 && c.Damage == nil {
+			// Nothing to replay: only the header is out of date (a
+			// crash between a snapshot and the journal's reset).
+			valid = 0
+		} else {
+			c.Records, valid = nil, 0
+			c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the snapshot read has %v", ErrOtherSnapshot, c.Base, base)
+		}
+	}
+	op.Records, op.Damage = c.Records, c.Damage
 	if c.Damage != nil {
 		kept, err := keepCopy(path, data, now)
 		if err != nil {
@@ -287,10 +364,10 @@ func Open(path string, kind uint32, now time.Time) (*Journal, Opened, error) {
 		}
 		op.KeptAs = kept
 	}
-	j := &Journal{path: path, kind: kind, f: f, first: 1}
+	j := &Journal{path: path, kind: kind, base: base, f: f, first: 1}
 	if valid < HeaderSize {
 		// No valid header: start afresh.
-		if err := j.writeHeader(); err != nil {
+		if err := j.writeHeader(base); err != nil {
 			f.Close()
 			return nil, op, err
 		}
@@ -317,23 +394,31 @@ func Open(path string, kind uint32, now time.Time) (*Journal, Opened, error) {
 	return j, op, nil
 }
 
-// writeHeader replaces the file's contents by a bare header.
-func (j *Journal) writeHeader() error {
-	if err := j.f.Truncate(0); err != nil {
-		return fmt.Errorf("truncate journal: %w", err)
-	}
-	if _, err := j.f.WriteAt(Header(j.kind), 0); err != nil {
+// writeHeader replaces the file's contents, which hold no record to
+// keep, by a bare header naming base. The header is written over the
+// old bytes before the rest is cut, so that a crash leaves a header, old
+// or new, never an empty or torn file.
+func (j *Journal) writeHeader(base Base) error {
+	if _, err := j.f.WriteAt(Header(j.kind, base), 0); err != nil {
 		return fmt.Errorf("write journal header: %w", err)
+	}
+	if err := j.f.Truncate(HeaderSize); err != nil {
+		return fmt.Errorf("truncate journal: %w", err)
 	}
 	if err := j.f.Sync(); err != nil {
 		return fmt.Errorf("sync journal: %w", err)
 	}
 	j.size = HeaderSize
+	j.base = base
 	return nil
 }
 
-// reset cuts the file back to its header; fmu held.
-func (j *Journal) reset() error {
+// reset empties the file to a header naming base, the snapshot just
+// written; fmu held. The records are cut and synced before the header
+// changes: a crash in between leaves the old header with no record, which
+// Open starts afresh, never a new header over records of the old
+// snapshot.
+func (j *Journal) reset(base Base) error {
 	if err := j.step("truncate"); err != nil {
 		return err
 	}
@@ -344,7 +429,13 @@ func (j *Journal) reset() error {
 		return fmt.Errorf("sync journal: %w", err)
 	}
 	j.size = HeaderSize
-	return nil
+	if base == j.base {
+		return nil
+	}
+	if err := j.step("header"); err != nil {
+		return err
+	}
+	return j.writeHeader(base)
 }
 
 func (j *Journal) step(name string) error {
@@ -484,7 +575,7 @@ func (j *Journal) flushLocked() error {
 		// Cut back what may have been written, so that the next write
 		// follows the last whole record.
 		if terr := j.f.Truncate(j.size); terr != nil {
-			j.broken = fmt.Errorf("journal %s: a failed write could not be undone: %w", j.path, terr)
+			j.broken = fmt.Errorf("journal %s: %w: a failed write could not be undone: %w", j.path, ErrBroken, terr)
 		}
 		return fmt.Errorf("journal %s: %w", j.path, err)
 	}
@@ -532,17 +623,20 @@ func (j *Journal) raiseDurable(seq uint64) {
 // Compact replaces the journal by a snapshot. snapshot runs with the
 // journal's writes held off; it captures the state, writes it durably (an
 // atomic file write) and returns the number of the last record the
-// snapshot holds (Appended at its capture). When it succeeds, the file is
-// emptied to its header and the pending records up to that number are
-// dropped, as the snapshot holds them; the later ones stay pending. When
-// it fails, nothing changes.
-func (j *Journal) Compact(snapshot func() (uint64, error)) error {
+// snapshot holds (Appended at its capture) and the BaseOf the bytes it
+// wrote. When it succeeds, the file is emptied to a header naming that
+// base and the pending records up to that number are dropped, as the
+// snapshot holds them; the later ones stay pending. When it fails, nothing
+// changes. When the journal cannot be emptied, it is broken until a later
+// Compact succeeds: its header names the old snapshot, and records
+// appended after it would not be replayed over the new one.
+func (j *Journal) Compact(snapshot func() (uint64, Base, error)) error {
 	j.fmu.Lock()
 	defer j.fmu.Unlock()
 	if j.closed {
 		return ErrClosed
 	}
-	upTo, err := snapshot()
+	upTo, base, err := snapshot()
 	if err != nil {
 		return err
 	}
@@ -554,10 +648,11 @@ func (j *Journal) Compact(snapshot func() (uint64, error)) error {
 	}
 	j.mu.Unlock()
 	j.raiseDurable(upTo)
-	if err := j.reset(); err != nil {
-		// The file still holds records the snapshot holds too: replaying
-		// them over it gives the snapshot's state again, and the next
-		// write appends after them.
+	if err := j.reset(base); err != nil {
+		// The file names the old snapshot: a restart keeps it aside, and
+		// loses nothing, as the new snapshot holds every record in it.
+		// But records appended after it would be lost the same way.
+		j.broken = fmt.Errorf("journal %s: %w: not emptied after a snapshot: %w", j.path, ErrBroken, err)
 		return fmt.Errorf("empty journal %s after snapshot: %w", j.path, err)
 	}
 	// Whatever a failed write left behind is gone with the rest.

@@ -16,7 +16,7 @@ const testKind = 7
 
 func open(t *testing.T, path string) (*Journal, Opened) {
 	t.Helper()
-	j, op, err := Open(path, testKind, time.Unix(1000, 0))
+	j, op, err := Open(path, testKind, Base{}, time.Unix(1000, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,7 +195,7 @@ func TestCompact(t *testing.T) {
 	j.Append(payload(5)) // seq 6, pending
 	j.Append(payload(6)) // seq 7, pending
 	// A snapshot that holds records 1..6: record 7 must stay.
-	if err := j.Compact(func() (uint64, error) { return 6, nil }); err != nil {
+	if err := j.Compact(func() (uint64, Base, error) { return 6, Base{}, nil }); err != nil {
 		t.Fatal(err)
 	}
 	if j.Durable() < 6 {
@@ -212,7 +212,7 @@ func TestCompact(t *testing.T) {
 	}
 	// A failed snapshot changes nothing.
 	j.Append(payload(7))
-	if err := j.Compact(func() (uint64, error) { return 0, errors.New("no space") }); err == nil {
+	if err := j.Compact(func() (uint64, Base, error) { return 0, Base{}, errors.New("no space") }); err == nil {
 		t.Fatal("failed snapshot compacted")
 	}
 	if err := j.Sync(8); err != nil {
@@ -339,7 +339,7 @@ func TestNotRegular(t *testing.T) {
 	if err := os.Mkdir(path, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := Open(path, testKind, time.Now()); err == nil {
+	if _, _, err := Open(path, testKind, Base{}, time.Now()); err == nil {
 		t.Fatal("opened a directory as a journal")
 	}
 }
@@ -355,15 +355,15 @@ func TestClosed(t *testing.T) {
 
 func FuzzDecode(f *testing.F) {
 	var good []byte
-	good = append(good, Header(testKind)...)
+	good = append(good, Header(testKind, Base{})...)
 	for i := range 3 {
 		good = AppendRecord(good, payload(i))
 	}
 	f.Add(good)
 	f.Add(good[:len(good)-2])
 	f.Add([]byte{})
-	f.Add(Header(testKind))
-	f.Add(append(Header(testKind), make([]byte, 16)...))
+	f.Add(Header(testKind, Base{}))
+	f.Add(append(Header(testKind, Base{}), make([]byte, 16)...))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c := Decode(data, testKind)
 		if c.Valid < 0 || c.Valid > int64(len(data)) {
@@ -379,7 +379,7 @@ func FuzzDecode(f *testing.F) {
 			if again.Damage != nil || len(again.Records) != len(c.Records) {
 				t.Fatalf("valid prefix: damage %v, %d records, want %d", again.Damage, len(again.Records), len(c.Records))
 			}
-			enc := Header(testKind)
+			enc := Header(testKind, c.Base)
 			for _, r := range c.Records {
 				enc = AppendRecord(enc, r)
 			}
