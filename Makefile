@@ -134,6 +134,7 @@ bench-scale:
 robustness:
 	$(if $(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE)),,$(error ROBUSTNESS_MODE must be kvstore, crd or all, not "$(ROBUSTNESS_MODE)"))
 	ROBUSTNESS_MODE=$(ROBUSTNESS_MODE) ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '$(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE))' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
+	IDENTITYD_KILL_ROUNDS=20 $(GO) test -run '^TestKillDuringDurableAnswers$$' -count 1 -v -timeout 20m ./cmd/identityd
 
 # Runs every fuzz target for $(FUZZTIME) each. Packages come from `go list`,
 # so nested modules (docs/examples) and testdata are left out; `go test

@@ -88,7 +88,7 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) s
 				return nil, err
 			}
 			if noWait, _ := s.Flags.GetBool("no-wait"); !noWait && sync != nil && id.ID.HasLocalScope() {
-				if err := sync.Sync(ctx); err != nil {
+				if err := syncIdentity(ctx, sync, id); err != nil {
 					// A failed command must not leave a reference
 					// nobody knows of: a retry would take another.
 					if _, rerr := a.Release(context.WithoutCancel(s.Context()), id); rerr != nil {
@@ -103,6 +103,16 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) s
 			return shellfmt.Output(s.Flags, []Entry{entryFor(a, id)})
 		},
 	)
+}
+
+// syncIdentity waits until id is durable, with the syncer's
+// SyncIdentities when it has one (one journal write, none for an identity
+// already durable), else with a whole Sync.
+func syncIdentity(ctx context.Context, sync LocalIdentitySyncer, id *identity.Identity) error {
+	if s, ok := sync.(IdentitySyncer); ok {
+		return s.SyncIdentities(ctx, id)
+	}
+	return sync.Sync(ctx)
 }
 
 // entryFinder finds one identity's entry without listing the others; the

@@ -17,6 +17,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/durability"
+	"github.com/identityd/identityd/internal/journal"
 )
 
 // Checkpoint keeps the checkpoint file in step with the allocator's local
@@ -69,6 +70,35 @@ type Checkpoint struct {
 	fault func(step string) error
 
 	loads, corrupt, invalidEntries, writes, writeFailures atomic.Uint64
+
+	// jmu guards the journal's state below; it is taken after mu and
+	// after the journal's own write lock, never before them.
+	jmu sync.Mutex
+	// jrn is the journal of local identity changes, nil until Load or
+	// the first durable answer opened it.
+	jrn *journal.Journal
+	// loaded says Load has run: the journal is opened there, with the
+	// checkpoint it is replayed over.
+	loaded bool
+	// journaled is the state replaying the journal over the checkpoint
+	// file gives: what a restart would restore.
+	journaled map[identity.NumericIdentity]jentry
+	// early holds the changes observed before the journal was open.
+	early []allocator.Change
+	// jwake is closed and replaced whenever journaled or stopped changes
+	// (notifyLocked); a waiter takes it under jmu with what it read.
+	jwake chan struct{}
+	// stopped says the allocator's changes are no longer observed.
+	stopped bool
+	// capturing and since: the changes recorded while a write takes its
+	// snapshot and writes it.
+	capturing bool
+	since     []jrec
+	jbuf      []byte
+	// jopen serializes opening the journal without Load.
+	jopen sync.Mutex
+	// jfault injects failures into the journal's writes, for tests.
+	jfault atomic.Pointer[func(step string) error]
 }
 
 type params struct {
@@ -95,6 +125,7 @@ func newCheckpoint(p params) (*Checkpoint, error) {
 		alloc:    p.Allocator,
 		wake:     make(chan struct{}, 1),
 		wsem:     make(chan struct{}, 1),
+		jwake:    make(chan struct{}),
 	}
 	p.Lifecycle.Append(stopSnapshot{c})
 	// The checkpoint depends on the allocator, so the trigger loop stops
@@ -116,12 +147,18 @@ func (c *Checkpoint) Path() string { return c.path }
 // restoration loaded the file must not replace it with an empty state.
 // (Local identities exist only if this run allocated them, which counts as
 // a change even when the allocator's event for it is still on its way.)
+//
+// The journal is emptied by the final write and closed after it; if the
+// write fails, the journal keeps every change instead.
 func (c *Checkpoint) finalWrite(context.Context) error {
 	if !c.changed.Load() && !c.dirty.Load() && c.alloc != nil && len(c.alloc.LocalIdentities()) == 0 {
 		c.log.Debug("No local identity changed, checkpoint left as is", "file", c.path)
+		c.closeJournal(nil)
 		return nil
 	}
-	if _, err := c.Write(); err != nil {
+	_, err := c.Write()
+	c.closeJournal(err)
+	if err != nil {
 		return fmt.Errorf("final checkpoint: %w", err)
 	}
 	return nil
@@ -211,12 +248,17 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 				}
 			case !ch.ID.HasLocalScope():
 			case synced.Load():
+				c.record(ch)
 				c.request()
 			default:
+				c.record(ch)
 				replayedLocal.Store(true)
 			}
 		},
-		func(err error) { observed <- err })
+		func(err error) {
+			c.observerStopped()
+			observed <- err
+		})
 
 	health.OK("Waiting for local identity changes")
 	var (
@@ -254,10 +296,11 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 			}
 			return fmt.Errorf("allocator changes ended: %w", errOrEOF(err))
 		case <-c.wake:
+			c.flushIfPiledUp()
 			if timerC != nil {
 				continue
 			}
-			if wait := time.Until(c.nextWrite()); wait > 0 {
+			if wait := time.Until(c.nextWrite()); wait > 0 && !c.journalOversized() {
 				timer = time.NewTimer(wait)
 				timerC = timer.C
 				continue
@@ -357,7 +400,9 @@ func (c *Checkpoint) Sync(ctx context.Context) error {
 	return err
 }
 
-// write is Write with wsem held.
+// write is Write with wsem held. With the journal open, the write is its
+// snapshot: once the file is on disk, the journal is emptied of the
+// records it holds.
 func (c *Checkpoint) write() (Status, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -367,11 +412,52 @@ func (c *Checkpoint) write() (Status, error) {
 	if c.alloc == nil {
 		return c.status, errors.New("checkpoint is not attached to an allocator")
 	}
+	j, err := c.journalIfRestored()
+	if err != nil {
+		c.log.Warn("Identity journal unavailable", "file", c.journalPath(), "error", err)
+	}
+	if j == nil {
+		st, _, err := c.writeSnapshot(nil)
+		return st, err
+	}
+	var (
+		st  Status
+		ids []*identity.Identity
+	)
+	cerr := j.Compact(func() (uint64, journal.Base, error) {
+		var (
+			upTo uint64
+			err  error
+		)
+		st, ids, err = c.writeSnapshot(func() { upTo = c.beginCapture(j) })
+		c.endCapture(ids, err == nil)
+		// The journal's header names the file just written: its records
+		// are replayed over it, and over no other.
+		return upTo, journal.BaseOf(c.buf), err
+	})
+	if cerr != nil && st.LastError == nil {
+		// The checkpoint is on disk, but the journal could not be
+		// emptied: it still names the old checkpoint, and a restart
+		// keeps it aside, which loses nothing (the new checkpoint holds
+		// its records). Until a write empties it, durable answers write
+		// the whole checkpoint instead (journal.ErrBroken).
+		c.log.Warn("Identity journal not emptied after the checkpoint write", "file", j.Path(), "error", cerr)
+		return st, nil
+	}
+	return st, cerr
+}
+
+// writeSnapshot takes the allocator's local identities and writes them;
+// capture, when not nil, runs right before they are taken. mu held.
+func (c *Checkpoint) writeSnapshot(capture func()) (Status, []*identity.Identity, error) {
 	// Cleared before the snapshot, so that a change racing with it asks
 	// for another write.
 	c.dirty.Store(false)
 	gen := c.begun.Add(1)
 	t0 := time.Now()
+	if capture != nil {
+		capture()
+	}
 	ids := c.alloc.LocalIdentities()
 	if c.atStop != nil {
 		ids = keepReleasedAtStop(ids, c.atStop)
@@ -384,7 +470,7 @@ func (c *Checkpoint) write() (Status, error) {
 		c.dirty.Store(true)
 		c.status.LastError = fmt.Errorf("write checkpoint %s: %w", c.path, err)
 		c.status.LastErrorTime = t0
-		return c.status, c.status.LastError
+		return c.status, ids, c.status.LastError
 	}
 	c.changed.Store(true)
 	c.durable = gen
@@ -401,7 +487,7 @@ func (c *Checkpoint) write() (Status, error) {
 	c.status.Entries = n
 	c.status.LastError = nil
 	c.log.Debug("Checkpoint written", "file", c.path, "identities", n, "bytes", len(c.buf), "duration", d)
-	return c.status, nil
+	return c.status, ids, nil
 }
 
 // Load reads the checkpoint for restoration; see Loader.Load. It must run
@@ -409,8 +495,18 @@ func (c *Checkpoint) write() (Status, error) {
 // both wait for the restoration registered with the allocator, which calls
 // it. When a bad file
 // could not be kept aside, writing is disabled so that it is never lost.
+//
+// The journal of local identity changes beside the checkpoint
+// (JournalFileName) is replayed over the file's identities: the result is
+// what the agent held at its last durable answer. A journal whose tail is
+// torn or corrupt is replayed up to its last valid record, a copy of it is
+// kept as <journal>.corrupt-<unix time>, and it goes on from that record;
+// Report.Journal says so. A journal that follows another checkpoint than
+// the file read (the file was replaced since, by a backup or another
+// agent; or it was damaged) is not replayed at all: it is kept aside the
+// same way and started afresh.
 func (c *Checkpoint) Load() (LoadResult, error) {
-	res, err := Loader{Log: c.log}.Load(c.path)
+	res, base, err := Loader{Log: c.log}.loadBase(c.path)
 	c.loads.Add(1)
 	if res.Report.Corrupt != nil {
 		c.corrupt.Add(1)
@@ -420,8 +516,22 @@ func (c *Checkpoint) Load() (LoadResult, error) {
 		c.mu.Lock()
 		c.blocked = fmt.Errorf("writing disabled: %w", err)
 		c.mu.Unlock()
+		return res, err
 	}
-	return res, err
+	c.jmu.Lock()
+	c.loaded = true
+	c.jmu.Unlock()
+	if jerr := c.loadJournal(&res, base); jerr != nil {
+		// The journal could not be read or kept aside: it must not be
+		// overwritten, and the checkpoint file must not be replaced by a
+		// state that lacks its records.
+		c.mu.Lock()
+		c.blocked = fmt.Errorf("writing disabled: %w", jerr)
+		c.mu.Unlock()
+		c.log.Error("Identity journal cannot be read, checkpoint writes disabled", "file", c.journalPath(), "error", jerr)
+		return res, jerr
+	}
+	return res, nil
 }
 
 // Status is the state of the checkpoint, for health and metrics.

@@ -14,6 +14,7 @@ import (
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/durability"
+	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/internal/shellfmt"
 )
 
@@ -83,7 +84,8 @@ func showCmd(c *Checkpoint) script.Cmd {
 				"Prints the identities of the checkpoint file as a table,",
 				"followed by the entries that would not be restored. The file",
 				"is read, never modified. Without an argument it is the agent's",
-				"checkpoint. With -o json or yaml, entries that would not be",
+				"checkpoint with its journal of later changes replayed over it:",
+				"what a restart would restore. With -o json or yaml, entries that would not be",
 				"restored are in the list with their reason in \"invalid\".",
 			},
 			Flags: shellfmt.AddFlag,
@@ -102,6 +104,15 @@ func showCmd(c *Checkpoint) script.Cmd {
 				return nil, script.ErrUsage
 			}
 			data, _, err := readBounded(path, MaxFileSize)
+			var journalRecords [][]byte
+			if len(args) == 0 && (err == nil || errors.Is(err, fs.ErrNotExist)) {
+				// The agent's own state: the journal's records count,
+				// if it follows the file read.
+				journalRecords = c.journalRecords(journal.BaseOf(data))
+			}
+			if errors.Is(err, fs.ErrNotExist) && len(journalRecords) > 0 {
+				data, err = []byte("[]"), nil
+			}
 			if errors.Is(err, fs.ErrNotExist) {
 				if format != shellfmt.Table {
 					// An empty list keeps the output parseable.
@@ -117,6 +128,9 @@ func showCmd(c *Checkpoint) script.Cmd {
 			ids, invalid, err := Decode(data)
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", path, err)
+			}
+			if len(journalRecords) > 0 {
+				ids, _, _ = replay(ids, journalRecords)
 			}
 			// Files written by other agents may be in any order.
 			slices.SortFunc(ids, func(a, b identity.Identity) int { return cmp.Compare(a.ID, b.ID) })

@@ -25,19 +25,41 @@
 // their number or label set was taken again), so that releasing on the way
 // down does not renumber them at the next start.
 //
-// Every write is atomic and durable: a temporary file beside the target,
-// fsync, rename, fsync of the directory; mode 0600.
+// Every write of the file is atomic and durable: a temporary file beside
+// the target, fsync, rename, fsync of the directory; mode 0600. The
+// journal is written in place, appended to and fsynced, mode 0600.
 //
-// Checkpoint.Sync is the durability point of local identities: it returns
-// once a write that began after the call has succeeded, writing at once
-// whatever the interval; callers that wait during a running write share the
-// next one. The cell provides it as allocator.LocalIdentitySyncer, which the
-// ipcache's WaitDurable and identity/allocate wait for. A caller whose
-// context ends stops waiting even while a write hangs on a stalled disk;
-// the write goes on and lands once the disk answers. It writes nothing
-// before restoration has finished, and so loaded the file
-// (Allocator.WaitForRestoration; at once in a hive without restoration):
-// a start hook that calls it may wait for its own end.
+// # Journal
+//
+// Every local allocation and release to zero is also a record of the
+// journal beside the checkpoint (JournalFileName, identityd's own file;
+// see docs/formats.md): the checkpoint file is its snapshot. A durable
+// answer appends to the journal instead of rewriting the file, so its cost
+// does not grow with the number of identities the node holds.
+// Checkpoint.SyncIdentities is that durability point
+// (allocator.IdentitySyncer, which identity/allocate and the ipcache's
+// WaitDurable use): it returns once a record of each identity is on disk,
+// with one write and one fsync shared by every caller waiting at that
+// moment, and at once for an identity already durable (a label set the
+// node held before). Each checkpoint write takes the journal's place: once
+// the file is on disk the journal is emptied of the records it holds.
+// Restoration reads the file and replays the journal's valid records over
+// it; a torn or corrupt tail is cut at the last valid record, a copy of
+// the damaged journal is kept as <journal>.corrupt-<unix time>, and the
+// agent logs it. The journal's header names the checkpoint file it follows
+// (its size and checksum): over a file replaced since (an older copy
+// restored, a Cilium agent's checkpoint) none of its records is replayed,
+// and it is kept aside the same way.
+//
+// Checkpoint.Sync makes every local identity durable with a whole write:
+// it returns once a write that began after the call has succeeded, writing
+// at once whatever the interval; callers that wait during a running write
+// share the next one. A caller of either whose context ends stops waiting
+// even while a write hangs on a stalled disk; the write goes on and lands
+// once the disk answers. Neither writes before restoration has finished,
+// and so loaded the file (Allocator.WaitForRestoration; at once in a hive
+// without restoration): a start hook that calls them may wait for its own
+// end.
 //
 // # Restoration
 //

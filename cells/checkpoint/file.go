@@ -13,6 +13,7 @@ import (
 
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/atomicfile"
+	"github.com/identityd/identityd/internal/journal"
 )
 
 // FileName is the checkpoint's name in the state directory, the same as
@@ -74,6 +75,9 @@ type Report struct {
 	SetAside string
 	// Duration is the time the load took.
 	Duration time.Duration
+	// Journal describes the journal replayed over the file (Checkpoint.Load
+	// only; Loader.Load reads the file alone).
+	Journal JournalReport
 }
 
 // Loader reads checkpoints. Its zero value is usable; set Log to have set
@@ -103,13 +107,21 @@ var ErrTooLarge = errors.New("checkpoint exceeds the size bound")
 // The error is non-nil only when a bad file could not be kept aside; the
 // caller must then not overwrite it.
 func (l Loader) Load(path string) (LoadResult, error) {
-	t0 := time.Now()
-	res, err := l.load(path)
-	res.Report.Duration = time.Since(t0)
+	res, _, err := l.loadBase(path)
 	return res, err
 }
 
-func (l Loader) load(path string) (LoadResult, error) {
+// loadBase is Load that also returns the journal.Base of the bytes it read
+// (the zero Base when there was no file): the snapshot a journal beside
+// the file must name to be replayed over it.
+func (l Loader) loadBase(path string) (LoadResult, journal.Base, error) {
+	t0 := time.Now()
+	res, base, err := l.load(path)
+	res.Report.Duration = time.Since(t0)
+	return res, base, err
+}
+
+func (l Loader) load(path string) (LoadResult, journal.Base, error) {
 	res := LoadResult{Report: Report{Path: path}}
 	rep := &res.Report
 	maxSize := l.MaxSize
@@ -117,28 +129,29 @@ func (l Loader) load(path string) (LoadResult, error) {
 		maxSize = MaxFileSize
 	}
 	data, size, err := readBounded(path, maxSize)
+	base := journal.BaseOf(data)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		return res, nil
+		return res, base, nil
 	case err != nil:
 		rep.Found, rep.Size = true, size
 		rep.Corrupt = err
-		return res, l.setAside(path, "corrupt", err, rep, moveNoReplace)
+		return res, base, l.setAside(path, "corrupt", err, rep, moveNoReplace)
 	}
 	rep.Found, rep.Size = true, size
 	ids, invalid, err := Decode(data)
 	if err != nil {
 		rep.Corrupt = err
-		return res, l.setAside(path, "corrupt", err, rep, moveNoReplace)
+		return res, base, l.setAside(path, "corrupt", err, rep, moveNoReplace)
 	}
 	res.Identities = ids
 	rep.Valid = len(ids)
 	rep.Invalid = invalid
 	if len(invalid) > 0 {
 		reason := fmt.Errorf("%d invalid entries, first: %s", len(invalid), invalid[0])
-		return res, l.setAside(path, "invalid", reason, rep, copyFile)
+		return res, base, l.setAside(path, "invalid", reason, rep, copyFile)
 	}
-	return res, nil
+	return res, base, nil
 }
 
 // readBounded reads the file at path unless it is larger than maxSize. The

@@ -27,6 +27,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
+	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/internal/testhive"
 	"github.com/identityd/identityd/labels"
 )
@@ -34,13 +35,13 @@ import (
 // syncHive starts the checkpoint with its allocator, with a checkpoint
 // interval of an hour: only Sync writes while the test runs. The hive
 // stops when the test ends.
-func syncHive(t *testing.T, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+func syncHive(t testing.TB, dir string, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
 	return syncHiveEvery(t, dir, time.Hour, overrides...)
 }
 
 // syncHiveEvery is syncHive with the given --identity-checkpoint-interval.
-func syncHiveEvery(t *testing.T, dir string, interval time.Duration, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
+func syncHiveEvery(t testing.TB, dir string, interval time.Duration, overrides ...func(*hive.Hive)) (*hive.Hive, *Checkpoint, allocator.Allocator) {
 	t.Helper()
 	var (
 		cp    *Checkpoint
@@ -59,14 +60,20 @@ func syncHiveEvery(t *testing.T, dir string, interval time.Duration, overrides .
 	return h, cp, alloc
 }
 
+// fileIDs returns the identities a restart would find at path: the
+// checkpoint file's, with the journal beside it replayed over them.
 func fileIDs(t *testing.T, path string) map[identity.NumericIdentity]bool {
 	t.Helper()
 	res, err := Loader{}.Load(path)
 	if err != nil {
 		t.Fatal(err)
 	}
+	ids := res.Identities
+	if data, err := os.ReadFile(filepath.Join(filepath.Dir(path), JournalFileName)); err == nil {
+		ids, _, _ = replay(ids, journal.Decode(data, journalKind).Records)
+	}
 	out := map[identity.NumericIdentity]bool{}
-	for _, id := range res.Identities {
+	for _, id := range ids {
 		out[id.ID] = true
 	}
 	return out
@@ -233,17 +240,21 @@ func TestAllocateNotDurable(t *testing.T) {
 func stallFsync(cp *Checkpoint) (stalled <-chan struct{}, answer func()) {
 	reached, resume := make(chan struct{}), make(chan struct{})
 	var reachOnce, resumeOnce sync.Once
-	cp.mu.Lock()
-	cp.fault = func(step string) error {
+	fault := func(step string) error {
 		if step == "fsync" {
 			reachOnce.Do(func() { close(reached) })
 			<-resume
 		}
 		return nil
 	}
+	cp.mu.Lock()
+	cp.fault = fault
 	cp.mu.Unlock()
+	// A durable answer writes the journal, not the whole checkpoint.
+	cp.jfault.Store(&fault)
 	return reached, func() {
 		resumeOnce.Do(func() { close(resume) })
+		cp.jfault.Store(nil)
 		cp.mu.Lock() // held by the stalled write until it ends
 		cp.fault = nil
 		cp.mu.Unlock()

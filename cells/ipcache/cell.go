@@ -68,6 +68,9 @@ func newIPCache(p params) (*IPCache, error) {
 			PinPath:    p.Config.IPCacheMapPinPath,
 			MaxEntries: p.Config.IPCacheMapMaxEntries,
 			FilePath:   p.Dir.Join(ipcachemap.FileName),
+			// A waited answer appends to the journal; the file is the
+			// snapshot the sync job writes once per compactInterval.
+			Journal: true,
 		},
 		dualStack: p.Config.IPCacheDualStack,
 		ready:     make(chan struct{}),

@@ -30,7 +30,7 @@ const DefaultShellOwner ResourceID = "shell"
 func newCommands(c *IPCache, cfg allocator.Config) hive.ScriptCmdsOut {
 	return hive.NewScriptCmds(map[string]script.Cmd{
 		"ipcache/upsert":   upsertCmd(c, cfg.IdentityAllocationTimeout),
-		"ipcache/delete":   deleteCmd(c),
+		"ipcache/delete":   deleteCmd(c, cfg.IdentityAllocationTimeout),
 		"ipcache/lookup":   lookupCmd(c),
 		"ipcache/list":     listCmd(c),
 		"ipcache/map-dump": mapDumpCmd(c),
@@ -165,25 +165,53 @@ func upsertCmd(c *IPCache, timeout time.Duration) script.Cmd {
 	)
 }
 
-func deleteCmd(c *IPCache) script.Cmd {
+func deleteCmd(c *IPCache, timeout time.Duration) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: "Remove an owner's contributions to prefixes, or all of them with --all",
 			Args:    "prefix...",
+			Detail: []string{
+				"It answers at the durability point, as ipcache/upsert does: once the",
+				"removal is in the datapath map (and its file's journal), so that a",
+				"removed prefix stays removed after a crash of the agent. --no-wait",
+				"answers as soon as the table has it; such a removal may be undone by a",
+				"SIGKILL. If the writes take longer than --identity-allocation-timeout,",
+				"the command fails; the removal stays applied.",
+			},
 			Flags: func(fs *pflag.FlagSet) {
 				fs.String("owner", string(DefaultShellOwner), "Resource ID of the owner")
 				fs.Bool("all", false, "Remove every contribution of the owner")
+				fs.Bool("no-wait", false, "Answer before the removal is durable (in the map)")
 			},
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			owner, _ := s.Flags.GetString("owner")
 			all, _ := s.Flags.GetBool("all")
+			noWait, _ := s.Flags.GetBool("no-wait")
+			ctx, cancel := durability.Bound(s.Context(), timeout)
+			defer cancel()
+			wait := func(prefixes []netip.Prefix) error {
+				if noWait {
+					return nil
+				}
+				if err := c.WaitDurable(ctx, prefixes...); err != nil {
+					return fmt.Errorf("removed from the ipcache table, but not durable%s: %w", durability.Within(ctx), err)
+				}
+				return nil
+			}
 			if all {
 				if len(args) > 0 {
 					return nil, errors.New("--all takes no prefixes")
 				}
-				n, err := c.RemoveOwner(s.Context(), ResourceID(owner))
+				var prefixes []netip.Prefix
+				for _, e := range c.ListOwner(ResourceID(owner)) {
+					prefixes = append(prefixes, e.Prefix)
+				}
+				n, err := c.RemoveOwner(ctx, ResourceID(owner))
 				if err != nil {
+					return nil, err
+				}
+				if err := wait(prefixes); err != nil {
 					return nil, err
 				}
 				msg := fmt.Sprintf("removed %d prefixes of owner %s\n", n, owner)
@@ -196,7 +224,10 @@ func deleteCmd(c *IPCache) script.Cmd {
 			if err != nil {
 				return nil, err
 			}
-			return nil, c.Remove(s.Context(), ResourceID(owner), prefixes...)
+			if err := c.Remove(ctx, ResourceID(owner), prefixes...); err != nil {
+				return nil, err
+			}
+			return nil, wait(prefixes)
 		},
 	)
 }

@@ -102,12 +102,15 @@
 //
 // Upsert, UpsertBatch and Remove return once the table has the change,
 // before the datapath map does. [IPCache.WaitDurable] is the durability
-// point: it returns once the prefixes' rows are written to the map (the
-// reconciler's status is Done), the map file is written (file backend),
-// and their local identities are in a checkpoint on disk (through
-// allocator.LocalIdentitySyncer, when the hive has the checkpoint cell), so
-// that the pairs survive a SIGKILL. Concurrent callers share the file and
-// checkpoint writes. A row whose map write failed makes it fail at once with
+// point: it returns once the prefixes' rows (or their removal) are written
+// to the map (the reconciler's status is Done), the changes are in the map
+// file's journal on disk (file backend), and their local identities are in
+// the checkpoint's journal (through allocator.IdentitySyncer, when the hive
+// has the checkpoint cell), so that the pairs survive a SIGKILL. Each of
+// those is one append, whatever the size of the map; concurrent callers
+// share the writes, and a prefix whose row and identity are durable
+// already costs none. ipcache/delete waits for it too, so that a removal
+// survives a SIGKILL. A row whose map write failed makes it fail at once with
 // [ErrNotWritten]. A context that ends makes it fail even while a write of
 // the map file or the checkpoint hangs on a stalled disk; that write goes
 // on and lands once the disk answers. On stop, a hook that runs before the
@@ -139,6 +142,8 @@
 //
 // Afterwards the whole map is compared with the table every 10 minutes:
 // stale entries are deleted and entries someone else changed are rewritten.
-// The file backend is written (atomically) at most every 200ms after
-// changes and once more on stop.
+// The file backend's journal is written at most every 200ms after changes
+// nobody waited for; the whole file (atomically, emptying the journal) at
+// most every 10s, sooner when the journal grows past four times the file,
+// and once more on stop.
 package ipcache

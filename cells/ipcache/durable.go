@@ -10,6 +10,8 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/durability"
 	"github.com/identityd/identityd/internal/ipcachemap"
 )
@@ -51,9 +53,17 @@ func (c *IPCache) WaitDurable(ctx context.Context, prefixes ...netip.Prefix) err
 	// identities are allocated already, and the two waits add up to the
 	// longer of them, not to their sum.
 	var cpDone chan error
-	if c.localSync != nil && c.holdsLocal(c.db.ReadTxn(), keys) {
-		cpDone = make(chan error, 1)
-		go func() { cpDone <- c.localSync.Sync(ctx) }()
+	if c.localSync != nil {
+		if held := c.heldLocal(c.db.ReadTxn(), keys); len(held) > 0 {
+			cpDone = make(chan error, 1)
+			if s, ok := c.localSync.(allocator.IdentitySyncer); ok {
+				// One journal record per new identity, none for one
+				// already durable.
+				go func() { cpDone <- s.SyncIdentities(ctx, held...) }()
+			} else {
+				go func() { cpDone <- c.localSync.Sync(ctx) }()
+			}
+		}
 	}
 	err := c.waitMapDurable(ctx, keys)
 	if cpDone != nil {
@@ -91,20 +101,27 @@ func (c *IPCache) drain(ctx cell.HookContext) error {
 	return nil
 }
 
-// holdsLocal tells whether a row of the prefixes holds a local identity.
-func (c *IPCache) holdsLocal(txn statedb.ReadTxn, keys []netip.Prefix) bool {
+// heldLocal returns the local identities the rows of the prefixes hold.
+func (c *IPCache) heldLocal(txn statedb.ReadTxn, keys []netip.Prefix) []*identity.Identity {
+	var out []*identity.Identity
 	for _, k := range keys {
 		if e, _, ok := c.table.Get(txn, PrefixIndex.Query(k)); ok && e.held != nil && e.Identity.HasLocalScope() {
-			return true
+			out = append(out, e.held)
 		}
 	}
-	return false
+	return out
 }
 
 // waitMapDurable waits until the rows of keys are written to the map, then
 // makes the map durable.
 func (c *IPCache) waitMapDurable(ctx context.Context, keys []netip.Prefix) error {
-	rev := c.table.Revision(c.db.ReadTxn())
+	txn := c.db.ReadTxn()
+	if c.allWritten(txn, keys) {
+		// Every row is in the map as it is: only its durability is left,
+		// which costs no write when nothing changed.
+		return c.syncMap(ctx, keys)
+	}
+	rev := c.table.Revision(txn)
 	var failed []error
 	for {
 		// The reconciler's progress, not a watch per row: one wait for a
@@ -139,13 +156,25 @@ func (c *IPCache) waitMapDurable(ctx context.Context, keys []netip.Prefix) error
 	}
 	// The rows that were written are made durable even when others
 	// failed.
-	err := c.syncMap(ctx)
+	err := c.syncMap(ctx, keys)
 	return errors.Join(append(failed, err)...)
 }
 
-// syncMap makes what the map holds durable, or gives up waiting when ctx
-// ends.
-func (c *IPCache) syncMap(ctx context.Context) error {
+// allWritten tells whether every prefix has a row the reconciler has
+// written to the map as it is now.
+func (c *IPCache) allWritten(txn statedb.ReadTxn, keys []netip.Prefix) bool {
+	for _, k := range keys {
+		e, _, ok := c.table.Get(txn, PrefixIndex.Query(k))
+		if !ok || e.Status.Kind != reconciler.StatusKindDone {
+			return false
+		}
+	}
+	return true
+}
+
+// syncMap makes what the map holds for keys durable, or gives up waiting
+// when ctx ends.
+func (c *IPCache) syncMap(ctx context.Context, keys []netip.Prefix) error {
 	m, err := c.mapOrErr()
 	if err != nil {
 		return err
@@ -154,13 +183,16 @@ func (c *IPCache) syncMap(ctx context.Context) error {
 		// The kernel holds a bpf map: written is durable.
 		return nil
 	}
-	// Sync writes the file only if something changed since the last
-	// write began, so concurrent callers share one write, and a write
-	// that took its copy before this row was written leaves the map dirty
-	// for the next. A write on a stalled disk cannot be interrupted, but
-	// the wait for it can: the caller's bound holds, and the write goes
-	// on.
-	if err := durability.Wait(ctx, m.Sync); err != nil {
+	// SyncKeys writes the journal's records only if one of the keys
+	// changed since they were last made durable, and concurrent callers
+	// share one write (group commit). A write on a stalled disk cannot be
+	// interrupted, but the wait for it can: the caller's bound holds, and
+	// the write goes on.
+	mk := make([]ipcachemap.Key, len(keys))
+	for i, k := range keys {
+		mk[i] = ipcachemap.Key{Prefix: k}
+	}
+	if err := durability.Wait(ctx, func() error { return m.SyncKeys(mk) }); err != nil {
 		return fmt.Errorf("write the ipcache map file: %w", err)
 	}
 	return nil

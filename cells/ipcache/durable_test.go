@@ -3,6 +3,7 @@ package ipcache_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/netip"
 	"os"
@@ -29,12 +30,13 @@ import (
 
 // crashState returns what a crash of the agent would leave on disk right
 // now: the datapath map file's entries and the checkpoint's identities,
-// read from copies so that the agent's files stay untouched. Both files are
-// written by renames, so a copy is always one complete state.
+// each with its journal replayed, read from copies so that the agent's
+// files stay untouched. Both files are written by renames and the journals
+// are read up to their last whole record, so a copy is always one state.
 func crashState(t *testing.T, dir string) (map[netip.Prefix]identity.NumericIdentity, map[identity.NumericIdentity]string) {
 	t.Helper()
 	cp := t.TempDir()
-	for _, name := range []string{ipcachemap.FileName, checkpoint.FileName} {
+	for _, name := range []string{ipcachemap.FileName, ipcachemap.FileName + ipcachemap.JournalSuffix, checkpoint.FileName, checkpoint.JournalFileName} {
 		data, err := os.ReadFile(filepath.Join(dir, name))
 		if errors.Is(err, os.ErrNotExist) {
 			continue
@@ -48,7 +50,7 @@ func crashState(t *testing.T, dir string) (map[netip.Prefix]identity.NumericIden
 			return nil, nil
 		}
 	}
-	m, _, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindFile, FilePath: filepath.Join(cp, ipcachemap.FileName)})
+	m, _, err := ipcachemap.Open(ipcachemap.Config{Kind: ipcachemap.KindFile, FilePath: filepath.Join(cp, ipcachemap.FileName), Journal: true})
 	if err != nil {
 		t.Error(err)
 		return nil, nil
@@ -59,7 +61,7 @@ func crashState(t *testing.T, dir string) (map[netip.Prefix]identity.NumericIden
 		pairs[k.Prefix] = v.Identity
 		return true
 	})
-	res, err := checkpoint.Loader{}.Load(filepath.Join(cp, checkpoint.FileName))
+	res, err := checkpoint.Loader{}.LoadJournaled(filepath.Join(cp, checkpoint.FileName))
 	if err != nil {
 		t.Error(err)
 		return nil, nil
@@ -412,5 +414,69 @@ func TestReleaseDoesNotBlockWriters(t *testing.T) {
 	}
 	if err := <-removed; err != nil {
 		t.Errorf("delete whose release the store did not answer: %v (the release is logged, the delete applied)", err)
+	}
+}
+
+// TestDurableUpsertAppends: with a checkpoint interval of an hour, waited
+// upserts of new prefixes append to the journals and rewrite neither the
+// map file nor the checkpoint, and repeating an upsert already durable
+// (same owner, same identity) waits for no write at all.
+func TestDurableUpsertAppends(t *testing.T) {
+	var fsyncs atomic.Int64
+	fault := func(step string) error {
+		if step == "fsync" {
+			fsyncs.Add(1)
+		}
+		return nil
+	}
+	n := newNode(t, nil, checkpoint.Cell, cell.Invoke(func(c *ipcache.IPCache) { ipcache.SetMapWriteFault(c, fault) }))
+	hiveOverrideCheckpointInterval(n, time.Hour)
+	n.start(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	const count = 20
+	for i := range count {
+		p := pfx(fmt.Sprintf("10.20.%d.0/24", i))
+		if err := n.ipc.Upsert(ctx, "test", p, ipcache.Info{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := n.ipc.WaitDurable(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range []string{ipcachemap.FileName, checkpoint.FileName} {
+		if _, err := os.Stat(filepath.Join(n.dir, name)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s written by durable answers (%v): the journals should hold them", name, err)
+		}
+	}
+	pairs, ids := crashState(t, n.dir)
+	if len(pairs) != count || len(ids) != count {
+		t.Fatalf("a crash leaves %d pairs and %d identities, want %d", len(pairs), len(ids), count)
+	}
+	// The map's journal fsyncs once per waited answer at most.
+	if f := fsyncs.Load(); f > count {
+		t.Fatalf("%d map journal fsyncs for %d answers", f, count)
+	}
+	before := fsyncs.Load()
+	jsize := func() int64 {
+		fi, err := os.Stat(filepath.Join(n.dir, checkpoint.JournalFileName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi.Size()
+	}
+	jbefore := jsize()
+	p := pfx("10.20.3.0/24")
+	if err := n.ipc.Upsert(ctx, "test", p, ipcache.Info{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.ipc.WaitDurable(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if f := fsyncs.Load(); f != before {
+		t.Fatalf("repeating a durable upsert cost %d map journal fsyncs", f-before)
+	}
+	if jsize() != jbefore {
+		t.Fatal("repeating a durable upsert wrote to the identity journal")
 	}
 }

@@ -28,9 +28,18 @@ const (
 	// statuses in one transaction.
 	roundSize       = 10000
 	roundsPerSecond = 50
-	// syncInterval is the shortest time between two writes of the map file;
-	// a file of a million entries is 36 MB.
+	// syncInterval is the shortest time between two writes of the map
+	// file's journal for changes nobody waits for.
 	syncInterval = 200 * time.Millisecond
+	// compactInterval is the shortest time between two writes of the
+	// whole map file (a million entries are 36 MB), the snapshot after
+	// which its journal is emptied; a journal larger than
+	// journalSizeFactor times the file (and than minCompactSize) is
+	// compacted sooner, so the cost of the rewrite stays spread over the
+	// changes that made it grow.
+	compactInterval   = 10 * time.Second
+	journalSizeFactor = 4
+	minCompactSize    = 16 << 20
 )
 
 // ops writes ipcache rows into the datapath map. Every operation is
@@ -184,16 +193,23 @@ func (c *IPCache) triggerSync() {
 	}
 }
 
-// syncLoop persists the map (file backend) after writes, at most once per
-// syncInterval, and retries failed writes. It runs as a job so that its
-// failures show in the module's health.
+// syncLoop persists the map (file backend) after writes: the journal's
+// new records at most once per syncInterval, the whole file at most once
+// per compactInterval (or when the journal has grown large), and retries
+// failed writes. It runs as a job so that its failures show in the
+// module's health.
 func (c *IPCache) syncLoop(ctx context.Context, health cell.Health) error {
 	backoff := syncInterval
+	compact := time.NewTicker(compactInterval)
+	defer compact.Stop()
 	for {
+		whole := false
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-c.syncNow:
+		case <-compact.C:
+			whole = true
 		}
 		m, err := c.waitReady(ctx)
 		if err != nil {
@@ -203,7 +219,16 @@ func (c *IPCache) syncLoop(ctx context.Context, health cell.Health) error {
 			// The kernel holds a bpf map: nothing to persist.
 			continue
 		}
-		if err := m.Sync(); err != nil {
+		if !whole {
+			size := ipcachemap.JournalSize(m)
+			whole = size > minCompactSize && size > journalSizeFactor*ipcachemap.FileSize(m)
+		}
+		if whole {
+			err = m.Compact()
+		} else {
+			err = m.Sync()
+		}
+		if err != nil {
 			// A full or read-only file system: not ready, still live.
 			health.Degraded("ipcache map file write failed", healthpkg.ExternalIO(err))
 			c.triggerSync()

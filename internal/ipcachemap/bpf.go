@@ -559,6 +559,10 @@ func (b *bpfMap) Sync() error {
 	return nil
 }
 
+func (b *bpfMap) SyncKeys([]Key) error { return b.Sync() }
+
+func (b *bpfMap) Compact() error { return b.Sync() }
+
 func (b *bpfMap) Close() error {
 	if b.closed.Swap(true) {
 		return nil

@@ -10,7 +10,12 @@
 //     is exactly what a datapath program would see.
 //   - "file": an in-memory table persisted atomically to a file in the state
 //     directory, for runs without the privileges to create BPF maps. Writes
-//     are cheap; [Map.Sync] (or the write-behind delay) persists them.
+//     are cheap; [Map.Sync] (or the write-behind delay) persists them. With
+//     [Config.Journal], Sync appends the changes to a journal beside the
+//     file and [Map.Compact] writes the whole file, emptying the journal;
+//     [Open] replays the journal over the file, unless the journal follows
+//     another file than the one found (replaced since), which it keeps
+//     aside instead.
 //
 // [Open] picks the backend ("auto" prefers bpf) and, before returning the map
 // to anyone who could write to it, reads its old contents into

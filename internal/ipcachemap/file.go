@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/identityd/identityd/internal/atomicfile"
+	"github.com/identityd/identityd/internal/journal"
 )
 
 // tmpSuffix names the one temporary file a sync writes before renaming it
@@ -49,6 +50,8 @@ func openFileLocked(cfg Config, info *OpenInfo) (*fileMap, error) {
 
 	entries := map[rawKey]rawValue{}
 	data, err := readMapFile(cfg.FilePath)
+	// The snapshot the journal must name to be replayed over entries.
+	base := journal.BaseOf(data)
 	var bad error
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
@@ -85,13 +88,19 @@ func openFileLocked(cfg Config, info *OpenInfo) (*fileMap, error) {
 		info.Created = true
 		info.Reason = fmt.Sprintf("replaced corrupt map file %s with an empty one", cfg.FilePath)
 	}
-	return &fileMap{
+	f := &fileMap{
 		path:      cfg.FilePath,
 		max:       int(cfg.MaxEntries),
 		syncDelay: cfg.SyncDelay,
 		fault:     cfg.WriteFault,
 		entries:   entries,
-	}, nil
+	}
+	if cfg.Journal {
+		if err := f.openJournal(info, base); err != nil {
+			return nil, err
+		}
+	}
+	return f, nil
 }
 
 // errNotRegular is the reason a path that holds something other than a
@@ -134,6 +143,15 @@ type fileMap struct {
 
 	// lock keeps other openers off the file while the map is open.
 	lock *mapLock
+
+	// jrn logs every change when Config.Journal is set; nil otherwise.
+	// Records are appended under mu, in the order of the changes.
+	jrn *journal.Journal
+	// pending holds the keys changed by records not yet durable, with
+	// the number of their last record; guarded by mu.
+	pending map[rawKey]uint64
+	// rec is the scratch buffer of a record; guarded by mu.
+	rec []byte
 }
 
 func (f *fileMap) Kind() Kind   { return KindFile }
@@ -231,6 +249,7 @@ func (f *fileMap) Update(k Key, v Value) error {
 	if err := f.putLocked(&rk, &rv); err != nil {
 		return err
 	}
+	f.logLocked(&rk, &rv)
 	f.changed()
 	return nil
 }
@@ -261,6 +280,7 @@ func (f *fileMap) UpdateBatch(entries []Entry) error {
 		if err = f.putLocked(&rk, &rv); err != nil {
 			break
 		}
+		f.logLocked(&rk, &rv)
 		n++
 	}
 	if n > 0 {
@@ -281,6 +301,7 @@ func (f *fileMap) Delete(k Key) error {
 	}
 	if _, ok := f.entries[rk]; ok {
 		delete(f.entries, rk)
+		f.logLocked(&rk, nil)
 		f.changed()
 	}
 	return nil
@@ -301,6 +322,7 @@ func (f *fileMap) DeleteBatch(keys []Key) error {
 		}
 		if _, ok := f.entries[rk]; ok {
 			delete(f.entries, rk)
+			f.logLocked(&rk, nil)
 			n++
 		}
 	}
@@ -365,8 +387,18 @@ func (f *fileMap) Sync() error {
 	return nil
 }
 
-// sync writes the table if it changed since the last successful write.
+// sync makes the changes durable: the journal's new records when there is
+// a journal, else the whole file if it changed since its last write.
 func (f *fileMap) sync() error {
+	if f.jrn != nil {
+		return f.syncJournal(f.jrn.Appended())
+	}
+	return f.writeWhole()
+}
+
+// writeWhole writes the table if it changed since the last successful
+// write.
+func (f *fileMap) writeWhole() error {
 	f.syncMu.Lock()
 	defer f.syncMu.Unlock()
 	f.mu.Lock()
@@ -404,7 +436,17 @@ func (f *fileMap) Close() error {
 	f.mu.Unlock()
 	// A write-behind already running finishes first; then the final write.
 	f.timerWG.Wait()
-	err := f.sync()
+	var err error
+	if f.jrn != nil {
+		// The last snapshot: a clean stop leaves an empty journal. If it
+		// fails, the journal keeps the changes instead.
+		if err = f.Compact(); err != nil {
+			err = errors.Join(err, f.syncJournal(f.jrn.Appended()))
+		}
+		err = errors.Join(err, f.jrn.Close())
+	} else {
+		err = f.sync()
+	}
 	f.mu.Lock()
 	f.entries = nil
 	f.buf = nil

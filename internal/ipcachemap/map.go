@@ -60,9 +60,15 @@ type Config struct {
 	// Zero leaves persistence to explicit Sync calls and Close.
 	SyncDelay time.Duration
 	// WriteFault, when not nil, is called before each step of a write of
-	// the file backend's file (atomicfile.WriteSteps), for tests of a
-	// failing or stalled disk.
+	// the file backend's file (atomicfile.WriteSteps) and of its journal,
+	// for tests of a failing or stalled disk.
 	WriteFault func(step string) error
+	// Journal makes the file backend log every change to
+	// <FilePath>.journal (JournalSuffix): Sync then writes the changes
+	// since the last Sync, one small write whatever the map's size, and
+	// the file becomes a snapshot that Compact writes. Without it Sync
+	// rewrites the whole file.
+	Journal bool
 }
 
 func (c Config) withDefaults() Config {
@@ -112,8 +118,18 @@ type Map interface {
 	Len() (int, error)
 
 	// Sync makes all changes so far durable: a no-op for bpf (the kernel
-	// holds the map), an atomic file write for file when anything changed.
+	// holds the map); for file, when anything changed, a write of the
+	// journal's new records (Config.Journal) or an atomic write of the
+	// whole file.
 	Sync() error
+	// SyncKeys makes the changes of the given keys durable, as Sync does,
+	// and writes nothing when they are already: an unchanged entry costs
+	// no write.
+	SyncKeys(keys []Key) error
+	// Compact writes the file backend's whole file and empties its
+	// journal: the snapshot, which bounds the journal and the time a
+	// restart takes to replay it. A no-op for bpf.
+	Compact() error
 	// Close syncs (file) and releases the map; a pinned bpf map stays.
 	Close() error
 }
@@ -144,6 +160,12 @@ type OpenInfo struct {
 	MountedBPFFS string
 	// Warnings are problems the caller should log as warnings.
 	Warnings []string
+	// JournalRecords is the number of journal records replayed over the
+	// file (Config.Journal).
+	JournalRecords int
+	// JournalKeptAs is where a copy of a damaged journal was kept; empty
+	// when none was damaged.
+	JournalKeptAs string
 }
 
 // Open opens or creates the map that cfg selects and snapshots its old

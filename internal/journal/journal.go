@@ -1,0 +1,673 @@
+// Package journal is the append-only log that makes one durable answer cost
+// one small write instead of a rewrite of the whole state: the checkpoint
+// and the ipcache map file are snapshots, and every change since the last
+// snapshot is a record here. Restart reads the snapshot and replays the
+// journal's valid prefix.
+//
+// # Format
+//
+// A journal file starts with a 32-byte header: the magic "idjournl", the
+// format version (uint32, little endian, Version), the kind (uint32,
+// little endian), which names what the records describe so that one
+// journal is never replayed as another's, the Base of the snapshot the
+// records follow (its size, uint64, and CRC-32C, uint32) and the CRC-32C
+// of the 28 bytes before it. Records follow, each framed as
+//
+//	length  uint32 LE   bytes of payload, 1..MaxRecord
+//	crc     uint32 LE   CRC-32C (Castagnoli) of the length field and the payload
+//	payload length bytes
+//
+// The checksum covers the length too, so a torn or zeroed length is found
+// as surely as a damaged payload. A reader stops at the first record that
+// is short, too long or fails its checksum: everything before it is the
+// valid prefix, everything from it on the damaged tail.
+//
+// A journal is replayed only over the snapshot its header names: the
+// snapshot's file may have been replaced since (a backup restored, another
+// agent's file), and the records of one state replayed over another would
+// make a third that never existed. Open keeps such a journal aside.
+//
+// # Writing
+//
+// Append buffers a record in memory and returns its sequence number; Sync
+// makes every record up to a number durable with one write and one fsync
+// for all the records waiting at that moment (group commit): callers that
+// come while a write runs share the next one. Compact writes a snapshot
+// through its caller and then empties the file, keeping the records
+// appended after the snapshot was taken.
+package journal
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/identityd/identityd/internal/atomicfile"
+)
+
+// Version is the format version this package writes and reads. Version 1
+// had a 16-byte header that named no snapshot: such a journal with records
+// is kept aside, a bare header is started afresh.
+const Version = 2
+
+// HeaderSize is the size of the file header; RecordOverhead the bytes
+// each record adds to its payload.
+const (
+	HeaderSize     = 32
+	RecordOverhead = 8
+)
+
+// v1HeaderSize is the header of format version 1.
+const v1HeaderSize = 16
+
+// Base names the snapshot a journal follows by the size and the CRC-32C
+// of its file's bytes. The zero Base is no snapshot file (an empty file
+// has the same).
+type Base struct {
+	Size uint64
+	CRC  uint32
+}
+
+// BaseOf returns the Base of a snapshot file holding data.
+func BaseOf(data []byte) Base {
+	return Base{Size: uint64(len(data)), CRC: crc32.Checksum(data, castagnoli)}
+}
+
+func (b Base) String() string {
+	return fmt.Sprintf("%d bytes, crc32c %08x", b.Size, b.CRC)
+}
+
+// MaxRecord bounds a record's payload: a length above it is damage, not a
+// record to allocate memory for.
+const MaxRecord = 1 << 20
+
+var magic = [8]byte{'i', 'd', 'j', 'o', 'u', 'r', 'n', 'l'}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Errors that describe a damaged journal. Read's Damage wraps one of them.
+var (
+	// ErrTorn: the file ends inside a record (a write cut short by a
+	// crash), or inside the header.
+	ErrTorn = errors.New("torn record at the end")
+	// ErrChecksum: a record's checksum does not match its bytes.
+	ErrChecksum = errors.New("record checksum mismatch")
+	// ErrBadLength: a record's length is 0 or above MaxRecord.
+	ErrBadLength = errors.New("record length out of bounds")
+	// ErrNotJournal: the file does not start with the journal magic.
+	ErrNotJournal = errors.New("not a journal")
+	// ErrNewerVersion: the file was written by a newer format version,
+	// whose records this one cannot read.
+	ErrNewerVersion = errors.New("journal of a newer format version")
+	// ErrOtherKind: the journal holds records of another kind.
+	ErrOtherKind = errors.New("journal of another kind")
+	// ErrOtherSnapshot: the journal follows another snapshot than the
+	// one read (the snapshot's file was replaced), or names none.
+	ErrOtherSnapshot = errors.New("journal of another snapshot")
+	// ErrBroken: the journal cannot take records until the next
+	// snapshot (Compact): a failed write could not be undone, or the
+	// journal could not be emptied after a snapshot. The caller makes
+	// its changes durable with a snapshot instead.
+	ErrBroken = errors.New("journal unusable until the next snapshot")
+)
+
+// Header returns the header of a journal of kind that follows base.
+func Header(kind uint32, base Base) []byte {
+	h := make([]byte, HeaderSize)
+	copy(h, magic[:])
+	binary.LittleEndian.PutUint32(h[8:], Version)
+	binary.LittleEndian.PutUint32(h[12:], kind)
+	binary.LittleEndian.PutUint64(h[16:], base.Size)
+	binary.LittleEndian.PutUint32(h[24:], base.CRC)
+	binary.LittleEndian.PutUint32(h[28:], crc32.Checksum(h[:28], castagnoli))
+	return h
+}
+
+// AppendRecord appends the framing and payload of one record to dst.
+func AppendRecord(dst, payload []byte) []byte {
+	var hdr [RecordOverhead]byte
+	binary.LittleEndian.PutUint32(hdr[0:], uint32(len(payload)))
+	crc := crc32.Update(0, castagnoli, hdr[0:4])
+	crc = crc32.Update(crc, castagnoli, payload)
+	binary.LittleEndian.PutUint32(hdr[4:], crc)
+	dst = append(dst, hdr[:]...)
+	return append(dst, payload...)
+}
+
+// Contents is what Decode found in a journal's bytes.
+type Contents struct {
+	// Records are the payloads of the valid prefix, in order; they alias
+	// the decoded bytes.
+	Records [][]byte
+	// Valid is the length of the valid prefix in bytes, header included
+	// (0 when the header itself is bad; 16 for the bare header of format
+	// version 1, which holds nothing).
+	Valid int64
+	// Damage is why decoding stopped before the end, or nil when every
+	// byte was read. It wraps one of the Err* values.
+	Damage error
+	// Base is the snapshot the header names (when Valid > 0).
+	Base Base
+}
+
+// Decode reads a journal of kind from data. It never panics: whatever the
+// bytes, it returns the records of the valid prefix and says why it
+// stopped. An empty input is an empty journal without damage (a file
+// created but never written).
+func Decode(data []byte, kind uint32) Contents {
+	var c Contents
+	if len(data) == 0 {
+		return c
+	}
+	if string(data[:min(len(data), len(magic))]) != string(magic[:min(len(data), len(magic))]) {
+		c.Damage = ErrNotJournal
+		return c
+	}
+	if len(data) >= 12 {
+		switch v := binary.LittleEndian.Uint32(data[8:]); {
+		case v == 1 && len(data) >= v1HeaderSize && binary.LittleEndian.Uint32(data[12:]) != kind:
+			c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, binary.LittleEndian.Uint32(data[12:]), kind)
+			return c
+		case v == 1 && len(data) == v1HeaderSize:
+			// A bare header of version 1, as a clean stop left it:
+			// nothing to replay and no damage; Open writes a new
+			// header.
+			c.Valid = v1HeaderSize
+			return c
+		case v == 1:
+			c.Damage = fmt.Errorf("%w: format version 1 names no snapshot", ErrOtherSnapshot)
+			return c
+		case v > Version:
+			c.Damage = fmt.Errorf("%w: version %d, this agent reads %d", ErrNewerVersion, v, Version)
+			return c
+		case v != Version:
+			c.Damage = fmt.Errorf("%w: unknown version %d", ErrNotJournal, v)
+			return c
+		}
+	}
+	if len(data) < HeaderSize {
+		c.Damage = fmt.Errorf("%w: %d of %d header bytes", ErrTorn, len(data), HeaderSize)
+		return c
+	}
+	if k := binary.LittleEndian.Uint32(data[12:]); k != kind {
+		c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, k, kind)
+		return c
+	}
+	if crc32.Checksum(data[:28], castagnoli) != binary.LittleEndian.Uint32(data[28:]) {
+		c.Damage = fmt.Errorf("%w: header", ErrChecksum)
+		return c
+	}
+	c.Base = Base{Size: binary.LittleEndian.Uint64(data[16:]), CRC: binary.LittleEndian.Uint32(data[24:])}
+	off := HeaderSize
+	c.Valid = int64(off)
+	for off < len(data) {
+		rest := data[off:]
+		if len(rest) < RecordOverhead {
+			c.Damage = fmt.Errorf("%w: %d bytes at offset %d", ErrTorn, len(rest), off)
+			return c
+		}
+		n := binary.LittleEndian.Uint32(rest[0:])
+		sum := binary.LittleEndian.Uint32(rest[4:])
+		if n == 0 || n > MaxRecord {
+			// A zero length with a zero checksum is a zeroed tail (a file
+			// system that extended the file but not its data before the
+			// crash): torn, not corrupt.
+			if n == 0 && sum == 0 && allZero(rest) {
+				c.Damage = fmt.Errorf("%w: %d zero bytes at offset %d", ErrTorn, len(rest), off)
+			} else {
+				c.Damage = fmt.Errorf("%w: %d at offset %d", ErrBadLength, n, off)
+			}
+			return c
+		}
+		if uint64(len(rest)-RecordOverhead) < uint64(n) {
+			c.Damage = fmt.Errorf("%w: record of %d bytes at offset %d, %d left", ErrTorn, n, off, len(rest)-RecordOverhead)
+			return c
+		}
+		payload := rest[RecordOverhead : RecordOverhead+int(n)]
+		crc := crc32.Update(0, castagnoli, rest[0:4])
+		if crc32.Update(crc, castagnoli, payload) != sum {
+			c.Damage = fmt.Errorf("%w: record at offset %d", ErrChecksum, off)
+			return c
+		}
+		c.Records = append(c.Records, payload)
+		off += RecordOverhead + int(n)
+		c.Valid = int64(off)
+	}
+	return c
+}
+
+func allZero(b []byte) bool {
+	for _, x := range b {
+		if x != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// Opened is what Open found in the file.
+type Opened struct {
+	// Records are the payloads of the valid prefix, in order.
+	Records [][]byte
+	// Found is false when there was no file.
+	Found bool
+	// Size is the file's size as found.
+	Size int64
+	// Damage is why the file was not read to its end, or nil.
+	Damage error
+	// KeptAs is where a copy of the damaged file was kept; empty when
+	// nothing was damaged.
+	KeptAs string
+}
+
+// Journal is an open journal file. Append, Sync, Compact and the other
+// methods are safe for concurrent use.
+type Journal struct {
+	path string
+	kind uint32
+	// base is the snapshot the file's header names; guarded by fmu.
+	base Base
+
+	// mu guards the pending records.
+	mu sync.Mutex
+	// buf holds the framed records that are not written yet: those
+	// numbered first .. appended, ends[i] the end of record first+i.
+	buf      []byte
+	ends     []int
+	first    uint64
+	appended uint64
+	// fmu serializes the file writes; it is taken before mu.
+	fmu  sync.Mutex
+	f    *os.File
+	size int64 // bytes in the file; guarded by fmu
+	// broken is set when a failed write could not be undone (the file
+	// may hold a partial record) or the file was not emptied after a
+	// snapshot (its header names the old one): nothing may be appended
+	// until a Compact succeeds.
+	broken error
+
+	durable atomic.Uint64
+	closed  bool
+	// Fault, when not nil, is called before each write and fsync of the
+	// file with the step's name ("write", "fsync", "truncate", "header");
+	// an error it returns fails the step. For tests of a failing or
+	// stalled disk.
+	Fault func(step string) error
+}
+
+// Open opens the journal at path for kind over the snapshot base (the
+// BaseOf the snapshot file's bytes just read, the zero Base when there was
+// none), creating it (mode 0600) if needed, and returns it with what it
+// held. A damaged file (a torn or corrupt tail, a file that is no journal,
+// one of a newer version or of another kind) is copied aside to
+// <path>.corrupt-<unix time> first and then cut to its valid prefix (or
+// started afresh when no prefix is valid), so that new records follow the
+// last valid one. A journal whose header names another snapshot than base
+// is copied aside the same way and started afresh, none of its records
+// returned (Damage wraps ErrOtherSnapshot); one without records just gets
+// a new header. Only an error that leaves the file untouched and unread
+// is returned: the caller must then not write it.
+func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened, error) {
+	var op Opened
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NONBLOCK, 0o600)
+	if err != nil {
+		return nil, op, fmt.Errorf("open journal: %w", err)
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, op, fmt.Errorf("stat journal: %w", err)
+	}
+	if !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, op, fmt.Errorf("journal %s is not a regular file (%s)", path, fi.Mode().Type())
+	}
+	op.Found = fi.Size() > 0
+	op.Size = fi.Size()
+	if fi.Size() > 1<<31 {
+		f.Close()
+		return nil, op, fmt.Errorf("journal %s is %d bytes, too large to read", path, fi.Size())
+	}
+	data := make([]byte, fi.Size())
+	if _, err := io.ReadFull(f, data); err != nil {
+		f.Close()
+		return nil, op, fmt.Errorf("read journal: %w", err)
+	}
+	c := Decode(data, kind)
+	valid := c.Valid
+	if valid >= HeaderSize && c.Base != base {
+		if len(c.Records) == 0 && c.Damage == nil {
+			// Nothing to replay: only the header is out of date (a
+			// crash between a snapshot and the journal's reset).
+			valid = 0
+		} else {
+			c.Records, valid = nil, 0
+			c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the snapshot read has %v", ErrOtherSnapshot, c.Base, base)
+		}
+	}
+	op.Records, op.Damage = c.Records, c.Damage
+	if c.Damage != nil {
+		kept, err := keepCopy(path, data, now)
+		if err != nil {
+			f.Close()
+			return nil, op, fmt.Errorf("journal %s is damaged (%v) and cannot be kept aside: %w", path, c.Damage, err)
+		}
+		op.KeptAs = kept
+	}
+	j := &Journal{path: path, kind: kind, base: base, f: f, first: 1}
+	if valid < HeaderSize {
+		// No valid header: start afresh.
+		if err := j.writeHeader(base); err != nil {
+			f.Close()
+			return nil, op, err
+		}
+	} else if valid < fi.Size() {
+		if err := f.Truncate(valid); err != nil {
+			f.Close()
+			return nil, op, fmt.Errorf("cut journal to its valid prefix: %w", err)
+		}
+		if err := f.Sync(); err != nil {
+			f.Close()
+			return nil, op, fmt.Errorf("sync journal: %w", err)
+		}
+		j.size = valid
+	} else {
+		j.size = valid
+	}
+	if !op.Found {
+		// A new file: its name must survive a crash too.
+		if err := atomicfile.SyncDir(filepath.Dir(path)); err != nil {
+			f.Close()
+			return nil, op, fmt.Errorf("sync journal directory: %w", err)
+		}
+	}
+	return j, op, nil
+}
+
+// writeHeader replaces the file's contents, which hold no record to
+// keep, by a bare header naming base. The header is written over the
+// old bytes before the rest is cut, so that a crash leaves a header, old
+// or new, never an empty or torn file.
+func (j *Journal) writeHeader(base Base) error {
+	if _, err := j.f.WriteAt(Header(j.kind, base), 0); err != nil {
+		return fmt.Errorf("write journal header: %w", err)
+	}
+	if err := j.f.Truncate(HeaderSize); err != nil {
+		return fmt.Errorf("truncate journal: %w", err)
+	}
+	if err := j.f.Sync(); err != nil {
+		return fmt.Errorf("sync journal: %w", err)
+	}
+	j.size = HeaderSize
+	j.base = base
+	return nil
+}
+
+// reset empties the file to a header naming base, the snapshot just
+// written; fmu held. The records are cut and synced before the header
+// changes: a crash in between leaves the old header with no record, which
+// Open starts afresh, never a new header over records of the old
+// snapshot.
+func (j *Journal) reset(base Base) error {
+	if err := j.step("truncate"); err != nil {
+		return err
+	}
+	if err := j.f.Truncate(HeaderSize); err != nil {
+		return fmt.Errorf("truncate journal: %w", err)
+	}
+	if err := j.f.Sync(); err != nil {
+		return fmt.Errorf("sync journal: %w", err)
+	}
+	j.size = HeaderSize
+	if base == j.base {
+		return nil
+	}
+	if err := j.step("header"); err != nil {
+		return err
+	}
+	return j.writeHeader(base)
+}
+
+func (j *Journal) step(name string) error {
+	if j.Fault != nil {
+		if err := j.Fault(name); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// keepCopy writes data to a new file <path>.corrupt-<unix time>[-n].
+func keepCopy(path string, data []byte, now time.Time) (string, error) {
+	base := path + ".corrupt-" + strconv.FormatInt(now.Unix(), 10)
+	for i := 0; i < 1000; i++ {
+		to := base
+		if i > 0 {
+			to = base + "-" + strconv.Itoa(i)
+		}
+		f, err := os.OpenFile(to, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		if errors.Is(err, fs.ErrExist) {
+			continue
+		}
+		if err != nil {
+			return "", err
+		}
+		if _, err := f.Write(data); err != nil {
+			f.Close()
+			os.Remove(to)
+			return "", err
+		}
+		if err := f.Sync(); err != nil {
+			f.Close()
+			os.Remove(to)
+			return "", err
+		}
+		if err := f.Close(); err != nil {
+			os.Remove(to)
+			return "", err
+		}
+		return to, nil
+	}
+	return "", errors.New("no free name")
+}
+
+// Path returns the journal's file.
+func (j *Journal) Path() string { return j.path }
+
+// Append buffers one record and returns its sequence number (1, 2, …).
+// The record is durable once Sync with that number (or a later one)
+// returns nil.
+func (j *Journal) Append(payload []byte) uint64 {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.buf = AppendRecord(j.buf, payload)
+	j.ends = append(j.ends, len(j.buf))
+	j.appended++
+	return j.appended
+}
+
+// Appended returns the number of the last record appended.
+func (j *Journal) Appended() uint64 {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.appended
+}
+
+// Durable returns the number up to which every record is durable.
+func (j *Journal) Durable() uint64 { return j.durable.Load() }
+
+// Pending tells how many records wait for a write and how many bytes they
+// take.
+func (j *Journal) Pending() (records, bytes int) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return len(j.ends), len(j.buf)
+}
+
+// Size returns the bytes in the file, header included.
+func (j *Journal) Size() int64 {
+	j.fmu.Lock()
+	defer j.fmu.Unlock()
+	return j.size
+}
+
+// ErrClosed is returned by a Sync or Compact after Close.
+var ErrClosed = errors.New("journal is closed")
+
+// Sync returns once every record numbered up to seq is on disk. Records
+// appended while another Sync writes wait for it and then go out together
+// in one write and one fsync: a burst of N callers costs about two writes,
+// not N. A failed write is undone (the file is cut back to its last
+// record) and its records stay pending for the next Sync.
+func (j *Journal) Sync(seq uint64) error {
+	if j.durable.Load() >= seq {
+		return nil
+	}
+	j.fmu.Lock()
+	defer j.fmu.Unlock()
+	if j.durable.Load() >= seq {
+		// Written by the Sync this one waited for.
+		return nil
+	}
+	return j.flushLocked()
+}
+
+// flushLocked writes every pending record; fmu held.
+func (j *Journal) flushLocked() error {
+	if j.closed {
+		return ErrClosed
+	}
+	if j.broken != nil {
+		return j.broken
+	}
+	j.mu.Lock()
+	data, upTo, n := j.buf, j.appended, len(j.ends)
+	j.mu.Unlock()
+	if n == 0 {
+		j.raiseDurable(upTo)
+		return nil
+	}
+	err := j.step("write")
+	if err == nil {
+		_, err = j.f.WriteAt(data, j.size)
+		if err != nil {
+			err = fmt.Errorf("write: %w", err)
+		}
+	}
+	if err == nil {
+		if err = j.step("fsync"); err == nil {
+			if err = j.f.Sync(); err != nil {
+				err = fmt.Errorf("fsync: %w", err)
+			}
+		}
+	}
+	if err != nil {
+		// Cut back what may have been written, so that the next write
+		// follows the last whole record.
+		if terr := j.f.Truncate(j.size); terr != nil {
+			j.broken = fmt.Errorf("journal %s: %w: a failed write could not be undone: %w", j.path, ErrBroken, terr)
+		}
+		return fmt.Errorf("journal %s: %w", j.path, err)
+	}
+	j.size += int64(len(data))
+	j.mu.Lock()
+	j.dropLocked(n)
+	j.mu.Unlock()
+	j.raiseDurable(upTo)
+	return nil
+}
+
+// dropLocked forgets the first n pending records; mu held.
+func (j *Journal) dropLocked(n int) {
+	if n <= 0 {
+		return
+	}
+	cut := j.ends[n-1]
+	rest := len(j.buf) - cut
+	if rest == 0 {
+		j.buf = j.buf[:0]
+		j.ends = j.ends[:0]
+	} else {
+		// A fresh buffer: the old one may be in a write's hands.
+		nb := make([]byte, rest, max(rest, 4096))
+		copy(nb, j.buf[cut:])
+		j.buf = nb
+		ne := make([]int, len(j.ends)-n, cap(j.ends))
+		for i, e := range j.ends[n:] {
+			ne[i] = e - cut
+		}
+		j.ends = ne
+	}
+	j.first += uint64(n)
+}
+
+func (j *Journal) raiseDurable(seq uint64) {
+	for {
+		cur := j.durable.Load()
+		if cur >= seq || j.durable.CompareAndSwap(cur, seq) {
+			return
+		}
+	}
+}
+
+// Compact replaces the journal by a snapshot. snapshot runs with the
+// journal's writes held off; it captures the state, writes it durably (an
+// atomic file write) and returns the number of the last record the
+// snapshot holds (Appended at its capture) and the BaseOf the bytes it
+// wrote. When it succeeds, the file is emptied to a header naming that
+// base and the pending records up to that number are dropped, as the
+// snapshot holds them; the later ones stay pending. When it fails, nothing
+// changes. When the journal cannot be emptied, it is broken until a later
+// Compact succeeds: its header names the old snapshot, and records
+// appended after it would not be replayed over the new one.
+func (j *Journal) Compact(snapshot func() (uint64, Base, error)) error {
+	j.fmu.Lock()
+	defer j.fmu.Unlock()
+	if j.closed {
+		return ErrClosed
+	}
+	upTo, base, err := snapshot()
+	if err != nil {
+		return err
+	}
+	// The snapshot holds every record up to upTo: those in the file and
+	// those pending alike.
+	j.mu.Lock()
+	if upTo >= j.first {
+		j.dropLocked(int(min(upTo, j.appended) - j.first + 1))
+	}
+	j.mu.Unlock()
+	j.raiseDurable(upTo)
+	if err := j.reset(base); err != nil {
+		// The file names the old snapshot: a restart keeps it aside, and
+		// loses nothing, as the new snapshot holds every record in it.
+		// But records appended after it would be lost the same way.
+		j.broken = fmt.Errorf("journal %s: %w: not emptied after a snapshot: %w", j.path, ErrBroken, err)
+		return fmt.Errorf("empty journal %s after snapshot: %w", j.path, err)
+	}
+	// Whatever a failed write left behind is gone with the rest.
+	j.broken = nil
+	return nil
+}
+
+// Close writes nothing more and closes the file; pending records are
+// dropped (a clean stop writes a snapshot first).
+func (j *Journal) Close() error {
+	j.fmu.Lock()
+	defer j.fmu.Unlock()
+	if j.closed {
+		return nil
+	}
+	j.closed = true
+	return j.f.Close()
+}
