@@ -664,7 +664,8 @@ func (c *Client) keepLeaseAlive(ctx context.Context, h cell.Health) error {
 // reasonRevoked marks a lease this node revoked itself.
 const reasonRevoked = "revoked by this node"
 
-// leaseLost forgets l if it is current and wakes everyone waiting on it.
+// leaseLost ends l's keepalive and, if l is current, forgets it, reports
+// the loss and wakes everyone waiting on it.
 func (c *Client) leaseLost(l *nodeLease, why string) {
 	c.mu.Lock()
 	current := c.lease == l
@@ -678,6 +679,12 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 	}
 	c.mu.Unlock()
 	l.cancel()
+	if !current {
+		// Whoever forgot it reports the loss and closes l.lost: a
+		// second caller (a refused write and the keepalive notice the
+		// same loss) that got there first would close it unreported.
+		return
+	}
 	l.lostOnce.Do(func() {
 		// Health hears of the loss before anyone waiting on it wakes.
 		defer close(l.lost)
@@ -685,7 +692,7 @@ func (c *Client) leaseLost(l *nodeLease, why string) {
 		case why == reasonRevoked:
 			// Asked for by this node (at stop): not a loss to warn of.
 			c.log.Debug("Revoked this node's etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)))
-		case current && !stopped:
+		case !stopped:
 			c.reportHealth()
 			c.log.Warn("Lost this node's etcd lease; its keys are gone and must be written again with a new lease",
 				"lease", fmt.Sprintf("%x", int64(l.id)), "reason", why)
