@@ -68,15 +68,17 @@ func WithReadyTimeout(d time.Duration) Option {
 
 // Server is an API server process.
 type Server struct {
-	tb       testing.TB
-	bin      string
-	dir      string
-	opts     options
-	args     []string // the server's flags but the port
-	etcd     []string
-	ownEtcd  *etcdtest.Cluster
-	prefix   string
-	certs    *etcdtest.Certs
+	tb      testing.TB
+	bin     string
+	dir     string
+	opts    options
+	args    []string // the server's flags but the port
+	etcd    []string
+	ownEtcd *etcdtest.Cluster
+	prefix  string
+	certs   *etcdtest.Certs
+	// adminPEM is the admin's credentials as RESTConfig gives them.
+	adminPEM struct{ ca, cert, key []byte }
 	admin    clientCert
 	port     int
 	url      string
@@ -155,6 +157,14 @@ func (s *Server) prepareFiles() error {
 	adminTLS, err := tls.LoadX509KeyPair(s.admin.certFile, s.admin.keyFile)
 	if err != nil {
 		return fmt.Errorf("k8stest: loading admin certificate: %w", err)
+	}
+	for _, f := range []struct {
+		path string
+		to   *[]byte
+	}{{certs.CAFile, &s.adminPEM.ca}, {s.admin.certFile, &s.adminPEM.cert}, {s.admin.keyFile, &s.adminPEM.key}} {
+		if *f.to, err = os.ReadFile(f.path); err != nil {
+			return fmt.Errorf("k8stest: %w", err)
+		}
 	}
 	s.readyTLS, err = certs.ClientTLS()
 	if err != nil {
@@ -272,14 +282,16 @@ func (s *Server) CAFile() string { return s.certs.CAFile }
 
 // RESTConfig returns a fresh client configuration for the admin user
 // (client certificate, group system:masters), with QPS and burst high
-// enough that the client never throttles the server's speed.
+// enough that the client never throttles the server's speed. The
+// certificates are in the configuration itself: given as files, client-go
+// would watch them for rotation with goroutines that never end.
 func (s *Server) RESTConfig() *rest.Config {
 	return &rest.Config{
 		Host: s.url,
 		TLSClientConfig: rest.TLSClientConfig{
-			CAFile:   s.certs.CAFile,
-			CertFile: s.admin.certFile,
-			KeyFile:  s.admin.keyFile,
+			CAData:   s.adminPEM.ca,
+			CertData: s.adminPEM.cert,
+			KeyData:  s.adminPEM.key,
 		},
 		QPS:   1e6,
 		Burst: 1e6,
