@@ -35,11 +35,11 @@ func flagTable() string {
 		}
 		def := "`" + f.DefValue + "`"
 		switch {
+		case f.Name == "node-name":
+			// Empty stands for this machine's host name.
+			def = "(host name)"
 		case f.DefValue == "" || f.DefValue == "[]":
 			def = "(empty)"
-		case f.Name == "node-name":
-			// The default is this machine's host name.
-			def = "(host name)"
 		}
 		fmt.Fprintf(&b, "| `--%s` | %s | %s |\n", f.Name, def, strings.ReplaceAll(f.Usage, "|", "\\|"))
 	})
