@@ -287,12 +287,12 @@ type MapRow struct {
 	Flags          uint8                    `json:"flags,omitempty"`
 }
 
-// TableHeader implements shellfmt.Tabular.
+// TableHeader names the columns of ipcache/map-dump's table.
 func (MapRow) TableHeader() []string {
 	return []string{"Prefix", "Cluster", "Identity", "TunnelEndpoint", "EncryptKey", "Flags"}
 }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is r as a row of ipcache/map-dump's table.
 func (r MapRow) TableRow() []string {
 	te := ""
 	if r.TunnelEndpoint.IsValid() {

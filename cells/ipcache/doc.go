@@ -29,9 +29,10 @@
 //
 // It depends on allocator.Allocator, allocator.Config (the allocator
 // cell's, for --identity-allocation-timeout), *statedir.Dir, statedb, job
-// and a cell.Health provider (cell.SimpleHealthCell in the identityd
-// binary), and uses allocator.LocalIdentitySyncer (the checkpoint cell)
-// when the hive has one.
+// and a cell.Health provider (the identityd binary has health.Cell, which
+// lists every module's scope in /healthz), and uses
+// allocator.LocalIdentitySyncer (the checkpoint cell) when the hive has
+// one.
 //
 // # Flags
 //
@@ -121,8 +122,8 @@
 //
 // The order, which the restoration cell relies on:
 //
-//  1. The ipcache's start hook opens the map. ipcachemap.Open reads the old
-//     contents before anything can write; they are kept until
+//  1. The ipcache's start hook opens the map and reads its old contents
+//     before anything can write; they are kept until
 //     [IPCache.TakeSnapshot] hands them over (once).
 //  2. Later start hooks run; restoration's start hook (it depends on the
 //     ipcache, so it runs after) takes the snapshot and re-creates metadata

@@ -42,8 +42,9 @@ func nodeName(p nodeNameParams) (identity.NodeName, error) {
 	if p.Mode == identity.AllocationModeCRD {
 		validate = ValidateObjectNodeName
 	}
-	if err := validate(p.Config.NodeName); err != nil {
+	name := p.Config.nodeName()
+	if err := validate(name); err != nil {
 		return "", fmt.Errorf("kvstore: %w", err)
 	}
-	return identity.NodeName(p.Config.NodeName), nil
+	return identity.NodeName(name), nil
 }

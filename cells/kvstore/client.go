@@ -220,6 +220,7 @@ func New(log *slog.Logger, cfg Config, dir *statedir.Dir) (*Client, error) {
 	if cfg.Embedded() && dir == nil {
 		return nil, errors.New("kvstore: the embedded etcd needs a state directory (add the statedir cell or set --kvstore-endpoints)")
 	}
+	cfg.NodeName = cfg.nodeName()
 	c := &Client{cfg: cfg, log: log, dir: dir, leaseGranted: make(chan struct{}, 1)}
 	c.stop.Store(newStopState())
 	if cfg.KVStoreRateLimit > 0 {

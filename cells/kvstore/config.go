@@ -45,7 +45,10 @@ type Config struct {
 	// KVStoreRateLimit caps this client's KV requests per second; 0 is no
 	// limit.
 	KVStoreRateLimit float64
-	// NodeName is this node's name, the suffix of its reference keys.
+	// NodeName is this node's name, the suffix of its reference keys;
+	// empty means the host name (resolved by New and Validate, so that
+	// --help states the default once, in words, instead of the name of
+	// the machine that printed it).
 	NodeName string
 }
 
@@ -54,10 +57,14 @@ var DefaultConfig = Config{
 	KVStoreLeaseTTL:       15 * time.Minute,
 	KVStoreDialTimeout:    15 * time.Second,
 	KVStoreRequestTimeout: 30 * time.Second,
-	NodeName:              defaultNodeName(),
 }
 
-func defaultNodeName() string {
+// nodeName is c.NodeName, or the host name when it is empty ("" when the
+// host name is unknown, which Validate reports).
+func (c Config) nodeName() string {
+	if c.NodeName != "" {
+		return c.NodeName
+	}
 	name, err := os.Hostname()
 	if err != nil {
 		return ""
@@ -98,7 +105,7 @@ func (c Config) Validate() error {
 	if c.KVStoreRateLimit < 0 {
 		errs = append(errs, fmt.Errorf("--kvstore-rate-limit %g must not be negative", c.KVStoreRateLimit))
 	}
-	if err := ValidateNodeName(c.NodeName); err != nil {
+	if err := ValidateNodeName(c.nodeName()); err != nil {
 		errs = append(errs, err)
 	}
 	for _, ep := range c.KVStoreEndpoints {

@@ -1,6 +1,7 @@
 package kvstore_test
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
 )
 
 func TestConfigValidate(t *testing.T) {
@@ -31,7 +33,6 @@ func TestConfigValidate(t *testing.T) {
 		{"no dial timeout", func(c *kvstore.Config) { c.KVStoreDialTimeout = 0 }, "--kvstore-dial-timeout"},
 		{"no request timeout", func(c *kvstore.Config) { c.KVStoreRequestTimeout = -time.Second }, "--kvstore-request-timeout"},
 		{"negative rate", func(c *kvstore.Config) { c.KVStoreRateLimit = -1 }, "--kvstore-rate-limit"},
-		{"empty node name", func(c *kvstore.Config) { c.NodeName = "" }, "--node-name must not be empty"},
 		{"slash in node name", func(c *kvstore.Config) { c.NodeName = "a/b" }, "must not contain '/'"},
 		{"control char in node name", func(c *kvstore.Config) { c.NodeName = "a\nb" }, "control"},
 		{"invalid utf8 node name", func(c *kvstore.Config) { c.NodeName = "a\xffb" }, "control"},
@@ -98,5 +99,47 @@ func TestFlags(t *testing.T) {
 	}
 	if len(got.KVStoreEndpoints) != 2 || got.KVStoreLeaseTTL != time.Minute || got.KVStoreRateLimit != 2.5 || got.NodeName != "n1" {
 		t.Fatalf("flags not applied: %+v", got)
+	}
+}
+
+// TestEmptyNodeNameIsHostName: the default --node-name is empty, so that
+// --help states its default once, in words; the client and the
+// identity.NodeName the stores get resolve it to the host name.
+func TestEmptyNodeNameIsHostName(t *testing.T) {
+	host, err := os.Hostname()
+	if err != nil || kvstore.ValidateNodeName(host) != nil {
+		t.Skipf("host name %q is no valid node name: %v", host, err)
+	}
+	if kvstore.DefaultConfig.NodeName != "" {
+		t.Fatalf("default node name %q, want empty (the host name, resolved at start)", kvstore.DefaultConfig.NodeName)
+	}
+	cfg := kvstore.DefaultConfig
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("default config: %v", err)
+	}
+	cfg.KVStoreEndpoints = []string{"http://127.0.0.1:1"}
+	c, err := kvstore.New(hivetest.Logger(t), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.NodeName() != host {
+		t.Errorf("client's node name %q, want the host name %q", c.NodeName(), host)
+	}
+
+	var node identity.NodeName
+	h := hive.New(statedir.Cell, kvstore.Cell, cell.Invoke(func(n identity.NodeName) { node = n }))
+	flags := pflag.NewFlagSet("test", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse([]string{"--kvstore-endpoints=http://127.0.0.1:1"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Populate(hivetest.Logger(t)); err != nil {
+		t.Fatal(err)
+	}
+	if string(node) != host {
+		t.Errorf("identity.NodeName %q, want the host name %q", node, host)
+	}
+	if def := flags.Lookup("node-name").DefValue; def != "" {
+		t.Errorf("--node-name's default is %q; --help would show it beside \"(default: host name)\"", def)
 	}
 }

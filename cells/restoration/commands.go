@@ -18,14 +18,14 @@ func newCommands(r *Restorer) hive.ScriptCmdsOut {
 	})
 }
 
-// TableHeader implements shellfmt.Tabular.
+// TableHeader names the columns of identity/restore-status's table.
 func (Status) TableHeader() []string {
 	return []string{"STATE", "RESTORED", "SKIPPED", "RENUMBERED", "PREFIXES", "PREFIXES-FAILED",
 		"HELD-IDENTITIES", "HELD-PREFIXES", "WITHHELD", "RELEASED", "RELEASE"}
 }
 
-// TableRow implements shellfmt.Tabular. The RELEASE column says when the
-// release runs ("in 29s"), or "done" once it has.
+// TableRow is s as a row of identity/restore-status's table. The RELEASE
+// column says when the release runs ("in 29s"), or "done" once it has.
 func (s Status) TableRow() []string {
 	u := func(n uint64) string { return strconv.FormatUint(n, 10) }
 	release := "-"

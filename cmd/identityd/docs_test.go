@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -35,11 +36,11 @@ func flagTable() string {
 		}
 		def := "`" + f.DefValue + "`"
 		switch {
+		case f.Name == "node-name":
+			// Empty stands for this machine's host name.
+			def = "(host name)"
 		case f.DefValue == "" || f.DefValue == "[]":
 			def = "(empty)"
-		case f.Name == "node-name":
-			// The default is this machine's host name.
-			def = "(host name)"
 		}
 		fmt.Fprintf(&b, "| `--%s` | %s | %s |\n", f.Name, def, strings.ReplaceAll(f.Usage, "|", "\\|"))
 	})
@@ -191,7 +192,9 @@ func goBlockWith(md, sub string) (string, bool) {
 }
 
 // TestDocsOpenWithSummary: docs/benchmarks.md and docs/reliability.md open
-// with a summary table whose every row links to a section of the page.
+// with a summary table whose every row links to a section of the page; in
+// benchmarks.md every row also gives Cilium's figure, the target, the
+// date and the command.
 func TestDocsOpenWithSummary(t *testing.T) {
 	for _, path := range []string{"../../docs/benchmarks.md", "../../docs/reliability.md"} {
 		b, err := os.ReadFile(path)
@@ -221,6 +224,9 @@ func TestDocsOpenWithSummary(t *testing.T) {
 			continue
 		}
 		rows := 0
+		// In benchmarks.md every figure says when and how it was
+		// measured: these columns must not be empty.
+		required := map[string]int{"date": -1, "command": -1, "Cilium v1.16.2": -1, "target": -1}
 		for _, l := range lines[first+1:] {
 			if strings.HasPrefix(l, "## ") {
 				break
@@ -229,8 +235,24 @@ func TestDocsOpenWithSummary(t *testing.T) {
 				continue
 			}
 			rows++
+			cells := tableCells(l)
 			if rows == 1 {
+				for i, c := range cells {
+					if _, ok := required[c]; ok {
+						required[c] = i
+					}
+				}
 				continue // the header
+			}
+			if strings.HasSuffix(path, "benchmarks.md") {
+				for name, i := range required {
+					if i < 0 {
+						t.Errorf("%s: the summary has no %s column", path, name)
+						required[name] = len(cells) // report once
+					} else if i < len(cells) && cells[i] == "" {
+						t.Errorf("%s: summary row without a %s: %s", path, name, l)
+					}
+				}
 			}
 			links := regexp.MustCompile(`\]\(#([^)]+)\)`).FindAllStringSubmatch(l, -1)
 			if len(links) == 0 {
@@ -248,6 +270,18 @@ func TestDocsOpenWithSummary(t *testing.T) {
 	}
 }
 
+// tableCells splits a Markdown table row into its trimmed cells; an
+// escaped \| stays inside its cell.
+func tableCells(row string) []string {
+	row = strings.TrimSpace(row)
+	row = strings.TrimSuffix(strings.TrimPrefix(row, "|"), "|")
+	cells := strings.Split(strings.ReplaceAll(row, `\|`, "\x00"), "|")
+	for i, c := range cells {
+		cells[i] = strings.TrimSpace(strings.ReplaceAll(c, "\x00", `\|`))
+	}
+	return cells
+}
+
 // headingAnchor is the anchor GitHub gives a Markdown heading: lower case,
 // spaces to hyphens, other punctuation dropped.
 func headingAnchor(h string) string {
@@ -262,4 +296,47 @@ func headingAnchor(h string) string {
 		}
 	}
 	return b.String()
+}
+
+// TestOperationsDocContents: docs/operations.md opens with a contents list
+// that links to every ## and ### section, and to nothing else, so that
+// each flag table, command and runbook is found from the top.
+func TestOperationsDocContents(t *testing.T) {
+	b, err := os.ReadFile(operationsDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(string(b), "\n")
+	var headings []string
+	fenced := false
+	for _, l := range lines {
+		if strings.HasPrefix(l, "```") {
+			fenced = !fenced
+		}
+		if !fenced && (strings.HasPrefix(l, "## ") || strings.HasPrefix(l, "### ")) && l != "## Contents" {
+			headings = append(headings, headingAnchor(l))
+		}
+	}
+	first := slices.IndexFunc(lines, func(l string) bool { return strings.HasPrefix(l, "## ") })
+	if first < 0 || lines[first] != "## Contents" {
+		t.Fatalf("%s: the first section is not ## Contents", operationsDoc)
+	}
+	listed := map[string]bool{}
+	for _, l := range lines[first+1:] {
+		if strings.HasPrefix(l, "## ") {
+			break
+		}
+		for _, m := range regexp.MustCompile(`\]\(#([^)]+)\)`).FindAllStringSubmatch(l, -1) {
+			listed[m[1]] = true
+		}
+	}
+	for _, h := range headings {
+		if !listed[h] {
+			t.Errorf("%s: section #%s is not in the contents list", operationsDoc, h)
+		}
+		delete(listed, h)
+	}
+	for a := range listed {
+		t.Errorf("%s: the contents list links to #%s, which no heading has", operationsDoc, a)
+	}
 }

@@ -134,6 +134,34 @@ func TestHelpListsEveryCellsFlags(t *testing.T) {
 	}
 }
 
+// TestHelpStatesOneDefault: every flag's line in --help states its default
+// at most once (--node-name's default, the host name, was once printed
+// both in words and as the name of the machine that printed it).
+func TestHelpStatesOneDefault(t *testing.T) {
+	var out bytes.Buffer
+	root := newRootCmd(newHive(), &out, &out)
+	root.SetOut(&out)
+	root.SetArgs([]string{"--help"})
+	if err := root.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	seen := false
+	for _, l := range strings.Split(out.String(), "\n") {
+		if n := strings.Count(l, "(default"); n > 1 {
+			t.Errorf("--help states %d defaults: %s", n, l)
+		}
+		if strings.Contains(l, "--node-name") {
+			seen = true
+			if !strings.HasSuffix(strings.TrimSpace(l), "(default: host name)") {
+				t.Errorf("--help's --node-name line does not end in its default, the host name: %s", l)
+			}
+		}
+	}
+	if !seen {
+		t.Error("--help does not list --node-name")
+	}
+}
+
 func TestHiveAndVersionCommands(t *testing.T) {
 	t.Parallel()
 	out, err := run(t, "hive")

@@ -321,12 +321,12 @@ type RemoteClusterStatus struct {
 	LastError string `json:"last-error,omitempty"`
 }
 
-// TableHeader implements shellfmt.Tabular.
+// TableHeader names the columns of clustermesh/status's table.
 func (RemoteClusterStatus) TableHeader() []string {
 	return []string{"Name", "ID", "Connected", "Synced", "Identities", "Rejected", "LastError"}
 }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is s as a row of clustermesh/status's table.
 func (s RemoteClusterStatus) TableRow() []string {
 	return []string{
 		s.Name, strconv.FormatUint(uint64(s.ClusterID), 10), strconv.FormatBool(s.Connected),
