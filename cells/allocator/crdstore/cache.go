@@ -57,6 +57,9 @@ type cacheHooks struct {
 	marked func(id identity.NumericIdentity, lbls labels.Labels)
 	// synced runs once, after the first complete listing.
 	synced func()
+	// split runs, outside the lock, after a change to the objects of a
+	// label set that has, or had, more than one.
+	split func()
 }
 
 // identityCache is the list+watch cache of the CiliumIdentity objects of
@@ -85,11 +88,26 @@ type identityCache struct {
 
 	ignoredTotal atomic.Uint64
 	splitsTotal  atomic.Uint64
-	// splitKeys counts the label sets that have more than one object now.
-	splitKeys atomic.Int64
+	// splitKeys counts the label sets that have more than one object now;
+	// multi holds them (under mu), and multiChanged says that one of them
+	// changed since the split hook last ran.
+	splitKeys    atomic.Int64
+	multi        map[string]struct{}
+	multiChanged atomic.Bool
 
 	synced chan struct{}
 	once   sync.Once
+
+	// gate, when set (by tests), holds the watch's events until it is
+	// closed: a watch that is behind.
+	gate atomic.Pointer[chan struct{}]
+}
+
+// passGate waits while a test holds the watch's events.
+func (c *identityCache) passGate() {
+	if g := c.gate.Load(); g != nil {
+		<-*g
+	}
 }
 
 var _ cache.ReflectorStore = (*identityCache)(nil)
@@ -102,6 +120,7 @@ func newIdentityCache(log *slog.Logger, cluster identity.ClusterInfo, hooks cach
 		byID:    map[identity.NumericIdentity]*entry{},
 		byKey:   map[string][]*entry{},
 		ignored: map[string]string{},
+		multi:   map[string]struct{}{},
 		waiters: map[identity.NumericIdentity][]chan struct{}{},
 		synced:  make(chan struct{}),
 	}
@@ -150,6 +169,7 @@ func (c *identityCache) Add(obj any) error { return c.Update(obj) }
 
 // Update implements cache.ReflectorStore.
 func (c *identityCache) Update(obj any) error {
+	c.passGate()
 	ci, ok := obj.(*CiliumIdentity)
 	if !ok {
 		return fmt.Errorf("unexpected object %T in the CiliumIdentity watch", obj)
@@ -184,6 +204,7 @@ func (c *identityCache) Update(obj any) error {
 
 // Delete implements cache.ReflectorStore.
 func (c *identityCache) Delete(obj any) error {
+	c.passGate()
 	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = d.Obj
 	}
@@ -273,6 +294,7 @@ func (c *identityCache) Resync() error { return nil }
 // Bookmark implements cache.ReflectorBookmarkStore: the cache has seen
 // every change up to rv.
 func (c *identityCache) Bookmark(rv string) error {
+	c.passGate()
 	c.mu.Lock()
 	c.rv = rv
 	c.mu.Unlock()
@@ -300,10 +322,14 @@ func (c *identityCache) store(e *entry, changes []change) []change {
 	c.byID[e.id] = e
 	es := append(c.byKey[e.key], e)
 	c.byKey[e.key] = es
+	if len(es) >= 2 {
+		c.multi[e.key] = struct{}{}
+		c.multiChanged.Store(true)
+	}
 	if len(es) == 2 {
 		c.splitsTotal.Add(1)
 		c.splitKeys.Add(1)
-		c.log.Error("A global label set has two CiliumIdentity objects; every identityd node uses the one at the smallest position of its probe sequence",
+		c.log.Error("A global label set has two CiliumIdentity objects; identityd nodes that allocate it use the oldest",
 			"labels", e.key, "ids", []identity.NumericIdentity{es[0].id, es[1].id})
 	}
 	c.wake(e.id)
@@ -322,6 +348,11 @@ func (c *identityCache) remove(e *entry) change {
 	}
 	if len(es) == 1 {
 		c.splitKeys.Add(-1)
+		delete(c.multi, e.key)
+	}
+	if len(es) >= 1 {
+		// It had more than one.
+		c.multiChanged.Store(true)
 	}
 	if len(es) == 0 {
 		delete(c.byKey, e.key)
@@ -335,6 +366,38 @@ func (c *identityCache) report(changes []change) {
 	if len(changes) > 0 && c.hooks.emit != nil {
 		c.hooks.emit(changes)
 	}
+	if c.multiChanged.Swap(false) && c.hooks.split != nil {
+		c.hooks.split()
+	}
+}
+
+// splits returns, for every label set with more than one object, the
+// rule's pick and the other objects' IDs.
+func (c *identityCache) splits() map[string]splitObjects {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	out := make(map[string]splitObjects, len(c.multi))
+	for key := range c.multi {
+		pick, _ := c.pickLocked(key, c.byKey[key], nil)
+		if pick == nil {
+			continue
+		}
+		so := splitObjects{pick: pick.id, lbls: pick.lbls}
+		for _, e := range c.byKey[key] {
+			if e != pick {
+				so.others = append(so.others, e.id)
+			}
+		}
+		out[key] = so
+	}
+	return out
+}
+
+// splitObjects are the objects of a label set with more than one.
+type splitObjects struct {
+	pick   identity.NumericIdentity
+	lbls   labels.Labels
+	others []identity.NumericIdentity
 }
 
 // wake ends the waits for id. Under mu.
@@ -397,44 +460,98 @@ func (c *identityCache) get(id identity.NumericIdentity) *entry {
 	return c.byID[id]
 }
 
-// lookup returns the label set's identity by the rule of the design: of
-// the objects holding it, the first one the walk of its probe sequence
-// reaches before a free slot; when the walk reaches none (objects another
-// writer placed at random, as Cilium agents do), the oldest of them, then
-// the one of the smallest ID, as Cilium's agents pick. Every node whose
-// cache holds the same objects picks the same one.
+// lookup returns the label set's identity by the rule of the design
+// (pick): the oldest of its objects; of several created in the same
+// second, the first one the walk of its probe sequence reaches before a
+// free slot, else the one of the smallest ID. Every node whose cache holds
+// the same objects picks the same one.
 func (c *identityCache) lookup(key string) *entry {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	return c.lookupLocked(key)
+	e, _ := c.pickLocked(key, c.byKey[key], nil)
+	return e
 }
 
-func (c *identityCache) lookupLocked(key string) *entry {
-	es := c.byKey[key]
-	switch len(es) {
-	case 0:
-		return nil
-	case 1:
-		return es[0]
+// pickCached is lookup, and tells whether the pick is the object on the
+// walk of the label set's probe sequence.
+func (c *identityCache) pickCached(key string) (*entry, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.pickLocked(key, c.byKey[key], nil)
+}
+
+// pickListed applies the rule to es, the objects of key a listing
+// returned, with the cache's objects holding the other slots of the walk.
+func (c *identityCache) pickListed(key string, es []*entry) (*entry, bool) {
+	byID := make(map[identity.NumericIdentity]*entry, len(es))
+	for _, e := range es {
+		byID[e.id] = e
 	}
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.pickLocked(key, es, byID)
+}
+
+// pickLocked applies the rule to es, the objects of key. A label set has
+// more than one object only where a writer that does not follow the
+// placement (a Cilium agent) created one: then the oldest is the only
+// choice that an object created later cannot overturn, so that a node
+// that adopted it agrees with every node that allocates after
+// (creationTimestamp counts whole seconds; within one, the object on the
+// walk, then the smallest ID). own, when set, holds the label set's
+// objects by ID in place of the cache's. onWalk tells whether the pick is
+// the first object of key the walk reaches. Under mu.
+func (c *identityCache) pickLocked(key string, es []*entry, own map[identity.NumericIdentity]*entry) (pick *entry, onWalk bool) {
+	if len(es) == 0 {
+		return nil, false
+	}
+	oldest := es[0].created()
+	for _, e := range es[1:] {
+		if t := e.created(); t.Before(oldest) {
+			oldest = t
+		}
+	}
+	if w := c.walkFirstLocked(key, own); w != nil && w.created().Equal(oldest) {
+		return w, true
+	}
+	for _, e := range es {
+		if e.created().Equal(oldest) && (pick == nil || e.id < pick.id) {
+			pick = e
+		}
+	}
+	return pick, false
+}
+
+// walkFirstLocked returns the first object of key the walk of its probe
+// sequence reaches before a free slot, or nil. Under mu.
+func (c *identityCache) walkFirstLocked(key string, own map[identity.NumericIdentity]*entry) *entry {
 	p := newProbe(key, c.cluster)
 	for i := uint64(0); i < p.n; i++ {
-		e := c.byID[p.slot(i)]
+		id := p.slot(i)
+		e := own[id]
 		if e == nil {
-			break
+			if e = c.byID[id]; e != nil && e.key == key && own != nil {
+				// Not in the listing: gone since the cache saw it.
+				e = nil
+			}
+		}
+		if e == nil {
+			return nil
 		}
 		if e.key == key {
 			return e
 		}
 	}
-	best := es[0]
-	for _, e := range es[1:] {
-		bt, et := best.obj.CreationTimestamp.Time, e.obj.CreationTimestamp.Time
-		if et.Before(bt) || (et.Equal(bt) && e.id < best.id) {
-			best = e
-		}
+	return nil
+}
+
+// created is the object's creation time, in the whole seconds the API
+// server keeps.
+func (e *entry) created() time.Time {
+	if e.obj == nil {
+		return time.Time{}
 	}
-	return best
+	return e.obj.CreationTimestamp.Time.Truncate(time.Second)
 }
 
 // Objects returns every object of the cache, with the resourceVersion the

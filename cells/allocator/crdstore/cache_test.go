@@ -81,14 +81,14 @@ func TestCacheIgnoresMalformedObjects(t *testing.T) {
 }
 
 // TestCacheLookupRule checks the design's rule for a label set with several
-// objects: the first one on its probe sequence before a free slot, else
-// the oldest, then the smallest ID.
+// objects: the oldest; of several created in the same second, the first
+// one on its probe sequence before a free slot, else the smallest ID.
 func TestCacheLookupRule(t *testing.T) {
 	cluster := identity.ClusterInfo{Name: "default"}
 	l := labels.MustParse("k8s:app=web")
 	p := newProbe(l.Canonical(), cluster)
 	other := func(i int) labels.Labels { return labels.MustParse("k8s:other=" + string(rune('a'+i))) }
-	now := time.Now()
+	now := time.Now().Truncate(time.Second)
 	c := newIdentityCache(hivetest.Logger(t), cluster, cacheHooks{})
 	// slot 0 and 1 held by others, slot 2 by l (newest), a random far
 	// slot by l (oldest).
@@ -102,26 +102,26 @@ func TestCacheLookupRule(t *testing.T) {
 	if err := c.Replace(objs, "1"); err != nil {
 		t.Fatal(err)
 	}
-	if e := c.lookup(l.Canonical()); e == nil || e.id != p.slot(2) {
-		t.Fatalf("lookup = %v, want slot 2 (%d)", e, p.slot(2))
+	if e, onWalk := c.pickCached(l.Canonical()); e == nil || e.id != far || onWalk {
+		t.Fatalf("pick = %v (on the walk %v), want the oldest (%d), off the walk", e, onWalk, far)
 	}
 	if c.splitKeys.Load() != 1 || c.splitsTotal.Load() != 1 {
 		t.Errorf("split counts %d/%d, want 1/1", c.splitKeys.Load(), c.splitsTotal.Load())
 	}
-	// With slot 1 free, no object of l is on the walk: the oldest wins.
+	// The far one created in the same second (its fraction is not
+	// kept): the one on the walk wins the tie.
+	if err := c.Update(object(far, l, now.Add(300*time.Millisecond))); err != nil {
+		t.Fatal(err)
+	}
+	if e, onWalk := c.pickCached(l.Canonical()); e == nil || e.id != p.slot(2) || !onWalk {
+		t.Fatalf("pick = %v (on the walk %v), want slot 2 (%d), on the walk", e, onWalk, p.slot(2))
+	}
+	// With slot 1 free, no object of l is on the walk: the smallest ID.
 	if err := c.Delete(objs[1]); err != nil {
 		t.Fatal(err)
 	}
-	if e := c.lookup(l.Canonical()); e == nil || e.id != far {
-		t.Fatalf("lookup = %v, want the oldest (%d)", e, far)
-	}
-	// Equal ages: the smallest ID.
-	same := object(p.slot(3), l, now.Add(-time.Hour))
-	if err := c.Add(same); err != nil {
-		t.Fatal(err)
-	}
-	want := min(far, p.slot(3))
+	want := min(far, p.slot(2))
 	if e := c.lookup(l.Canonical()); e == nil || e.id != want {
-		t.Fatalf("lookup = %v, want %d", e, want)
+		t.Fatalf("lookup = %v, want the smallest ID %d", e, want)
 	}
 }

@@ -31,7 +31,8 @@
 // global-identities-watch (the cache), identity-node-writer (this node's
 // IdentityNode), identity-node-renew (a timer at a third of the lease),
 // identity-unmark (removes the heartbeat mark from identities this node
-// uses), and, unless the collection's interval is 0, identity-gc-election
+// uses), identity-splits (reports label sets this node holds under another
+// ID than the rule's), and, unless the collection's interval is 0, identity-gc-election
 // (client-go's leader election over the IdentityLease; its health names
 // the node that collects), identity-gc (the collection's timer, whose
 // runs happen only on the elected node) and identity-gc-endpoints (its
@@ -48,6 +49,8 @@
 //	identityd_crd_ignored_objects_total           object versions left out of the cache
 //	identityd_crd_split_label_sets_total          label sets that came to have two objects
 //	identityd_crd_split_label_sets                label sets with two objects now
+//	identityd_crd_split_label_sets_held           label sets this node holds under another ID than the rule's
+//	identityd_crd_split_label_sets_held_total     times a label set this node holds came to be one
 //	identityd_crd_identities_taken_total          IDs this node uses found with another label set's object
 //	identityd_crd_heartbeat_marks_removed_total   marks removed by this node
 //	identityd_crd_identity_node_writes_total{outcome}

@@ -34,6 +34,10 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 			"Number of times a global label set came to have more than one CiliumIdentity object")
 		splitNow = metrics.NewDesc("crd_split_label_sets",
 			"Number of global label sets that have more than one CiliumIdentity object now")
+		heldSplit = metrics.NewDesc("crd_split_label_sets_held",
+			"Number of global label sets this node holds under another ID than the one the rule picks now (nodes that allocate them now get the other one)")
+		heldSplitTotal = metrics.NewDesc("crd_split_label_sets_held_total",
+			"Number of times a global label set this node holds came to have another ID picked by the rule")
 		allocations = metrics.NewDesc("crd_allocations_total",
 			"Number of global identity allocations by outcome: created, adopted, conflict (other writers kept winning), exhausted (the range is full), error",
 			metrics.LabelOutcome)
@@ -49,6 +53,8 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		m.Counter(ignored, float64(s.ids.ignoredTotal.Load()))
 		m.Counter(splits, float64(s.ids.splitsTotal.Load()))
 		m.Gauge(splitNow, float64(s.ids.splitKeys.Load()))
+		m.Gauge(heldSplit, float64(s.splits.held.Load()))
+		m.Counter(heldSplitTotal, float64(s.splits.total.Load()))
 		m.Counter(allocations, float64(s.stats.created.Load()), outcomeCreated)
 		m.Counter(allocations, float64(s.stats.adopted.Load()), outcomeAdopted)
 		m.Counter(allocations, float64(s.stats.conflict.Load()), outcomeConflict)
@@ -60,5 +66,5 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		failed := s.writer.failures.Load()
 		m.Counter(nodeWrites, float64(s.writer.writes.Load()-failed), metrics.OutcomeSuccess)
 		m.Counter(nodeWrites, float64(failed), metrics.OutcomeFailure)
-	}, ignored, splits, splitNow, allocations, taken, unmarked, nodeWrites)
+	}, ignored, splits, splitNow, heldSplit, heldSplitTotal, allocations, taken, unmarked, nodeWrites)
 }

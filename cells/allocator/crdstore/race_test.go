@@ -119,6 +119,11 @@ func TestRaceNoDuplicates(t *testing.T) {
 			if s := n.store.ids.splitsTotal.Load(); s != 0 {
 				return fmt.Errorf("node %s saw %d split label sets", n.name, s)
 			}
+			// Objects on their probe sequence: the cache decides,
+			// without a listing.
+			if l := n.store.stats.listings.Load(); l != 0 {
+				return fmt.Errorf("node %s listed a label set's objects %d times", n.name, l)
+			}
 		}
 		return nil
 	})

@@ -16,6 +16,7 @@ import (
 	"github.com/go-logr/logr"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8slabels "k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
@@ -43,6 +44,16 @@ const (
 	// cacheWait is how long an AlreadyExists waits for the watch to
 	// deliver the object before it reads it with a request.
 	cacheWait = 50 * time.Millisecond
+	// settleWait bounds the wait for the watch to deliver the object an
+	// allocation found or created, before the allocation lists the label
+	// set's objects instead.
+	settleWait = time.Second
+	// tieMargin is added to the end of an object's creation second before
+	// a listing counts as made after it: the node's clock and the API
+	// server's may differ.
+	tieMargin = 500 * time.Millisecond
+	// listPage is the page size of the label set's listing.
+	listPage = 500
 )
 
 // Store is the globalstore.Backend that keeps global identities as Cilium's
@@ -78,6 +89,8 @@ type Store struct {
 	// identities that got the heartbeat mark.
 	writer  nodeWriter
 	unmarks unmarkQueue
+	// splits wakes the identity-splits job (splits.go).
+	splits splitWatch
 
 	stats allocStats
 
@@ -110,6 +123,9 @@ var _ globalstore.Backend = (*Store)(nil)
 type allocStats struct {
 	created, adopted, conflict, exhausted, failed atomic.Uint64
 	unmarked, reads, taken                        atomic.Uint64
+	// listings counts listings of a label set's objects; repicked the
+	// allocations that used another object than the one first found.
+	listings, repicked atomic.Uint64
 }
 
 // New returns the store of the cluster's ID range on the API server of cfg,
@@ -146,12 +162,14 @@ func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identit
 		jobs:    jobs,
 		writer:  newNodeWriter(),
 		unmarks: newUnmarkQueue(),
+		splits:  newSplitWatch(),
 		gc:      newGCState(DefaultGCConfig),
 	}
 	s.ids = newIdentityCache(log, cluster, cacheHooks{
 		emit:   s.emit,
 		marked: s.markSeen,
 		synced: func() { s.events.Synced() },
+		split:  s.splits.signal,
 	})
 	return s, nil
 }
@@ -220,6 +238,7 @@ func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	s.writer.request(true)
 	s.jobs.Add(s.oneShot(life, "identity-node-writer", s.writeLoop))
 	s.jobs.Add(s.oneShot(life, "identity-unmark", s.unmarkLoop))
+	s.jobs.Add(s.oneShot(life, "identity-splits", s.splitLoop))
 	s.jobs.Add(job.Timer("identity-node-renew", func(context.Context) error {
 		return s.renewTick()
 	}, s.cfg.IdentityNodeLeaseTTL/3))
@@ -440,6 +459,7 @@ func (s *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 	}
 	record(globalstore.NewReference(id, lbls, 0))
 	s.writer.request(false)
+	s.splits.signalIf(s.ids)
 	return id, created, nil
 }
 
@@ -452,6 +472,8 @@ type allocation struct {
 	// waited: the allocation has waited once for nodes that rank
 	// before this one (contention.go).
 	waited bool
+	// adopted is the ID whose object find adopted (its mark removed).
+	adopted identity.NumericIdentity
 }
 
 // retry counts a failed request and waits before the next, or returns the
@@ -483,13 +505,140 @@ func (a *allocation) conflict() error {
 // from the start.
 var errRestart = errors.New("walk again")
 
+// allocate finds the label set's object (find), then makes sure it is the
+// one the rule picks among all of the label set's objects (settle): a node
+// whose cache was behind may have found or created another.
 func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	a := &allocation{s: s, key: key, lbls: lbls}
 	p := newProbe(key, s.cluster)
 	for {
-		if e := s.ids.lookup(key); e != nil {
+		a.adopted = 0
+		id, created, err := a.find(ctx, p)
+		if err != nil {
+			return 0, false, err
+		}
+		pick, err := a.settle(ctx, id)
+		if err == nil && pick.id != id && created {
+			// Left to the garbage collection: no node that
+			// follows the rule uses it.
+			s.log.Info("Created a CiliumIdentity for a label set that had an older one this node's cache did not show yet; using the older",
+				"labels", key, "created", id, "used", pick.id)
+		}
+		if err == nil && pick.id == id && (created || a.adopted == id) {
+			return id, created, nil
+		}
+		if err == nil {
+			// Not adopted yet: an object the walk did not find, or
+			// one settle had to list.
+			if err = a.adopt(ctx, pick); err == nil {
+				if pick.id != id {
+					s.stats.repicked.Add(1)
+				}
+				return pick.id, false, nil
+			}
+		}
+		if !errors.Is(err, errRestart) {
+			return 0, false, err
+		}
+	}
+}
+
+// settle returns the object the rule picks for the label set, given id,
+// the object the walk found or created for it. Once the cache shows that
+// object it holds every object created before it, and an object created
+// after is younger: when the cache's pick is the object on the walk, no
+// later object can overturn it, and the cache decides without a request.
+// Otherwise (objects a Cilium agent placed at random, or a watch that is
+// behind) the label set's objects are listed (listed).
+func (a *allocation) settle(ctx context.Context, id identity.NumericIdentity) (*entry, error) {
+	s := a.s
+	if e := s.ids.waitFor(ctx, id, settleWait); e != nil && e.key == a.key {
+		if pick, onWalk := s.ids.pickCached(a.key); onWalk {
+			return pick, nil
+		}
+	}
+	return a.listed(ctx)
+}
+
+// listed returns the rule's pick among the label set's objects as the API
+// server has them now: a consistent listing, selected by the object labels
+// every writer of the set puts on its objects. When the pick is not the
+// object on the walk, an object created later in the pick's creation
+// second could still win its tie: the allocation decides on a listing made
+// after that second (plus tieMargin for the clocks' difference).
+// errRestart: the label set has no object any more.
+func (a *allocation) listed(ctx context.Context) (*entry, error) {
+	s := a.s
+	for round := 0; ; round++ {
+		es, err := a.listObjects(ctx)
+		if err != nil {
+			if err := a.retry(ctx, err); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		pick, onWalk := s.ids.pickListed(a.key, es)
+		if pick == nil {
+			if err := a.conflict(); err != nil {
+				return nil, err
+			}
+			return nil, errRestart
+		}
+		wait := time.Until(pick.created().Add(time.Second + tieMargin))
+		if onWalk || wait <= 0 || round >= 2 {
+			return pick, nil
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("%w: %w", globalstore.ErrUnavailable, ctx.Err())
+		}
+	}
+}
+
+// listObjects lists the objects of the label set: those whose object
+// labels include the set's (a Cilium agent writes at least these), in
+// pages, without a resourceVersion, so that the answer is a consistent
+// read of the API server's current state.
+func (a *allocation) listObjects(ctx context.Context) ([]*entry, error) {
+	s := a.s
+	s.stats.listings.Add(1)
+	sel, _ := objectLabels(a.lbls)
+	opts := metav1.ListOptions{LabelSelector: k8slabels.SelectorFromSet(sel).String(), Limit: listPage}
+	var out []*entry
+	for {
+		var list CiliumIdentityList
+		if err := s.ciliumClient.Get().Resource("ciliumidentities").VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(&list); err != nil {
+			return nil, err
+		}
+		for i := range list.Items {
+			if e, err := s.ids.parse(&list.Items[i]); err == nil && e.key == a.key {
+				out = append(out, e)
+			}
+		}
+		if list.Continue == "" {
+			return out, nil
+		}
+		opts.Continue = list.Continue
+	}
+}
+
+// find returns the object of the label set the cache shows, or the one
+// the walk of its probe sequence finds or creates.
+func (a *allocation) find(ctx context.Context, p probe) (identity.NumericIdentity, bool, error) {
+	s := a.s
+	key := a.key
+	for {
+		if e, onWalk := s.ids.pickCached(key); e != nil {
+			if !onWalk {
+				// settle decides on a listing, and adopts.
+				return e.id, false, nil
+			}
 			err := a.adopt(ctx, e)
 			if err == nil {
+				a.adopted = e.id
 				return e.id, false, nil
 			}
 			if !errors.Is(err, errRestart) {
@@ -599,6 +748,7 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 				}
 				return false, false, err
 			}
+			a.adopted = id
 			return true, false, nil
 		}
 		if e.obj != nil && e.marked() {
@@ -713,6 +863,8 @@ func (s *Store) Release(ctx context.Context, ref *globalstore.Reference) error {
 			// An ID found taken stops being reported once released.
 			s.unmarks.signal()
 		}
+		// So does a label set held split.
+		s.splits.signalIf(s.ids)
 	}
 	return nil
 }

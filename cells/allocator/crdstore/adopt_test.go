@@ -1,0 +1,352 @@
+package crdstore
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// ciliumWriter creates CiliumIdentity objects as Cilium v1.16.2's agents
+// do: at a random free ID of the range, named by the ID, with the
+// security-labels and the object labels Cilium's SanitizeK8sLabels
+// selects.
+type ciliumWriter struct {
+	tb      testing.TB
+	cli     *client
+	cluster identity.ClusterInfo
+	rng     *rand.Rand
+	used    map[identity.NumericIdentity]bool
+}
+
+func newCiliumWriter(tb testing.TB, cli *client, cluster identity.ClusterInfo) *ciliumWriter {
+	return &ciliumWriter{tb: tb, cli: cli, cluster: cluster, rng: rand.New(rand.NewPCG(33, 2)), used: map[identity.NumericIdentity]bool{}}
+}
+
+func (w *ciliumWriter) create(lbls labels.Labels) identity.NumericIdentity {
+	w.tb.Helper()
+	lo, hi := uint64(w.cluster.MinID()), uint64(w.cluster.MaxID())
+	for {
+		id := identity.NumericIdentity(lo + w.rng.Uint64N(hi-lo+1))
+		if w.used[id] {
+			continue
+		}
+		w.used[id] = true
+		objLabels, _ := objectLabels(lbls)
+		w.cli.create(w.tb, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String(), Labels: objLabels}, SecurityLabels: securityLabels(lbls)})
+		return id
+	}
+}
+
+// holdWatch holds the CiliumIdentity watch of n: the node's cache stays as
+// it is (a consistent prefix of the server's history, behind) until the
+// returned release.
+func holdWatch(t *testing.T, n *testNode) (release func()) {
+	ch := make(chan struct{})
+	n.store.ids.gate.Store(&ch)
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			n.store.ids.gate.Store(nil)
+			close(ch)
+		})
+	}
+	// Before the node's stop, which t.Cleanup runs later.
+	t.Cleanup(release)
+	return release
+}
+
+// rulePicks applies the rule to the server's objects now.
+func rulePicks(t *testing.T, cli *client, cluster identity.ClusterInfo, sets []labels.Labels) []identity.NumericIdentity {
+	t.Helper()
+	c := newIdentityCache(slog.New(slog.DiscardHandler), cluster, cacheHooks{})
+	var objs []any
+	for _, o := range cli.identities(t) {
+		objs = append(objs, &o)
+	}
+	if err := c.Replace(objs, "1"); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]identity.NumericIdentity, len(sets))
+	for i, l := range sets {
+		if e := c.lookup(l.Canonical()); e != nil {
+			out[i] = e.id
+		}
+	}
+	return out
+}
+
+// TestDuplicatesOneAnswer: label sets that Cilium agents created twice or
+// three times, at random IDs, some in the same second. Three identityd
+// nodes whose caches differ at the moment they allocate (node-a's watch is
+// held before any object exists, node-b's after the first object of each
+// set, node-c starts after all) allocate every set, a and b at once in the
+// same order, c in another: every node answers the rule's ID for every
+// set. node-a, seeing nothing, creates an object of every set on its probe
+// sequence, younger than Cilium's, and must not use it.
+func TestDuplicatesOneAnswer(t *testing.T) {
+	t.Parallel()
+	setCount := 200
+	if testing.Short() {
+		setCount = 80
+	}
+	srv := startServer(t)
+	rc := srv.RESTConfig()
+	cli := newClient(t, rc)
+	cluster := identity.ClusterInfo{Name: "default"}
+	w := newCiliumWriter(t, cli, cluster)
+	sets := make([]labels.Labels, setCount)
+	for i := range sets {
+		sets[i] = labels.MustParse(fmt.Sprintf("k8s:app=dup-%d", i), "k8s:io.kubernetes.pod.namespace=dup")
+	}
+	a := startNode(t, rc, "node-a")
+	b := startNode(t, rc, "node-b")
+	releaseA := holdWatch(t, a)
+
+	first := make([]identity.NumericIdentity, setCount)
+	for i, l := range sets {
+		first[i] = w.create(l)
+		if i%4 == 0 {
+			// A race of Cilium agents that node-b sees whole.
+			w.create(l)
+		}
+	}
+	require(t, 30*time.Second, func() error {
+		for _, id := range first {
+			if b.store.ids.get(id) == nil {
+				return fmt.Errorf("node-b has not seen %d yet", id)
+			}
+		}
+		return nil
+	})
+	releaseB := holdWatch(t, b)
+	for i, l := range sets {
+		w.create(l)
+		if i%3 == 0 {
+			w.create(l)
+		}
+	}
+	c := startNode(t, rc, "node-c")
+	want := rulePicks(t, cli, cluster, sets)
+	differ := 0
+	for i, l := range sets {
+		if e := b.store.ids.lookup(l.Canonical()); e == nil || e.id != want[i] {
+			differ++
+		}
+	}
+	t.Logf("%d label sets, %d CiliumIdentity objects; node-a's cache shows none of them, node-b's cache picks another than the rule for %d",
+		setCount, len(cli.identities(t)), differ)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	shuffled := make([]int, setCount)
+	for i := range shuffled {
+		shuffled[i] = i
+	}
+	rand.New(rand.NewPCG(1, 1)).Shuffle(setCount, func(i, j int) { shuffled[i], shuffled[j] = shuffled[j], shuffled[i] })
+	cSets := make([]labels.Labels, setCount)
+	for i, j := range shuffled {
+		cSets[i] = sets[j]
+	}
+	var got [3][]identity.NumericIdentity
+	var errs [3]error
+	var cGot []identity.NumericIdentity
+	var wg sync.WaitGroup
+	wg.Go(func() { got[0], errs[0] = allocateAll(ctx, a, sets, 16) })
+	wg.Go(func() { got[1], errs[1] = allocateAll(ctx, b, sets, 16) })
+	wg.Go(func() { cGot, errs[2] = allocateAll(ctx, c, cSets, 16) })
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	got[2] = make([]identity.NumericIdentity, setCount)
+	for i, j := range shuffled {
+		got[2][j] = cGot[i]
+	}
+	// The rule again, in case objects came since (node-a's creates are
+	// younger than Cilium's and change nothing).
+	want = rulePicks(t, cli, cluster, sets)
+	wrong := 0
+	for n, name := range []string{"node-a", "node-b", "node-c"} {
+		for i, l := range sets {
+			if got[n][i] != want[i] {
+				if wrong++; wrong <= 10 {
+					t.Errorf("%s answers %d for %s, the rule %d", name, got[n][i], l, want[i])
+				}
+			}
+		}
+	}
+	if wrong > 0 {
+		t.Fatalf("%d answers of %d differ from the rule's", wrong, 3*setCount)
+	}
+	t.Logf("listings of a label set's objects: node-a %d, node-b %d, node-c %d; node-a used another object than it found or created for %d sets",
+		a.store.stats.listings.Load(), b.store.stats.listings.Load(), c.store.stats.listings.Load(), a.store.stats.repicked.Load())
+
+	// Once their watches catch up, every node's cache agrees, and none
+	// holds a label set under another ID than the rule's.
+	releaseA()
+	releaseB()
+	require(t, time.Minute, func() error {
+		for _, n := range []*testNode{a, b, c} {
+			for i, l := range sets {
+				if id, ok := n.store.LookupByLabels(l); !ok || id != want[i] {
+					return fmt.Errorf("node %s looks %s up as %d, want %d", n.name, l, id, want[i])
+				}
+			}
+			if h := n.store.splits.held.Load(); h != 0 {
+				return fmt.Errorf("node %s reports %d label sets held split", n.name, h)
+			}
+		}
+		return nil
+	})
+}
+
+// splitErrorLog records the Error records, message and attributes.
+type splitErrorLog struct {
+	mu   sync.Mutex
+	recs []string
+}
+
+func (l *splitErrorLog) Enabled(context.Context, slog.Level) bool { return true }
+func (l *splitErrorLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelError {
+		var sb strings.Builder
+		sb.WriteString(r.Message)
+		r.Attrs(func(a slog.Attr) bool {
+			fmt.Fprintf(&sb, " %s=%v", a.Key, a.Value)
+			return true
+		})
+		l.mu.Lock()
+		l.recs = append(l.recs, sb.String())
+		l.mu.Unlock()
+	}
+	return nil
+}
+func (l *splitErrorLog) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *splitErrorLog) WithGroup(string) slog.Handler      { return l }
+
+func (l *splitErrorLog) find(parts ...string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+next:
+	for _, r := range l.recs {
+		for _, p := range parts {
+			if !strings.Contains(r, p) {
+				continue next
+			}
+		}
+		return r
+	}
+	return ""
+}
+
+// TestSplitConverges forces a split: node-a adopts a Cilium agent's only
+// object X of a label set; a Cilium agent creates Y; X is deleted behind
+// the nodes' backs and node-a, which uses it, creates it again, now
+// younger than Y. The rule picks Y from then on: node-b, and node-a once
+// its holders released X, get Y; until then node-a keeps X and reports
+// the split (log naming both IDs, metric, health of identity-splits).
+func TestSplitConverges(t *testing.T) {
+	t.Parallel()
+	srv := startServer(t)
+	rc := srv.RESTConfig()
+	cli := newClient(t, rc)
+	cluster := identity.ClusterInfo{Name: "default"}
+	w := newCiliumWriter(t, cli, cluster)
+	logged := &splitErrorLog{}
+	var healthA *cell.SimpleHealth
+	a := startNode(t, rc, "node-a", func(o *nodeOpts) {
+		o.log = slog.New(slog.NewMultiHandler(hivetest.Logger(t).Handler(), logged))
+		o.cells = []cell.Cell{cell.SimpleHealthCell, cell.Invoke(func(h *cell.SimpleHealth) { healthA = h })}
+	})
+	b := startNode(t, rc, "node-b")
+	lbls := labels.MustParse("k8s:app=split", "k8s:io.kubernetes.pod.namespace=prod")
+
+	x := w.create(lbls)
+	require(t, 30*time.Second, func() error {
+		if a.store.ids.get(x) == nil {
+			return fmt.Errorf("node-a has not seen %d yet", x)
+		}
+		return nil
+	})
+	if got, _ := a.allocate(t, lbls); got != x {
+		t.Fatalf("node-a allocated %d, want the only object %d", got, x)
+	}
+	y := w.create(lbls)
+	objY, err := cli.identity(t, y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for time.Since(objY.CreationTimestamp.Time) < 1200*time.Millisecond {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := cli.cilium.Delete().Resource("ciliumidentities").Name(x.String()).Do(context.Background()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	splits := func() (cell.Level, string) {
+		scope := healthA.GetChild("job-identity-splits")
+		if scope == nil {
+			return "", "no health scope job-identity-splits"
+		}
+		scope.Lock()
+		defer scope.Unlock()
+		return scope.Level, scope.Status + " " + fmt.Sprint(scope.Error)
+	}
+	require(t, 30*time.Second, func() error {
+		if err := cli.holds(t, x, lbls); err != nil {
+			return err
+		}
+		if level, status := splits(); level != cell.StatusDegraded || !strings.Contains(status, fmt.Sprintf("this node %d, the rule %d", x, y)) {
+			return fmt.Errorf("identity-splits health %s %q", level, status)
+		}
+		if rec := logged.find("rule picks the other", fmt.Sprintf("this node %d, the rule %d", x, y)); rec == "" {
+			return fmt.Errorf("no error log names %d and %d", x, y)
+		}
+		return nil
+	})
+	expectSamples(t, samples(t, a.store), map[string]float64{
+		"identityd_crd_split_label_sets_held":       1,
+		"identityd_crd_split_label_sets_held_total": 1,
+	})
+
+	// New users: node-b allocates the rule's; node-a's holders keep X.
+	if got, _ := b.allocate(t, lbls); got != y {
+		t.Errorf("node-b allocated %d, want the rule's %d", got, y)
+	}
+	if a.refs.ByID(x) == nil {
+		t.Fatalf("node-a no longer holds %d", x)
+	}
+	if id, _ := a.store.LookupByLabels(lbls); id != y {
+		t.Errorf("node-a looks the label set up as %d, want the rule's %d", id, y)
+	}
+
+	// node-a's holders release X: the report ends, and its next user
+	// gets Y.
+	a.release(t, x)
+	require(t, 20*time.Second, func() error {
+		if level, status := splits(); level != cell.StatusOK {
+			return fmt.Errorf("identity-splits health %s %q after the release", level, status)
+		}
+		return nil
+	})
+	expectSamples(t, samples(t, a.store), map[string]float64{
+		"identityd_crd_split_label_sets_held":       0,
+		"identityd_crd_split_label_sets_held_total": 1,
+	})
+	if got, _ := a.allocate(t, lbls); got != y {
+		t.Errorf("node-a allocated %d after the release, want the rule's %d", got, y)
+	}
+}

@@ -1,0 +1,106 @@
+package crdstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"sync/atomic"
+
+	"github.com/cilium/hive/cell"
+
+	"github.com/identityd/identityd/cells/health"
+)
+
+// splitWatch wakes the identity-splits job, which reports the label sets
+// this node holds under another ID than the one the rule picks now: nodes
+// that allocate them from now on use the other one.
+type splitWatch struct {
+	wake chan struct{}
+	// held is how many label sets the job reports; total counts the
+	// label sets it found, once each time one came to be held split.
+	held  atomic.Int64
+	total atomic.Uint64
+}
+
+func newSplitWatch() splitWatch { return splitWatch{wake: make(chan struct{}, 1)} }
+
+// signal wakes the job when some label set has more than one object.
+func (w *splitWatch) signalIf(c *identityCache) {
+	if c.splitKeys.Load() > 0 {
+		w.signal()
+	}
+}
+
+func (w *splitWatch) signal() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// errSplitHeld: this node holds a label set under another ID than the
+// rule's.
+var errSplitHeld = errors.New("a global label set this node uses has another ID on the nodes that allocate it now")
+
+// heldSplits returns, by label set, the error that names the ID this node
+// holds and the rule's, for every label set with more than one object
+// that this node holds under another object than the rule's pick.
+func (s *Store) heldSplits() map[string]error {
+	out := map[string]error{}
+	if s.refs == nil {
+		return out
+	}
+	for key, so := range s.ids.splits() {
+		for _, id := range so.others {
+			if r := s.refs.ByID(id); r != nil && r.Labels.Equal(so.lbls) {
+				out[key] = fmt.Errorf("%w: %s: this node %d, the rule %d", errSplitHeld, key, id, so.pick)
+				break
+			}
+		}
+	}
+	return out
+}
+
+// splitLoop is the identity-splits job. A node's holders keep the ID they
+// have until they release it (the allocator counts references per label
+// set); the label set's other users, on nodes that allocate it from now
+// on, get the rule's. While both are in use, traffic of one label set
+// carries two IDs, which every node maps to the same labels; it is
+// reported (log, metric, health degraded) until this node releases the ID
+// or the rule picks it again.
+func (s *Store) splitLoop(ctx context.Context, h cell.Health) {
+	reported := map[string]error{}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.splits.wake:
+		}
+		now := s.heldSplits()
+		for key, err := range now {
+			if _, ok := reported[key]; !ok {
+				s.splits.total.Add(1)
+				s.log.Error("A global label set this node uses has two CiliumIdentity objects and the rule picks the other one; this node's users keep theirs until they release it, new users get the rule's",
+					"error", err)
+			}
+		}
+		for key := range reported {
+			if _, ok := now[key]; !ok {
+				s.log.Info("A split global label set is no longer held under two IDs by this node", "labels", key)
+			}
+		}
+		reported = now
+		s.splits.held.Store(int64(len(now)))
+		if h == nil {
+			continue
+		}
+		if len(now) > 0 {
+			h.Degraded("A global label set this node uses has another ID on the nodes that allocate it now",
+				health.External(errors.Join(slices.Collect(maps.Values(now))...)))
+			continue
+		}
+		h.OK("No label set held under two IDs")
+	}
+}
