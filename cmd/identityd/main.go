@@ -1,7 +1,8 @@
 // Command identityd runs the identityd agent: the allocator, kvstore,
 // checkpoint, ipcache and restoration cells in one hive. Its subcommands
 // inspect the hive (hive, hive dot-graph), reach the running agent's shell
-// (shell) and print the version (version).
+// (shell), copy global identities between the stores (migrate) and print
+// the version (version).
 package main
 
 import (
@@ -78,7 +79,7 @@ func newRootCmd(h *hive.Hive, stdout, stderr io.Writer) *cobra.Command {
 	root.PersistentFlags().StringVar(&logOpts.format, "log-format", "text", "Log format: text or json")
 	root.PersistentFlags().StringVar(&logOpts.level, "log-level", "info", "Log level: debug, info, warn or error")
 	h.RegisterFlags(root.Flags())
-	root.AddCommand(h.Command(), newShellCmd(stdout), newVersionCmd(stdout))
+	root.AddCommand(h.Command(), newShellCmd(stdout), newVersionCmd(stdout), newMigrateCmd(stdout, &logOpts))
 	return root
 }
 

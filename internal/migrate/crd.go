@@ -1,0 +1,238 @@
+package migrate
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
+
+	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/labels"
+)
+
+// crdEnd is the CRD store: CiliumIdentity objects (docs/crd-store.md). As a
+// target it creates objects exactly as the CRD store does, and holds the
+// migrated identities in an IdentityNode record of the hold's node.
+type crdEnd struct {
+	cfg   *rest.Config
+	node  string
+	lease time.Duration
+	claim globalstore.NodeClaim
+	dyn   dynamic.Interface
+	err   error
+}
+
+func newCRDEnd(o Options) *crdEnd {
+	e := &crdEnd{cfg: o.K8s, node: o.HoldNode, lease: o.Hold, claim: globalstore.NewNodeClaim()}
+	e.dyn, e.err = dynamic.NewForConfig(o.K8s)
+	return e
+}
+
+func (e *crdEnd) identities() dynamic.ResourceInterface {
+	return e.dyn.Resource(crdstore.CiliumIdentityResource)
+}
+
+func (e *crdEnd) list(ctx context.Context) (map[identity.NumericIdentity]*item, []Skipped, error) {
+	if e.err != nil {
+		return nil, nil, e.err
+	}
+	items := map[identity.NumericIdentity]*item{}
+	var skipped []Skipped
+	opts := metav1.ListOptions{Limit: listPage}
+	for {
+		l, err := e.identities().List(ctx, opts)
+		if apierrors.IsNotFound(err) {
+			// The CRD is not installed: no identities.
+			return items, nil, nil
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		for i := range l.Items {
+			it, ok := readIdentity(&l.Items[i])
+			if !ok {
+				skipped = append(skipped, Skipped{Name: l.Items[i].GetName(), Value: it.raw, Reason: "object name is not a numeric ID"})
+				continue
+			}
+			items[it.id] = it
+		}
+		if opts.Continue = l.GetContinue(); opts.Continue == "" {
+			return items, skipped, nil
+		}
+	}
+}
+
+// readIdentity reads a CiliumIdentity as the CRD store does: the name is
+// the ID in decimal, the security-labels map "source:key" to value, split
+// at the first ':'. ok is false when the name holds no ID.
+func readIdentity(u *unstructured.Unstructured) (*item, bool) {
+	raw, _, _ := unstructured.NestedFieldNoCopy(u.Object, "security-labels")
+	m, _ := raw.(map[string]any)
+	it := &item{raw: rawLabels(m), rv: u.GetResourceVersion(), created: u.GetCreationTimestamp().Time}
+	_, it.marked = u.GetAnnotations()[crdstore.HeartbeatAnnotation]
+	id, err := identity.ParseNumericIdentity(u.GetName())
+	if err != nil || id.String() != u.GetName() {
+		return it, false
+	}
+	it.id = id
+	it.lbls, it.err = parseSecurityLabels(m)
+	if it.err == nil {
+		it.key = it.lbls.Canonical()
+	} else {
+		it.err = fmt.Errorf("security-labels: %w", it.err)
+	}
+	return it, true
+}
+
+func parseSecurityLabels(m map[string]any) (labels.Labels, error) {
+	ls := make([]labels.Label, 0, len(m))
+	for k, v := range m {
+		s, ok := v.(string)
+		if !ok {
+			return nil, fmt.Errorf("value of %q is not a string", k)
+		}
+		src, key, ok := strings.Cut(k, ":")
+		if !ok || src == "" {
+			return nil, fmt.Errorf("security label %q has no source", k)
+		}
+		ls = append(ls, labels.Label{Source: src, Key: key, Value: s})
+	}
+	return labels.New(ls...)
+}
+
+// rawLabels prints a security-labels map for a report, keys sorted.
+func rawLabels(m map[string]any) string {
+	var b strings.Builder
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		fmt.Fprintf(&b, "%s=%v;", k, m[k])
+	}
+	return b.String()
+}
+
+// namespaceLabelsPrefix marks the labels Cilium leaves out of an object's
+// metadata.labels.
+const namespaceLabelsPrefix = "io.cilium.k8s.namespace.labels."
+
+// identityObject is the CiliumIdentity of id for lbls as the CRD store
+// writes it (docs/crd-store.md, "Objects"): security-labels holds every
+// label; metadata.labels the k8s labels without their prefix, except the
+// namespace labels and what the API server refuses as object labels.
+// TestObjectsAsCRDStoreWritesThem compares it with the store's.
+func identityObject(id identity.NumericIdentity, lbls labels.Labels) *unstructured.Unstructured {
+	sec := make(map[string]any, len(lbls))
+	var objLabels map[string]string
+	for _, l := range lbls {
+		sec[l.Source+":"+l.Key] = l.Value
+		if l.Source != labels.SourceK8s || strings.HasPrefix(l.Key, namespaceLabelsPrefix) ||
+			len(validation.IsQualifiedName(l.Key)) > 0 || len(validation.IsValidLabelValue(l.Value)) > 0 {
+			continue
+		}
+		if objLabels == nil {
+			objLabels = map[string]string{}
+		}
+		objLabels[l.Key] = l.Value
+	}
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion":      crdstore.CiliumGroup + "/" + crdstore.CiliumVersion,
+		"kind":            "CiliumIdentity",
+		"metadata":        map[string]any{"name": id.String()},
+		"security-labels": sec,
+	}}
+	if objLabels != nil {
+		u.SetLabels(objLabels)
+	}
+	return u
+}
+
+// prepare installs or updates the CRDs as the CRD store does at start.
+func (e *crdEnd) prepare(ctx context.Context) error {
+	if e.err != nil {
+		return e.err
+	}
+	return crdstore.RegisterCRDs(ctx, e.cfg)
+}
+
+func (e *crdEnd) create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) (*item, error) {
+	_, err := e.identities().Create(ctx, identityObject(id, lbls), metav1.CreateOptions{})
+	if err == nil {
+		return nil, nil
+	}
+	if !apierrors.IsAlreadyExists(err) {
+		return nil, err
+	}
+	u, err := e.identities().Get(ctx, id.String(), metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("reading the object that holds %d: %w", id, err)
+	}
+	it, _ := readIdentity(u)
+	return it, nil
+}
+
+// unmark removes the heartbeat mark, as the CRD store does when it adopts
+// or passes a marked identity: with the listed resourceVersion as
+// precondition. An object changed since is left as it is: the hold keeps
+// it either way.
+func (e *crdEnd) unmark(ctx context.Context, it *item) error {
+	patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:null}}}`, it.rv, crdstore.HeartbeatAnnotation)
+	_, err := e.identities().Patch(ctx, it.id.String(), types.MergePatchType, patch, metav1.PatchOptions{})
+	if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}
+
+// hold writes the IdentityNode of the hold's node listing every ID, with a
+// lease of the hold's duration: the collector counts the IDs of a record
+// whose lease has not ended as used (docs/crd-store.md, "Garbage
+// collection"), and deletes the record a lease after it ended.
+func (e *crdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]labels.Labels) error {
+	list := make([]any, 0, len(ids))
+	for _, id := range sortedIDs(ids) {
+		list = append(list, int64(id))
+	}
+	nodes := e.dyn.Resource(crdstore.IdentityNodeResource)
+	for attempt := 0; ; attempt++ {
+		spec := map[string]any{
+			"identities":           list,
+			"renewTime":            time.Now().UTC().Format("2006-01-02T15:04:05.000000Z07:00"),
+			"leaseDurationSeconds": int64(e.lease.Seconds()),
+			"holder":               map[string]any{"instance": e.claim.Instance, "host": e.claim.Host, "pid": int64(e.claim.PID)},
+		}
+		cur, err := nodes.Get(ctx, e.node, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			u := &unstructured.Unstructured{Object: map[string]any{
+				"apiVersion": crdstore.IdentityGroup + "/" + crdstore.IdentityVersion,
+				"kind":       "IdentityNode",
+				"metadata":   map[string]any{"name": e.node},
+				"spec":       spec,
+			}}
+			_, err = nodes.Create(ctx, u, metav1.CreateOptions{})
+		case err == nil:
+			cur.Object["spec"] = spec
+			_, err = nodes.Update(ctx, cur, metav1.UpdateOptions{})
+		}
+		if err == nil {
+			return nil
+		}
+		if (apierrors.IsConflict(err) || apierrors.IsAlreadyExists(err)) && attempt < 5 {
+			continue
+		}
+		return fmt.Errorf("writing IdentityNode %s: %w", e.node, err)
+	}
+}
+
+// skip: the CRD store takes every valid label set.
+func (e *crdEnd) skip(labels.Labels, string) string { return "" }
