@@ -126,8 +126,9 @@ func newAllocator(p params) (allocatorOut, error) {
 
 // driverBackend returns the Backend of the driver of the configured mode. In
 // kvstore mode a hive without the etcd store serves local identities only,
-// as it always has; crd mode asks for the CRD store explicitly, so its
-// absence is an error rather than a silent loss of global identities.
+// as it always has; crd mode asks for the CRD store explicitly, and the
+// double-write modes for their cell, so their absence is an error rather
+// than a silent loss of global identities.
 func driverBackend(p params) (globalstore.Backend, error) {
 	if p.Backend != nil {
 		return p.Backend, nil
@@ -144,6 +145,8 @@ func driverBackend(p params) (globalstore.Backend, error) {
 		return nil, fmt.Errorf("--identity-allocation-mode=%s: %d store cells in the hive serve it, want one", mode, len(found))
 	case len(found) == 0 && mode == identity.AllocationModeCRD:
 		return nil, fmt.Errorf("--identity-allocation-mode=%s needs the CRD store of global identities in the hive (crdstore.Cell), which it does not have", mode)
+	case len(found) == 0 && mode.DoubleWrite():
+		return nil, fmt.Errorf("--identity-allocation-mode=%s needs the double-write cell (doublewrite.Cell) with both stores (etcdstore.Cell, crdstore.Cell) in the hive, which it does not have", mode)
 	case len(found) == 0:
 		return nil, nil
 	}

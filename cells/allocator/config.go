@@ -36,8 +36,8 @@ type Config struct {
 	// --policy-cidr-match-mode).
 	PolicyCIDRMatchMode []string
 	// IdentityAllocationMode is the store of global identities: the etcd
-	// of the kvstore cell, or CiliumIdentity objects in a Kubernetes API
-	// server (Cilium's --identity-allocation-mode).
+	// of the kvstore cell, CiliumIdentity objects in a Kubernetes API
+	// server, or both, one deciding (Cilium's --identity-allocation-mode).
 	IdentityAllocationMode identity.AllocationMode
 }
 
@@ -67,7 +67,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Bool("enable-well-known-identities", def.EnableWellKnownIdentities, "Give kube-dns, CoreDNS, cilium-operator and Cilium's etcd their fixed identities 100..115, as Cilium's option of that name (Cilium's Helm chart turns it off)")
 	flags.String("k8s-namespace", def.K8sNamespace, "Namespace Cilium runs in, as Cilium's option of that name; part of the well-known label sets of Cilium's components")
 	flags.StringSlice("policy-cidr-match-mode", def.PolicyCIDRMatchMode, "What CIDR policies may select besides world, as Cilium's option of that name: \"nodes\" gives remote nodes' label sets remote-node-scope identities instead of the reserved 6 and 7")
-	flags.String("identity-allocation-mode", string(def.IdentityAllocationMode), "Store of global identities, as Cilium's option of that name: \"kvstore\" (etcd, embedded unless --kvstore-endpoints is set) or \"crd\" (CiliumIdentity objects in a Kubernetes API server)")
+	flags.String("identity-allocation-mode", string(def.IdentityAllocationMode), "Store of global identities, as Cilium's option of that name: \"kvstore\" (etcd, embedded unless --kvstore-endpoints is set), \"crd\" (CiliumIdentity objects in a Kubernetes API server), or, to move between them, \"doublewrite-readkvstore\" or \"doublewrite-readcrd\" (IDs decided in the named store and written to both)")
 }
 
 // ReservedConfig returns the options that decide which label sets are

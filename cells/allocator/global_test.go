@@ -375,7 +375,7 @@ func TestAllocationModeCRDNeedsDriver(t *testing.T) {
 func TestAllocationModeFlag(t *testing.T) {
 	for _, mode := range []string{"etcd", "", "CRD"} {
 		_, _, err := modeNode(t, mode)
-		want := `invalid --identity-allocation-mode "` + mode + `": must be one of "kvstore", "crd"`
+		want := `invalid --identity-allocation-mode "` + mode + `": must be one of "kvstore", "crd", "doublewrite-readkvstore", "doublewrite-readcrd"`
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("--identity-allocation-mode=%q: %v, want %s", mode, err, want)
 		}

@@ -105,7 +105,7 @@ type params struct {
 }
 
 // newClient provides the client only when something needs it: in crd
-// mode, or when a flag names an API server. Otherwise it provides nil and
+// mode and the double-write modes, or when a flag names an API server. Otherwise it provides nil and
 // the agent opens no connection (nor reads any kubeconfig).
 func newClient(p params) (*Client, error) {
 	// Bad values are errors even when the client is not needed: a typo
@@ -113,11 +113,11 @@ func newClient(p params) (*Client, error) {
 	if err := p.Config.Validate(); err != nil {
 		return nil, fmt.Errorf("k8sclient: %w", err)
 	}
-	if p.Mode != identity.AllocationModeCRD && !p.Config.Configured() {
+	if !p.Mode.UsesCRD() && !p.Config.Configured() {
 		if p.Health != nil {
 			// Nothing else reports to the module then; a scope that never
 			// reports reads as unknown and fails /healthz.
-			p.Health.OK("Not used: not in crd mode and no --k8s-* flag names an API server")
+			p.Health.OK("Not used: not in a mode that uses CRDs and no --k8s-* flag names an API server")
 		}
 		return nil, nil
 	}

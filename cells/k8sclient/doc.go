@@ -5,8 +5,9 @@
 //
 // # What it provides
 //
-// Cell provides *Client when the agent needs one: in crd allocation mode
-// (an identity.AllocationMode of identity.AllocationModeCRD in the hive),
+// Cell provides *Client when the agent needs one: in an allocation mode
+// that keeps identities in CRDs (crd, doublewrite-readkvstore,
+// doublewrite-readcrd: identity.AllocationMode.UsesCRD),
 // or when --k8s-kubeconfig-path or --k8s-api-server is set. Otherwise it
 // provides nil, contributes no metrics, and reads no kubeconfig; users of
 // the client that are optional take a nil *Client as "no Kubernetes". The

@@ -31,7 +31,7 @@ type nodeNameParams struct {
 
 	Config Config
 	// Mode is the configured --identity-allocation-mode (the allocator
-	// cell provides it); crd mode asks more of the name.
+	// cell provides it); the modes that use CRDs ask more of the name.
 	Mode identity.AllocationMode `optional:"true"`
 }
 
@@ -39,7 +39,7 @@ type nodeNameParams struct {
 // cell.
 func nodeName(p nodeNameParams) (identity.NodeName, error) {
 	validate := ValidateNodeName
-	if p.Mode == identity.AllocationModeCRD {
+	if p.Mode.UsesCRD() {
 		validate = ValidateObjectNodeName
 	}
 	name := p.Config.nodeName()

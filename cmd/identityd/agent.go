@@ -12,6 +12,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/clustermesh"
 	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/cells/allocator/doublewrite"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/health"
@@ -39,6 +40,7 @@ var agentCells = []cell.Cell{
 	allocator.Cell,
 	etcdstore.Cell,
 	crdstore.Cell,
+	doublewrite.Cell,
 	clustermesh.Cell,
 	checkpoint.Cell,
 	ipcache.Cell,
@@ -49,7 +51,7 @@ var agentCells = []cell.Cell{
 	// keeps the kvstore constructed before restoration, as it has always
 	// been.
 	cell.Provide(func(mode identity.AllocationMode, c *kvstore.Client) restoration.AutomaticGracePeriod {
-		return restoration.AutomaticGracePeriodFor(mode == identity.AllocationModeCRD || !c.Embedded())
+		return restoration.AutomaticGracePeriodFor(mode.UsesCRD() || !c.Embedded())
 	}),
 
 	// The agent exists to serve its cells; force the ones nothing else

@@ -12,9 +12,11 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/identity"
 )
 
 type agentCollectors struct {
@@ -67,6 +69,9 @@ func agentMetricLabels(t *testing.T) map[string][]string {
 	// The Kubernetes client and its metrics exist only when a server is
 	// named or the mode is crd; Populate does not connect.
 	hive.AddConfigOverride(h, func(c *k8sclient.Config) { c.K8sAPIServer = "https://127.0.0.1:6443" })
+	// A double-write mode builds both stores and the double-write cell,
+	// so that every store's metrics are described.
+	hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationMode = identity.AllocationModeDoubleWriteReadKVStore })
 	if err := h.Populate(hivetest.Logger(t)); err != nil {
 		t.Fatal(err)
 	}

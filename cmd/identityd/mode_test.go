@@ -58,7 +58,7 @@ func runAgentToExit(t *testing.T, args ...string) (string, error) {
 func TestAllocationModeInvalid(t *testing.T) {
 	t.Parallel()
 	out, err := runAgentToExit(t, "--state-dir", t.TempDir(), "--identity-allocation-mode", "etcd", "--log-level", "error")
-	if err == nil || !strings.Contains(out, `invalid --identity-allocation-mode "etcd": must be one of "kvstore", "crd"`) {
+	if err == nil || !strings.Contains(out, `invalid --identity-allocation-mode "etcd": must be one of "kvstore", "crd", "doublewrite-readkvstore", "doublewrite-readcrd"`) {
 		t.Fatalf("--identity-allocation-mode=etcd: %v %q", err, out)
 	}
 }

@@ -17,10 +17,11 @@ import (
 
 // Cell offers the allocator the store that keeps global identities as
 // CiliumIdentity objects in a Kubernetes API server, as the
-// globalstore.Driver of crd mode, and provides the *Store itself. It
-// talks to the API server of the *k8sclient.Client (or of a *rest.Config
-// provided on its own); with --identity-allocation-mode=kvstore, or
-// without either, the *Store is nil, the driver's backend is nil and
+// globalstore.Driver of crd mode and as the globalstore.Mirror the
+// double-write modes compose (cells/allocator/doublewrite), and provides
+// the *Store itself. It talks to the API server of the *k8sclient.Client
+// (or of a *rest.Config provided on its own); with
+// --identity-allocation-mode=kvstore, or without either, the *Store is nil, the driver's backend is nil and
 // nothing starts. It takes the cluster's ID range as an
 // identity.ClusterInfo, this node's name as an identity.NodeName and the
 // stores' shared flags as a globalstore.Config (the first listing's
@@ -37,7 +38,7 @@ var Cell = cell.Module(
 	"Global identities in Kubernetes CRD objects",
 
 	cell.Config(DefaultConfig),
-	cell.Provide(newStore, newDriver),
+	cell.Provide(newStore, newDriver, newMirror),
 	// The collectors read the store's counters; they take the store as
 	// a Backend.
 	cell.ProvidePrivate(func(s *Store) globalstore.Backend { return s }),
@@ -72,10 +73,10 @@ type params struct {
 // hook ran.
 func newStore(p params) (*Store, error) {
 	noServer := p.Client == nil && p.RESTConfig == nil
-	if p.Mode == identity.AllocationModeCRD && noServer {
-		return nil, errors.New("--identity-allocation-mode=crd needs a Kubernetes client in the hive (k8sclient.Cell)")
+	if p.Mode.UsesCRD() && noServer {
+		return nil, errors.New("--identity-allocation-mode=" + string(p.Mode) + " needs a Kubernetes client in the hive (k8sclient.Cell)")
 	}
-	if (p.Mode != "" && p.Mode != identity.AllocationModeCRD) || noServer {
+	if (p.Mode != "" && !p.Mode.UsesCRD()) || noServer {
 		if p.Health != nil {
 			if noServer {
 				p.Health.OK("No Kubernetes client in the hive: no CRD identities")

@@ -5,8 +5,9 @@ import (
 )
 
 // Cell offers the allocator the etcd store of global identities, with
-// Cilium's key layout, as the globalstore.Driver of kvstore mode, and
-// provides the *Store itself. Without a *kvstore.Client in the hive, or
+// Cilium's key layout, as the globalstore.Driver of kvstore mode and as
+// the globalstore.Mirror the double-write modes compose
+// (cells/allocator/doublewrite), and provides the *Store itself. Without a *kvstore.Client in the hive, or
 // with --identity-allocation-mode=crd, the *Store is nil, the driver's
 // backend is nil and nothing starts; the allocator then serves local
 // identities only (or the CRD store's, in crd mode). It takes the
@@ -20,5 +21,5 @@ var Cell = cell.Module(
 	"Global identities in etcd",
 
 	cell.Config(DefaultConfig),
-	cell.Provide(newStore, newDriver, newStoreMetrics),
+	cell.Provide(newStore, newDriver, newMirror, newStoreMetrics),
 )

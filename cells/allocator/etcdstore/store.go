@@ -79,10 +79,10 @@ type params struct {
 }
 
 // newStore provides the *Store when the hive has a kvstore client and runs
-// in kvstore mode. Otherwise it provides nil and builds and starts nothing:
+// in a mode that uses etcd (kvstore, or a double-write mode). Otherwise it provides nil and builds and starts nothing:
 // the store's driver then offers no backend.
 func newStore(p params) (*Store, error) {
-	if p.Mode == identity.AllocationModeCRD || p.Client == nil {
+	if !p.Mode.UsesKVStore() || p.Client == nil {
 		if p.Health != nil {
 			// Nothing else reports to the module then; a scope that
 			// never reports reads as unknown.
@@ -111,6 +111,14 @@ func newDriver(s *Store) globalstore.DriverOut {
 		return globalstore.NewDriver(identity.AllocationModeKVStore, nil)
 	}
 	return globalstore.NewDriver(identity.AllocationModeKVStore, s)
+}
+
+// newMirror offers the store to the double-write modes (cells/allocator/doublewrite).
+func newMirror(s *Store) globalstore.MirrorOut {
+	if s == nil {
+		return globalstore.NewMirror(identity.AllocationModeKVStore, nil)
+	}
+	return globalstore.NewMirror(identity.AllocationModeKVStore, s)
 }
 
 // Store is the globalstore.Backend that keeps global identities in etcd
@@ -191,7 +199,7 @@ type Store struct {
 	wg     sync.WaitGroup
 }
 
-var _ globalstore.Backend = (*Store)(nil)
+var _ globalstore.Mirror = (*Store)(nil)
 
 // New returns the store for the cluster's ID range, writing through kv
 // (which must be started before Start is called) and running its loops as
@@ -1168,6 +1176,49 @@ func cmpErr(first, err error) error {
 // A write is stored in ref's token, whether or not the allocator still
 // records ref: its release deletes that write then.
 func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, held *globalstore.Reference) (bool, error) {
+	res, err := b.writeReference(ctx, cli, lease, held)
+	if err != nil {
+		return false, err
+	}
+	key := held.Labels.Canonical()
+	switch res.out {
+	case refForeign:
+		b.foreignReference(res.kv)
+	case refSplit:
+		b.splitConflict(key, held.ID, res.other)
+	case refTaken:
+		b.idTaken(held.ID, key, res.otherLabels)
+	}
+	return res.out == refWritten, nil
+}
+
+// refOutcome is what writeReference did.
+type refOutcome int
+
+const (
+	// refWritten: the reference is written (and the master key, if it
+	// was missing).
+	refWritten refOutcome = iota
+	// refForeign: another writer's key is under this node's name (kv).
+	refForeign
+	// refSplit: other nodes reference the label set under another ID
+	// (other); the master key was re-created if missing, no reference
+	// written.
+	refSplit
+	// refTaken: the master key of the ID holds another label set
+	// (otherLabels).
+	refTaken
+)
+
+type refResult struct {
+	out         refOutcome
+	kv          *mvccpb.KeyValue
+	other       identity.NumericIdentity
+	otherLabels string
+}
+
+// writeReference is restoreReference's writes, without its reports.
+func (b *Store) writeReference(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID, held *globalstore.Reference) (refResult, error) {
 	key, id := held.Labels.Canonical(), held.ID
 	master, refs := masterKey(id), referencePrefix(key)
 	end := clientv3.GetPrefixRangeEnd(refs)
@@ -1178,7 +1229,7 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 		got, err := cli.Get(rctx, refs, clientv3.WithPrefix())
 		cancel()
 		if err != nil {
-			return false, fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
+			return refResult{}, fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
 		}
 		var other identity.NumericIdentity
 		for _, kv := range got.Kvs {
@@ -1186,14 +1237,13 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 				// Another writer's key under this node's name: this
 				// node never writes it (reported, and the other
 				// references go on).
-				b.foreignReference(kv)
-				return false, nil
+				return refResult{out: refForeign, kv: kv}, nil
 			}
 			if string(kv.Key) == own || !isReferenceOf(kv.Key, refs) || string(kv.Value) == id.String() {
 				continue
 			}
 			if other, err = identity.ParseNumericIdentity(string(kv.Value)); err != nil || other == identity.InvalidIdentity {
-				return false, fmt.Errorf("reference key %s holds %q, not a numeric identity", kv.Key, kv.Value)
+				return refResult{}, fmt.Errorf("reference key %s holds %q, not a numeric identity", kv.Key, kv.Value)
 			}
 			break
 		}
@@ -1204,8 +1254,7 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 				Then(clientv3.OpPut(master, key)).
 				Commit()
 			cancel()
-			b.splitConflict(key, id, other)
-			return false, err
+			return refResult{out: refSplit, other: other}, err
 		}
 		// Nothing under the prefix changed since the read: no other
 		// ID was written meanwhile.
@@ -1221,23 +1270,63 @@ func (b *Store) restoreReference(ctx context.Context, cli *clientv3.Client, leas
 			)).Commit()
 		cancel()
 		if err != nil {
-			return false, fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
+			return refResult{}, fmt.Errorf("restoring reference to %d (%s): %w", id, key, err)
 		}
 		nested := resp.Responses[0].GetResponseTxn()
 		if resp.Succeeded || nested.GetSucceeded() {
 			held.SetToken(resp.Header.GetRevision())
-			return true, nil
+			return refResult{out: refWritten}, nil
 		}
 		if kvs := nested.Responses[0].GetResponseRange().GetKvs(); len(kvs) > 0 && string(kvs[0].Value) != key {
 			// The ID was given to another label set while this
 			// node's keys were gone. Nothing can make both right;
 			// the node keeps using the ID until its users release it.
-			b.idTaken(id, key, string(kvs[0].Value))
-			return false, nil
+			return refResult{out: refTaken, otherLabels: string(kvs[0].Value)}, nil
 		}
 		// References changed under the read: read again.
 	}
-	return false, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", globalstore.ErrConflict, id, key)
+	return refResult{}, fmt.Errorf("%w: restoring reference to %d (%s): its references kept changing", globalstore.ErrConflict, id, key)
+}
+
+// Mirror implements globalstore.Mirror, for the double-write mode that
+// decides identities in the Kubernetes API server
+// (doublewrite-readcrd): it writes ref's master key when the ID is free
+// and ref's reference key on this node's lease, exactly as the repair of
+// a lost lease writes them back, so that the GC here sees this node's use
+// and the ID stays the label set's for nodes that read etcd. A master key
+// of another label set is never written over (ErrIDTaken); while other
+// nodes reference the label set under another ID, no reference is written
+// (an error: a later call writes it once they released it).
+func (b *Store) Mirror(ctx context.Context, ref *globalstore.Reference) error {
+	key := ref.Labels.Canonical()
+	if err := checkKeyLayout(key); err != nil {
+		return fmt.Errorf("writing global identity %d for %s to etcd: %w", ref.ID, key, err)
+	}
+	_, _, err := b.writing(ctx, func(cli *clientv3.Client, lease clientv3.LeaseID) (attempt, error) {
+		if b.stopped.Load() || b.heldRef(ref.ID) != ref {
+			// Released meanwhile: writing now would keep the
+			// identity alive for as long as the lease lives.
+			return attempt{out: outDone}, nil
+		}
+		res, err := b.writeReference(ctx, cli, lease, ref)
+		if err != nil {
+			return attempt{}, err
+		}
+		switch res.out {
+		case refForeign:
+			return attempt{}, b.foreignReference(res.kv)
+		case refSplit:
+			return attempt{}, fmt.Errorf("%w: %s is %d on this node, other nodes reference it as %d in etcd; the reference is written once they released it",
+				globalstore.ErrConflict, key, ref.ID, res.other)
+		case refTaken:
+			return attempt{}, fmt.Errorf("%w: %d is %s on this node, %s in etcd", globalstore.ErrIDTaken, ref.ID, key, logtext.Cap(res.otherLabels))
+		}
+		return attempt{out: outDone}, nil
+	})
+	if err != nil && !errors.Is(err, globalstore.ErrIDTaken) && !errors.Is(err, globalstore.ErrConflict) && !errors.Is(err, ErrNodeNameInUse) {
+		err = fmt.Errorf("%w: writing global identity %d for %s to etcd: %w", globalstore.ErrUnavailable, ref.ID, key, err)
+	}
+	return err
 }
 
 // writesOver tells whether a reference key of this node's name on lease

@@ -125,7 +125,7 @@ func main() {
 		// restoration.EmbeddedGracePeriod. In crd mode the store is
 		// shared and the client may be nil.
 		cell.Provide(func(mode identity.AllocationMode, c *kvstore.Client) restoration.AutomaticGracePeriod {
-			return restoration.AutomaticGracePeriodFor(mode == identity.AllocationModeCRD || !c.Embedded())
+			return restoration.AutomaticGracePeriodFor(mode.UsesCRD() || !c.Embedded())
 		}),
 		cell.Invoke(func(a api) { cells = a }),
 	)

@@ -49,7 +49,7 @@ func newHive(flags *pflag.FlagSet, myAgentCell cell.Cell) *hive.Hive {
 		// says: 10m with external etcd endpoints (or crd mode), 30s with the
 		// embedded etcd. Without it the restorer takes 30s everywhere.
 		cell.Provide(func(mode identity.AllocationMode, c *kvstore.Client) restoration.AutomaticGracePeriod {
-			return restoration.AutomaticGracePeriodFor(mode == identity.AllocationModeCRD || !c.Embedded())
+			return restoration.AutomaticGracePeriodFor(mode.UsesCRD() || !c.Embedded())
 		}),
 		myAgentCell)
 	h.RegisterFlags(flags) // configuration is the cells' flags
