@@ -33,6 +33,9 @@ var layers = []layer{
 	{"cmd", 7, []string{"cmd"}},
 	{"restoration", 6, []string{"cells/restoration"}},
 	{"checkpoint", 5, []string{"cells/checkpoint"}},
+	// What composes both drivers: the double-write store, and the
+	// one-shot copy between the two stores, which only cmd runs.
+	{"two stores", 5, []string{"cells/allocator/doublewrite", "internal/migrate"}},
 	{"ipcache", 5, []string{"cells/ipcache"}},
 	{"contract", 3, []string{"cells/allocator/globalstore"}},
 	{"drivers", 4, []string{"cells/allocator/etcdstore", "cells/allocator/crdstore", "cells/allocator/clustermesh"}},
