@@ -42,10 +42,10 @@ type Diff struct {
 	CRDLabels     string `json:"crdLabels,omitempty"`
 }
 
-// TableHeader implements shellfmt.Tabular.
+// TableHeader names the columns of doublewrite/diff's table.
 func (Diff) TableHeader() []string { return []string{"ID", "Kind", "KVStore", "CRD"} }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is the difference as a row of doublewrite/diff's table.
 func (d Diff) TableRow() []string {
 	return []string{strconv.FormatUint(uint64(d.ID), 10), d.Kind, d.KVStoreLabels, d.CRDLabels}
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/clustermesh"
 	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/cells/allocator/doublewrite"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/health"
@@ -44,9 +45,13 @@ func newHive(flags *pflag.FlagSet, myAgentCell cell.Cell) *hive.Hive {
 		// identities are CiliumIdentity objects in the API server of
 		// --k8s-kubeconfig-path (or --k8s-api-server, or in-cluster).
 		k8sclient.Cell, crdstore.Cell,
+		// The double-write modes (doublewrite-readkvstore,
+		// doublewrite-readcrd) that move a cluster between the two
+		// stores; in the other modes it starts nothing.
+		doublewrite.Cell,
 		checkpoint.Cell, ipcache.Cell, restoration.Cell,
 		// What --identity-restore-grace-period=0 stands for, as identityd --help
-		// says: 10m with external etcd endpoints (or crd mode), 30s with the
+		// says: 10m with external etcd endpoints (or the API server), 30s with the
 		// embedded etcd. Without it the restorer takes 30s everywhere.
 		cell.Provide(func(mode identity.AllocationMode, c *kvstore.Client) restoration.AutomaticGracePeriod {
 			return restoration.AutomaticGracePeriodFor(mode.UsesCRD() || !c.Embedded())
