@@ -148,10 +148,38 @@ func (e *embeddedEtcd) updatePeerURL(ctx context.Context) error {
 		return nil
 	}
 	update := membership.Member{ID: m.ID, RaftAttributes: membership.RaftAttributes{PeerURLs: want}}
-	if _, err := srv.UpdateMember(ctx, update); err != nil {
+	err := proposeConfChange(ctx, confChangeAttempt, func(ctx context.Context) error {
+		_, err := srv.UpdateMember(ctx, update)
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("updating the member's peer URL from %v to %s: %w", m.PeerURLs, e.peerURL, err)
 	}
 	return nil
+}
+
+// confChangeAttempt bounds one proposal of a membership change. Raft drops
+// a configuration change proposed before a new leader has applied the
+// entries of its log (it appends an empty entry instead), and etcd then
+// waits for an apply that never comes: after a restart that followed a
+// crash, the start hung there until its deadline. The same change proposed
+// again once the log is applied goes through.
+const confChangeAttempt = 3 * time.Second
+
+// proposeConfChange calls propose with a deadline of attempt each time,
+// until it succeeds, fails otherwise than by that deadline, or ctx ends.
+// The changes it is used for are idempotent, so an attempt that timed out
+// but was applied after all does no harm when proposed again.
+func proposeConfChange(ctx context.Context, attempt time.Duration, propose func(context.Context) error) error {
+	for {
+		actx, cancel := context.WithTimeout(ctx, attempt)
+		err := propose(actx)
+		timedOut := actx.Err() != nil
+		cancel()
+		if err == nil || !timedOut || ctx.Err() != nil {
+			return err
+		}
+	}
 }
 
 // freeLoopbackPorts returns n distinct loopback ports that were free a

@@ -1,6 +1,8 @@
 package kvstore
 
 import (
+	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"sync/atomic"
@@ -61,5 +63,48 @@ func TestLeaseLossReportedWhenNoticedTwice(t *testing.T) {
 	}
 	if ch := c.LeaseLost(l.id); ch != l.lost {
 		t.Error("LeaseLost of the lease just lost is not its lost channel")
+	}
+}
+
+// TestProposeConfChangeAgainAfterDrop: a membership change that raft
+// dropped never completes; it is proposed again after its attempt's
+// deadline and the second proposal goes through. Without the deadline the
+// embedded etcd's start waited for the dropped one until the start's own
+// deadline.
+func TestProposeConfChangeAgainAfterDrop(t *testing.T) {
+	var proposals atomic.Int32
+	propose := func(ctx context.Context) error {
+		if proposals.Add(1) == 1 {
+			<-ctx.Done() // dropped: no apply ever answers it
+			return ctx.Err()
+		}
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := proposeConfChange(ctx, 100*time.Millisecond, propose); err != nil {
+		t.Fatalf("after a dropped proposal: %v", err)
+	}
+	if n := proposals.Load(); n != 2 {
+		t.Errorf("%d proposals, want 2", n)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("took %v", d)
+	}
+
+	// An error other than the attempt's deadline ends it at once, and so
+	// does the caller's deadline.
+	refused := errors.New("refused")
+	if err := proposeConfChange(ctx, time.Second, func(context.Context) error { return refused }); err != refused {
+		t.Errorf("got %v, want %v", err, refused)
+	}
+	short, cancelShort := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancelShort()
+	if err := proposeConfChange(short, 100*time.Millisecond, func(ctx context.Context) error {
+		<-ctx.Done()
+		return ctx.Err()
+	}); err == nil || short.Err() == nil {
+		t.Errorf("got %v with the caller's deadline passed: %v", err, short.Err())
 	}
 }
