@@ -32,6 +32,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -407,10 +408,10 @@ func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster id
 // hold, and the held IDs it passed; InvalidIdentity when all are held.
 // It is the CRD store's placement (docs/crd-store.md, "Placement").
 func walk(key string, held map[identity.NumericIdentity]*item, cluster identity.ClusterInfo) (identity.NumericIdentity, []identity.NumericIdentity) {
-	pr := newProbe(key, cluster)
+	pr := idprobe.New(key, cluster)
 	var passed []identity.NumericIdentity
-	for i := uint64(0); i < pr.n; i++ {
-		id := pr.slot(i)
+	for i := uint64(0); i < pr.Len(); i++ {
+		id := pr.Slot(i)
 		if _, ok := held[id]; !ok {
 			return id, passed
 		}
@@ -426,9 +427,9 @@ func pick(ids []identity.NumericIdentity, key string, held map[identity.NumericI
 	if len(ids) == 1 {
 		return ids[0]
 	}
-	pr := newProbe(key, cluster)
-	for i := uint64(0); i < pr.n; i++ {
-		it, ok := held[pr.slot(i)]
+	pr := idprobe.New(key, cluster)
+	for i := uint64(0); i < pr.Len(); i++ {
+		it, ok := held[pr.Slot(i)]
 		if !ok {
 			break
 		}

@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/internal/logtext"
 	"github.com/identityd/identityd/labels"
 )
@@ -525,9 +526,9 @@ func (c *identityCache) pickLocked(key string, es []*entry, own map[identity.Num
 // walkFirstLocked returns the first object of key the walk of its probe
 // sequence reaches before a free slot, or nil. Under mu.
 func (c *identityCache) walkFirstLocked(key string, own map[identity.NumericIdentity]*entry) *entry {
-	p := newProbe(key, c.cluster)
-	for i := uint64(0); i < p.n; i++ {
-		id := p.slot(i)
+	p := idprobe.New(key, c.cluster)
+	for i := uint64(0); i < p.Len(); i++ {
+		id := p.Slot(i)
 		e := own[id]
 		if e == nil {
 			if e = c.byID[id]; e != nil && e.key == key && own != nil {
@@ -572,7 +573,7 @@ func (c *identityCache) Objects() ([]Object, string) {
 // Position returns the position of id in the probe sequence of lbls, and
 // false when id is outside this cluster's range.
 func (c *identityCache) Position(lbls labels.Labels, id identity.NumericIdentity) (uint64, bool) {
-	return newProbe(lbls.Canonical(), c.cluster).position(id)
+	return idprobe.New(lbls.Canonical(), c.cluster).Position(id)
 }
 
 // ResourceVersion returns the resourceVersion the cache reflects.

@@ -8,6 +8,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -86,17 +87,17 @@ func TestCacheIgnoresMalformedObjects(t *testing.T) {
 func TestCacheLookupRule(t *testing.T) {
 	cluster := identity.ClusterInfo{Name: "default"}
 	l := labels.MustParse("k8s:app=web")
-	p := newProbe(l.Canonical(), cluster)
+	p := idprobe.New(l.Canonical(), cluster)
 	other := func(i int) labels.Labels { return labels.MustParse("k8s:other=" + string(rune('a'+i))) }
 	now := time.Now().Truncate(time.Second)
 	c := newIdentityCache(hivetest.Logger(t), cluster, cacheHooks{})
 	// slot 0 and 1 held by others, slot 2 by l (newest), a random far
 	// slot by l (oldest).
-	far := p.slot(1000)
+	far := p.Slot(1000)
 	objs := []any{
-		object(p.slot(0), other(0), now),
-		object(p.slot(1), other(1), now),
-		object(p.slot(2), l, now),
+		object(p.Slot(0), other(0), now),
+		object(p.Slot(1), other(1), now),
+		object(p.Slot(2), l, now),
 		object(far, l, now.Add(-time.Hour)),
 	}
 	if err := c.Replace(objs, "1"); err != nil {
@@ -113,14 +114,14 @@ func TestCacheLookupRule(t *testing.T) {
 	if err := c.Update(object(far, l, now.Add(300*time.Millisecond))); err != nil {
 		t.Fatal(err)
 	}
-	if e, onWalk := c.pickCached(l.Canonical()); e == nil || e.id != p.slot(2) || !onWalk {
-		t.Fatalf("pick = %v (on the walk %v), want slot 2 (%d), on the walk", e, onWalk, p.slot(2))
+	if e, onWalk := c.pickCached(l.Canonical()); e == nil || e.id != p.Slot(2) || !onWalk {
+		t.Fatalf("pick = %v (on the walk %v), want slot 2 (%d), on the walk", e, onWalk, p.Slot(2))
 	}
 	// With slot 1 free, no object of l is on the walk: the smallest ID.
 	if err := c.Delete(objs[1]); err != nil {
 		t.Fatal(err)
 	}
-	want := min(far, p.slot(2))
+	want := min(far, p.Slot(2))
 	if e := c.lookup(l.Canonical()); e == nil || e.id != want {
 		t.Fatalf("lookup = %v, want the smallest ID %d", e, want)
 	}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/internal/testproc"
 	"github.com/identityd/identityd/labels"
@@ -361,10 +362,10 @@ func TestCiliumInterop(t *testing.T) {
 		}
 		// Placement: the first slot of the label set's probe sequence
 		// that no other label set holds.
-		p := newProbe(s.Canonical(), node.store.cluster)
-		for j := uint64(0); p.slot(j) != id; j++ {
-			if e := node.store.ids.get(p.slot(j)); e == nil || e.key == s.Canonical() {
-				t.Errorf("%s: identityd created %d, but slot %d (%d) of its probe sequence was free", shapes[i].name, id, j, p.slot(j))
+		p := idprobe.New(s.Canonical(), node.store.cluster)
+		for j := uint64(0); p.Slot(j) != id; j++ {
+			if e := node.store.ids.get(p.Slot(j)); e == nil || e.key == s.Canonical() {
+				t.Errorf("%s: identityd created %d, but slot %d (%d) of its probe sequence was free", shapes[i].name, id, j, p.Slot(j))
 				break
 			}
 		}
@@ -581,7 +582,7 @@ func testTwoObjects(t *testing.T, bin, kc string, cli *client, node *testNode) {
 	running := startCilium(t, bin, kc, "-lookup")
 	for i, c := range cases {
 		lbls := labels.MustParse(fmt.Sprintf("k8s:app=split-%d", i), "k8s:io.kubernetes.pod.namespace=ns-split")
-		first := newProbe(lbls.Canonical(), cluster).slot(0)
+		first := idprobe.New(lbls.Canonical(), cluster).Slot(0)
 		older := free(c.older, first)
 		newer := first
 		if !c.atFirst {

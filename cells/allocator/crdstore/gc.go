@@ -21,6 +21,7 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
 )
 
 // GCConfig configures the garbage collection of CiliumIdentity and
@@ -410,7 +411,7 @@ func (s *Store) fenced(objs []gcObject) map[identity.NumericIdentity]bool {
 		if o.e == nil {
 			continue
 		}
-		k, ok := newProbe(o.e.key, s.cluster).position(o.id)
+		k, ok := idprobe.New(o.e.key, s.cluster).Position(o.id)
 		if !ok || k == 0 {
 			continue
 		}

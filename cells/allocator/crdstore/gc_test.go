@@ -26,6 +26,7 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
@@ -418,14 +419,14 @@ func TestGCFence(t *testing.T) {
 	srv := k8stest.Start(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	later := mustLabels(t, "k8s:app=later")
-	p := newProbe(later.Canonical(), gcCluster)
+	p := idprobe.New(later.Canonical(), gcCluster)
 	// Another label set holds the first slot of later's sequence.
-	first := p.slot(0)
+	first := p.Slot(0)
 	createIdentity(t, a.Store, first, mustLabels(t, "k8s:app=first"), "")
 	eventually.True(t, "the cache shows the first slot held", func() bool { return a.ids.get(first) != nil })
 	id := a.allocate(t, later)
-	if id != p.slot(1) {
-		t.Fatalf("later got %d, want %d, the second slot of its sequence", id, p.slot(1))
+	if id != p.Slot(1) {
+		t.Fatalf("later got %d, want %d, the second slot of its sequence", id, p.Slot(1))
 	}
 	waitListed(t, a.Store, "node-a", id, true)
 
@@ -569,18 +570,18 @@ func fencedByWalk(s *Store, objs []gcObject) map[identity.NumericIdentity]bool {
 		if o.e == nil {
 			continue
 		}
-		p := newProbe(o.e.key, s.cluster)
-		k, _ := p.position(o.id)
+		p := idprobe.New(o.e.key, s.cluster)
+		k, _ := p.Position(o.id)
 		all := true
 		for i := uint64(0); i < k; i++ {
-			if !held[p.slot(i)] {
+			if !held[p.Slot(i)] {
 				all = false
 				break
 			}
 		}
 		if all {
 			for i := uint64(0); i < k; i++ {
-				out[p.slot(i)] = true
+				out[p.Slot(i)] = true
 			}
 		}
 	}
@@ -627,7 +628,7 @@ func TestGCFenceSweep(t *testing.T) {
 	var wrap labels.Labels
 	for i := 0; ; i++ {
 		l := mustLabels(t, fmt.Sprintf("k8s:app=wrap-%d", i))
-		if newProbe(l.Canonical(), gcCluster).slot(0) >= hi-4 {
+		if idprobe.New(l.Canonical(), gcCluster).Slot(0) >= hi-4 {
 			wrap = l
 			break
 		}
@@ -635,24 +636,24 @@ func TestGCFenceSweep(t *testing.T) {
 			t.Fatal("no label set starts its sequence at the range's end")
 		}
 	}
-	p := newProbe(wrap.Canonical(), gcCluster)
+	p := idprobe.New(wrap.Canonical(), gcCluster)
 	var objs []gcObject
 	for i := uint64(0); i < 5; i++ {
-		objs = append(objs, object(p.slot(i), mustLabels(t, fmt.Sprintf("k8s:app=filler-%d", i))))
+		objs = append(objs, object(p.Slot(i), mustLabels(t, fmt.Sprintf("k8s:app=filler-%d", i))))
 	}
-	objs = append(objs, object(p.slot(5), wrap))
-	if p.slot(5) >= p.slot(0) {
-		t.Fatalf("slot 5 is %d, slot 0 %d: not wrapped", p.slot(5), p.slot(0))
+	objs = append(objs, object(p.Slot(5), wrap))
+	if p.Slot(5) >= p.Slot(0) {
+		t.Fatalf("slot 5 is %d, slot 0 %d: not wrapped", p.Slot(5), p.Slot(0))
 	}
 	check("wrapping run", slices.Clone(objs))
-	if got := s.fenced(objs); len(got) < 5 || !got[hi] || !got[p.slot(0)] {
+	if got := s.fenced(objs); len(got) < 5 || !got[hi] || !got[p.Slot(0)] {
 		t.Fatalf("wrapping run: fenced %v", got)
 	}
 	// A gap before the object: it is not where the walk finds its label
 	// set, and fences nothing.
 	gapped := slices.Delete(slices.Clone(objs), 2, 3)
 	check("gap", gapped)
-	if got := s.fenced(gapped); got[p.slot(0)] {
+	if got := s.fenced(gapped); got[p.Slot(0)] {
 		t.Fatalf("gap: fenced %v", got)
 	}
 	// Many label sets, each at the first free slot of its sequence in a
@@ -661,12 +662,12 @@ func TestGCFenceSweep(t *testing.T) {
 	held := map[identity.NumericIdentity]bool{}
 	for i := 0; len(crowd) < 300; i++ {
 		l := mustLabels(t, fmt.Sprintf("k8s:app=crowd-%d", i))
-		q := newProbe(l.Canonical(), gcCluster)
-		if q.slot(0) < hi-200 && q.slot(0) > lo+50 {
+		q := idprobe.New(l.Canonical(), gcCluster)
+		if q.Slot(0) < hi-200 && q.Slot(0) > lo+50 {
 			continue
 		}
 		for j := uint64(0); ; j++ {
-			if id := q.slot(j); !held[id] {
+			if id := q.Slot(j); !held[id] {
 				held[id] = true
 				crowd = append(crowd, object(id, l))
 				break

@@ -1,14 +1,11 @@
 package crdstore
 
 import (
-	"crypto/sha256"
-	"encoding/binary"
 	"fmt"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/util/validation"
 
-	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -66,38 +63,4 @@ func objectLabels(lbls labels.Labels) (selected map[string]string, skipped int) 
 		selected[l.Key] = l.Value
 	}
 	return selected, skipped
-}
-
-// probe is a label set's probe sequence over this cluster's range:
-// slot(i) = min + (h + i) mod n, with h the first 8 bytes of the SHA-256 of
-// the canonical string read big-endian, and n the size of the range.
-type probe struct {
-	min   uint64
-	n     uint64
-	start uint64 // h mod n
-}
-
-func newProbe(canonical string, cluster identity.ClusterInfo) probe {
-	sum := sha256.Sum256([]byte(canonical))
-	h := binary.BigEndian.Uint64(sum[:8])
-	lo, hi := uint64(cluster.MinID()), uint64(cluster.MaxID())
-	n := hi - lo + 1
-	return probe{min: lo, n: n, start: h % n}
-}
-
-// slot returns the ID at position i (0 <= i < n). (h + i) mod n is
-// computed as ((h mod n) + i) mod n, which is the same number without the
-// overflow of h + i.
-func (p probe) slot(i uint64) identity.NumericIdentity {
-	return identity.NumericIdentity(p.min + (p.start+i)%p.n)
-}
-
-// position returns the position of id in the sequence, and false when id
-// is outside the range.
-func (p probe) position(id identity.NumericIdentity) (uint64, bool) {
-	v := uint64(id)
-	if v < p.min || v >= p.min+p.n {
-		return 0, false
-	}
-	return (v - p.min + p.n - p.start) % p.n, true
 }

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/internal/retry"
 
 	"github.com/cilium/hive/cell"
@@ -510,7 +511,7 @@ var errRestart = errors.New("walk again")
 // whose cache was behind may have found or created another.
 func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	a := &allocation{s: s, key: key, lbls: lbls}
-	p := newProbe(key, s.cluster)
+	p := idprobe.New(key, s.cluster)
 	for {
 		a.adopted = 0
 		id, created, err := a.find(ctx, p)
@@ -627,7 +628,7 @@ func (a *allocation) listObjects(ctx context.Context) ([]*entry, error) {
 
 // find returns the object of the label set the cache shows, or the one
 // the walk of its probe sequence finds or creates.
-func (a *allocation) find(ctx context.Context, p probe) (identity.NumericIdentity, bool, error) {
+func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	s := a.s
 	key := a.key
 	for {
@@ -675,16 +676,16 @@ func (a *allocation) find(ctx context.Context, p probe) (identity.NumericIdentit
 }
 
 // walk goes along the probe sequence from its start.
-func (a *allocation) walk(ctx context.Context, p probe) (identity.NumericIdentity, bool, error) {
+func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	start := time.Now()
-	for i := uint64(0); i < p.n; i++ {
+	for i := uint64(0); i < p.Len(); i++ {
 		if time.Since(start) > maxWalkAge {
 			if err := a.conflict(); err != nil {
 				return 0, false, err
 			}
 			return 0, false, errRestart
 		}
-		id := p.slot(i)
+		id := p.Slot(i)
 		done, created, err := a.trySlot(ctx, id, a.s.ids.get(id))
 		if err != nil || done {
 			return id, created, err

@@ -26,6 +26,7 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -356,7 +357,7 @@ func TestAllocateAdoptRelease(t *testing.T) {
 	if !created {
 		t.Fatalf("node-a did not create %s", lbls)
 	}
-	if want := newProbe(lbls.Canonical(), a.store.cluster).slot(0); id != want {
+	if want := idprobe.New(lbls.Canonical(), a.store.cluster).Slot(0); id != want {
 		t.Errorf("the first identity got %d, want the first slot of its sequence %d", id, want)
 	}
 	obj, err := cli.identity(t, id)
@@ -458,13 +459,13 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
 	lbls := web(1)
-	p := newProbe(lbls.Canonical(), a.store.cluster)
+	p := idprobe.New(lbls.Canonical(), a.store.cluster)
 	bad := []*CiliumIdentity{
 		{ObjectMeta: metav1.ObjectMeta{Name: "web"}, SecurityLabels: securityLabels(lbls)},
 		{ObjectMeta: metav1.ObjectMeta{Name: "70000"}, SecurityLabels: securityLabels(lbls)},
 		// The first slot of lbls, with labels that do not parse: it
 		// holds the ID all the same.
-		{ObjectMeta: metav1.ObjectMeta{Name: p.slot(0).String()}, SecurityLabels: map[string]string{"nosource": "x"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: p.Slot(0).String()}, SecurityLabels: map[string]string{"nosource": "x"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "0300"}, SecurityLabels: securityLabels(web(2))},
 	}
 	for _, o := range bad {
@@ -477,8 +478,8 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 		return nil
 	})
 	id, created := a.allocate(t, lbls)
-	if !created || id != p.slot(1) {
-		t.Errorf("got %d (created %v), want %d, the slot after the unparsable object", id, created, p.slot(1))
+	if !created || id != p.Slot(1) {
+		t.Errorf("got %d (created %v), want %d, the slot after the unparsable object", id, created, p.Slot(1))
 	}
 	expectSamples(t, samples(t, a.store), map[string]float64{
 		"identityd_crd_ignored_objects_total": float64(len(bad)),
@@ -530,8 +531,8 @@ func TestHeartbeatMarks(t *testing.T) {
 
 	// Another label set at the first slot of web(3), marked.
 	lbls := web(3)
-	p := newProbe(lbls.Canonical(), a.store.cluster)
-	skipped := p.slot(0)
+	p := idprobe.New(lbls.Canonical(), a.store.cluster)
+	skipped := p.Slot(0)
 	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: skipped.String(),
 		Annotations: map[string]string{HeartbeatAnnotation: time.Now().UTC().Format(time.RFC3339)}},
 		SecurityLabels: securityLabels(web(1000))})
@@ -541,8 +542,8 @@ func TestHeartbeatMarks(t *testing.T) {
 		}
 		return nil
 	})
-	if id, _ := a.allocate(t, lbls); id != p.slot(1) {
-		t.Errorf("got %d, want %d", id, p.slot(1))
+	if id, _ := a.allocate(t, lbls); id != p.Slot(1) {
+		t.Errorf("got %d, want %d", id, p.Slot(1))
 	}
 	if cli.marked(t, skipped) {
 		t.Error("skipping a marked slot left its mark")
@@ -735,7 +736,7 @@ func TestAdoptFromStaleCache(t *testing.T) {
 	cli := newClient(t, srv.RESTConfig())
 	cluster := identity.ClusterInfo{Name: "default"}
 	lbls := web(1)
-	id := newProbe(lbls.Canonical(), cluster).slot(0)
+	id := idprobe.New(lbls.Canonical(), cluster).Slot(0)
 	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String()}, SecurityLabels: securityLabels(lbls)})
 	cli.mark(t, id)
 	stale, err := cli.identity(t, id)
