@@ -260,7 +260,19 @@ func (e *gcElection) Get(ctx context.Context) (*rl.LeaderElectionRecord, []byte,
 		return nil, nil, err
 	}
 	e.observe(&l)
-	return leaseRecord(&l.Spec), []byte(l.ResourceVersion), nil
+	r := leaseRecord(&l.Spec)
+	if p := e.s.predecessor.Load(); p != nil && r.HolderIdentity == *p {
+		// The gone agent of this node name (killed: it released
+		// nothing) holds the lock. Waiting for its lease to run out
+		// would leave the cluster without a collector, and in the
+		// double-write modes without a convergence report, for most of
+		// an IdentityNode lease: client-go takes a lock shown without a
+		// holder at once, and the PUT's precondition still refuses it
+		// if anyone wrote the lock since this read.
+		e.s.log.Info("Taking over the collector lock from the gone agent of this node name", "lock", e.name, "previous", *p)
+		r.HolderIdentity = ""
+	}
+	return r, []byte(l.ResourceVersion), nil
 }
 
 // Create implements resourcelock.Interface: the first holder creates the

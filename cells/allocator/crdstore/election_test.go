@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,6 +25,7 @@ import (
 	rl "k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
@@ -370,6 +373,64 @@ func TestGCLeaderHandsOverOnStop(t *testing.T) {
 	if rs := c.wire.requests("identityleases"); len(rs) > 0 {
 		t.Errorf("node-c, which does not collect, sent %d requests for the lock: %v", len(rs), rs)
 	}
+}
+
+// TestGCKilledCollectorRestarted: a collector killed with SIGKILL leaves
+// the lock held and its IdentityNode in place. When it comes back under
+// its node name, it takes the record over from its gone process and the
+// lock too, at once, not a lock lease later: meanwhile the cluster would
+// have no collector, and the double-write modes no convergence report.
+// Another node does not take the lock of the gone agent, which to it is
+// the agent of another node.
+func TestGCKilledCollectorRestarted(t *testing.T) {
+	srv := k8stest.Start(t)
+	if err := RegisterCRDs(t.Context(), srv.RESTConfig()); err != nil {
+		t.Fatal(err)
+	}
+	cli := newClient(t, srv.RESTConfig())
+	host, _ := os.Hostname()
+	ended := exec.Command("true")
+	if err := ended.Run(); err != nil {
+		t.Fatal(err)
+	}
+	now := metav1.NewMicroTime(time.Now())
+	record := &IdentityNode{
+		TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityNode"},
+		ObjectMeta: metav1.ObjectMeta{Name: "node-a"},
+		Spec: IdentityNodeSpec{Identities: []uint32{}, RenewTime: now, LeaseDurationSeconds: 600,
+			Holder: &globalstore.NodeClaim{Instance: "deadbeef", Host: host, PID: ended.Process.Pid}},
+	}
+	if err := cli.nodes.Post().Resource("identitynodes").Body(record).Do(t.Context()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	holder, dur, transitions := "node-a"+holderSeparator+"deadbeef", int32(60), int32(1)
+	lock := &IdentityLease{
+		TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityLease"},
+		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("identity-gc-%d", gcCluster.ID)},
+		Spec: IdentityLeaseSpec{HolderIdentity: &holder, LeaseDurationSeconds: &dur, AcquireTime: &now, RenewTime: &now,
+			LeaseTransitions: &transitions},
+	}
+	if err := cli.nodes.Post().Resource("identityleases").Body(lock).Do(t.Context()).Error(); err != nil {
+		t.Fatal(err)
+	}
+
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	// The lock's lease is far longer than the wait below.
+	el := electionTimings{lease: time.Minute, renewDeadline: 3 * time.Second, retry: 300 * time.Millisecond}
+	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
+	require(t, 10*time.Second, func() error {
+		if h, self := b.GCLeader(); h != "node-a" || self {
+			return fmt.Errorf("node-b names %q as the collector (self %v), want the killed node-a", h, self)
+		}
+		return nil
+	})
+	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
+	started := time.Now()
+	if got := collector(t, []*electionNode{a, b}, 10*time.Second); got != 0 {
+		t.Errorf("node %d collects, want the restarted node-a", got)
+	}
+	t.Logf("the restarted node-a collects %s after its start", time.Since(started).Round(time.Millisecond))
 }
 
 // lease reads the IdentityLease name.

@@ -111,6 +111,8 @@ func (s *Store) claimNodeName(ctx context.Context) error {
 				ErrNodeNameInUse, s.node, h, s.node, old.Spec.RenewTime.UTC().Format(time.RFC3339), old.Spec.LeaseDurationSeconds)
 		}
 		s.log.Info("Took over the node name from an agent that is gone", "node", s.node, "previous", h.String())
+		prev := s.node + holderSeparator + h.Instance
+		s.predecessor.Store(&prev)
 	}
 	s.claim.Hold()
 	s.startRecord = rec

@@ -108,6 +108,10 @@ type Store struct {
 	// collects (nil before Start, and without collection).
 	gc       *gcState
 	election atomic.Pointer[gcElection]
+	// predecessor is the holder identity, in the election, of the gone
+	// agent of this node name whose IdentityNode this one took over at
+	// start (nil when none): a lock it still holds is this node's to take.
+	predecessor atomic.Pointer[string]
 	// electionTimings, when set (by tests), replaces the election's
 	// timings derived from the IdentityNode lease.
 	electionTimings electionTimings

@@ -211,3 +211,32 @@ func (b *Store) refreshCollector(ctx context.Context, cli *clientv3.Client) {
 	name := string(resp.Kvs[0].Value)
 	b.collector.holder.Store(&name)
 }
+
+// withdrawCandidacy deletes the election key the gone agent of this node
+// name left on its lease (a SIGKILL revokes nothing): until that lease
+// expired, up to --kvstore-lease-ttl later, a dead agent whose key is the
+// oldest would stay the collector, and no live node would collect or, in
+// the double-write modes, report convergence. The key is named by the
+// lease as concurrency.Election names it; the delete happens only while it
+// still holds this node's name on that lease, so a key of any other agent
+// is never touched. A failure is logged: the key then goes with the lease.
+func (b *Store) withdrawCandidacy(ctx context.Context, cli *clientv3.Client, lease int64) {
+	if lease == 0 {
+		return
+	}
+	key := fmt.Sprintf("%s/%x", CollectorKeyPrefix, lease)
+	rctx, cancel := b.requestContext(ctx)
+	defer cancel()
+	resp, err := cli.Txn(rctx).
+		If(clientv3.Compare(clientv3.Value(key), "=", b.node),
+			clientv3.Compare(clientv3.LeaseValue(key), "=", clientv3.LeaseID(lease))).
+		Then(clientv3.OpDelete(key)).
+		Commit()
+	switch {
+	case err != nil:
+		b.log.Warn("Could not withdraw the collector candidacy of the gone agent of this node name; it ends with its lease",
+			"node", b.node, "key", key, "error", err)
+	case resp.Succeeded:
+		b.log.Info("Withdrew the collector candidacy of the gone agent of this node name", "node", b.node, "key", key)
+	}
+}

@@ -2,12 +2,19 @@ package etcdstore
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
+	"os"
+	"os/exec"
 	"slices"
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
@@ -91,6 +98,63 @@ func TestEtcdCollectorElection(t *testing.T) {
 	eventually.True(t, "the remaining node collects", func() bool { return leader.backend.Collecting() })
 	if took := time.Since(stopped); took > 10*time.Second {
 		t.Errorf("handover after a clean stop took %s", took)
+	}
+}
+
+// TestEtcdCollectorKilledAndRestarted: the collector killed with SIGKILL
+// leaves its election key on its lease, the oldest key; when it comes back
+// under its node name it takes the name over from its gone process and
+// withdraws that key too, so that a live node collects at once instead of
+// a lease TTL later (in the double-write modes nobody would report
+// convergence meanwhile). The key of a gone agent of another node name
+// stays: only its lease ends it.
+func TestEtcdCollectorKilledAndRestarted(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	ctx := testCtx(t, time.Minute)
+	host, _ := os.Hostname()
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	// What the killed agents left: node key and election key on a lease
+	// that outlives the test.
+	killed := func(node string) string {
+		t.Helper()
+		lease, err := cli.Grant(ctx, 3600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		claim, _ := json.Marshal(globalstore.NodeClaim{Instance: "dead-" + node, Host: host, PID: gone.Process.Pid})
+		key := fmt.Sprintf("%s/%x", CollectorKeyPrefix, lease.ID)
+		if _, err := cli.Txn(ctx).Then(
+			clientv3.OpPut(NodeKeyPrefix+node, string(claim), clientv3.WithLease(lease.ID)),
+			clientv3.OpPut(key, node, clientv3.WithLease(lease.ID)),
+		).Commit(); err != nil {
+			t.Fatal(err)
+		}
+		return key
+	}
+	killedKey := killed("restarted")
+	withGC := func(_ *kvstore.Config, e *storeConfig) { e.IdentityGCInterval = time.Hour }
+	other := startEtcdNode(t, c, "other", withGC)
+	otherKilledKey := killed("elsewhere")
+	if other.backend.Collecting() {
+		t.Fatal("a node collects while the killed collector's key is the oldest")
+	}
+
+	restarted := startEtcdNode(t, c, "restarted", withGC)
+	eventually.True(t, "a live node collects after the killed collector's restart", func() bool {
+		return other.backend.Collecting() || restarted.backend.Collecting()
+	})
+	if restarted.backend.Collecting() {
+		t.Error("the restarted node collects, though the other node's key is older than its new one")
+	}
+	if _, _, ok := getValue(t, cli, killedKey); ok {
+		t.Errorf("the killed agent's election key %s is still there", killedKey)
+	}
+	if v, _, ok := getValue(t, cli, otherKilledKey); !ok || v != "elsewhere" {
+		t.Errorf("the election key of the gone agent of another node name: %q %v, want it kept", v, ok)
 	}
 }
 

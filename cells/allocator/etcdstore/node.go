@@ -110,6 +110,7 @@ func (b *Store) claimNodeName(ctx context.Context) error {
 			b.predecessorLease.Store(kvs[0].Lease)
 			if other.Instance != b.claim.Instance {
 				b.log.Info("Took over the node name from an agent that is gone", "node", b.node, "previous", other.String())
+				b.withdrawCandidacy(ctx, cli, kvs[0].Lease)
 			}
 			b.claim.Hold()
 			return nil
