@@ -77,10 +77,19 @@ vet:
 # compile them, and 439 packages of the Kubernetes API server libraries
 # that nothing else imports, with -race only to print "no test files". The
 # tests build them without -race (internal/testproc), and vet checks them.
-TEST_PKGS = $$($(GO) list ./... | grep -v -e '/internal/k8stest/apiserver$$' -e '/internal/etcdtest/etcdserver$$')
+#
+# go test starts packages in the order it is given them, -p at a time.
+# The packages whose tests take longest come first, so that the longest
+# does not start last; the rest follow in `go list` order. Most of their
+# time is waiting for processes (agents, etcd, API servers), so more
+# packages run at a time than there are cores (TEST_P).
+TEST_FIRST := cmd/identityd cells/allocator/crdstore cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
+TEST_P ?= 4
+TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
+	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
 
 test-unit:
-	$(GO) test -race -timeout 20m $(TEST_PKGS)
+	$(GO) test -race -p $(TEST_P) -timeout 20m $(TEST_PKGS)
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents.
