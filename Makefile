@@ -83,7 +83,7 @@ vet:
 # does not start last; the rest follow in `go list` order. Most of their
 # time is waiting for processes (agents, etcd, API servers), so more
 # packages run at a time than there are cores (TEST_P).
-TEST_FIRST := cmd/identityd cells/allocator/crdstore cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
+TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
 TEST_P ?= 4
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
 	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
@@ -143,7 +143,7 @@ bench-scale:
 robustness:
 	$(if $(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE)),,$(error ROBUSTNESS_MODE must be kvstore, crd or all, not "$(ROBUSTNESS_MODE)"))
 	ROBUSTNESS_MODE=$(ROBUSTNESS_MODE) ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '$(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE))' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
-	IDENTITYD_KILL_ROUNDS=20 $(GO) test -run '^TestKillDuringDurableAnswers$$' -count 1 -v -timeout 20m ./cmd/identityd
+	IDENTITYD_KILL_ROUNDS=20 $(GO) test -run '^TestKillDuringDurableAnswers$$' -count 1 -v -timeout 20m ./internal/restarttest
 
 # Runs every fuzz target for $(FUZZTIME) each. Packages come from `go list`,
 # so nested modules (docs/examples) and testdata are left out; `go test

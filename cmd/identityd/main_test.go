@@ -47,9 +47,8 @@ func TestMain(m *testing.M) {
 	if !parallelSet {
 		flag.Set("test.parallel", strconv.Itoa(max(processParallel, runtime.GOMAXPROCS(0))))
 	}
-	// A whole run needs the binary (TestProcessRestart,
-	// TestDurableAnswerRestart): it is linked while the first tests run
-	// rather than on the way of the test that needs it first.
+	// A whole run needs the binary (TestImage): it is linked while the
+	// first tests run rather than on the way of the test that needs it.
 	if !testing.Short() && flag.Lookup("test.run").Value.String() == "" && flag.Lookup("test.list").Value.String() == "" {
 		go built.once.Do(buildAgent)
 	}
