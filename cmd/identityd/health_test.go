@@ -148,7 +148,7 @@ func (a *healthAgent) dial() *robustness.Shell {
 // turned Unknown as its grace period ended and /healthz stayed 503, so
 // that a liveness probe restarted the agent in a loop.)
 func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an agent process under load for 20 seconds")
 	}
@@ -334,7 +334,7 @@ func TestHealthWhileExternalEtcdDown(t *testing.T) {
 // with its health scope OK in the health command and on /healthz, which
 // stays 200 with them.
 func TestHealthListsJobs(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an agent process")
 	}

@@ -131,7 +131,7 @@ func checkStatic(t *testing.T, bin string) {
 // host's Go toolchain and module cache (mounted, offline); `make image`
 // uses the Dockerfile's builder image.
 func TestImage(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("builds the agent")
 	}
