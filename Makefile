@@ -69,18 +69,33 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.bin/*')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
+# vet compiles what it checks with -race, as test-unit does, so that a
+# fresh machine compiles the module's dependencies once instead of once
+# per build mode (the files for builds without -race, each one constant,
+# are left out); the two server mains, which no race test binary builds,
+# are checked as internal/testproc builds them.
 vet:
-	$(GO) vet ./...
+	$(GO) vet -race $(TEST_PKGS)
+	$(GO) vet ./internal/k8stest/apiserver ./internal/etcdtest/etcdserver
 
 # The servers the tests run as processes (internal/k8stest/apiserver,
 # internal/etcdtest/etcdserver) have no tests of their own: `go test` would
 # compile them, and 439 packages of the Kubernetes API server libraries
 # that nothing else imports, with -race only to print "no test files". The
 # tests build them without -race (internal/testproc), and vet checks them.
-TEST_PKGS = $$($(GO) list ./... | grep -v -e '/internal/k8stest/apiserver$$' -e '/internal/etcdtest/etcdserver$$')
+#
+# go test starts packages in the order it is given them, -p at a time.
+# The packages whose tests take longest come first, so that the longest
+# does not start last; the rest follow in `go list` order. Most of their
+# time is waiting for processes (agents, etcd, API servers), so more
+# packages run at a time than there are cores (TEST_P).
+TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
+TEST_P ?= 4
+TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
+	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
 
 test-unit:
-	$(GO) test -race -timeout 20m $(TEST_PKGS)
+	$(GO) test -race -p $(TEST_P) -timeout 20m $(TEST_PKGS)
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents.
@@ -134,7 +149,7 @@ bench-scale:
 robustness:
 	$(if $(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE)),,$(error ROBUSTNESS_MODE must be kvstore, crd or all, not "$(ROBUSTNESS_MODE)"))
 	ROBUSTNESS_MODE=$(ROBUSTNESS_MODE) ROBUSTNESS_DURATION=$(ROBUSTNESS_DURATION) $(GO) test -run '$(ROBUSTNESS_RUN_$(ROBUSTNESS_MODE))' -count 1 -v -timeout $(if $(ROBUSTNESS_DURATION),2h,10m) ./internal/robustness
-	IDENTITYD_KILL_ROUNDS=20 $(GO) test -run '^TestKillDuringDurableAnswers$$' -count 1 -v -timeout 20m ./cmd/identityd
+	IDENTITYD_KILL_ROUNDS=20 $(GO) test -run '^TestKillDuringDurableAnswers$$' -count 1 -v -timeout 20m ./internal/restarttest
 
 # Runs every fuzz target for $(FUZZTIME) each. Packages come from `go list`,
 # so nested modules (docs/examples) and testdata are left out; `go test

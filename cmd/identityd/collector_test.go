@@ -41,7 +41,7 @@ func (a *healthAgent) metricValue(series string) (float64, bool) {
 // TTL), and its next runs delete the master key only the killed node
 // referenced and keep the one a live node references.
 func TestEtcdCollectorKilled(t *testing.T) {
-	t.Parallel()
+	waitingParallel(t)
 	if testing.Short() {
 		t.Skip("runs etcd and three agent processes for about a minute")
 	}

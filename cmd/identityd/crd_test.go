@@ -189,7 +189,7 @@ func TestCRDModeWithoutKubeconfig(t *testing.T) {
 // way out where no Cilium agent allocates; below the store's own minimum
 // that way out is refused too.
 func TestCRDModeHeartbeatTimeoutTooShort(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	dir := t.TempDir()
 	kubeconfig := filepath.Join(dir, "kubeconfig")
 	kc := "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \"https://127.0.0.1:1\"}\n" +
@@ -224,7 +224,7 @@ func TestCRDModeHeartbeatTimeoutTooShort(t *testing.T) {
 // reaches the other node's cache). A restart of the agent (SIGTERM) keeps
 // its identities and its IdentityNode record.
 func TestCRDModeProcess(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes")
 	}

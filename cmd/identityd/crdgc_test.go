@@ -32,7 +32,7 @@ import (
 // resource, verb) the agents sent is granted, and every grant was used or is
 // explained.
 func TestCRDModeKilledNodeGC(t *testing.T) {
-	t.Parallel()
+	waitingParallel(t)
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes for minutes")
 	}

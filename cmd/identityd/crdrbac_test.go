@@ -233,6 +233,7 @@ func withoutCRDWrites(role rbacv1.ClusterRole) rbacv1.ClusterRole {
 // allocates, and the webhook refused none of its requests. Then the first
 // user again, the CRDs now installed: it starts and allocates.
 func TestCRDModeWithoutCRDRights(t *testing.T) {
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes")
 	}

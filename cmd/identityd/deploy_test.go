@@ -486,6 +486,7 @@ func containerSettings(t *testing.T, c corev1.Container, flags *pflag.FlagSet, h
 // bound to the ClusterRole; the etcd overlay in kvstore mode with the TLS
 // files of a mounted secret.
 func TestDeployDaemonSet(t *testing.T) {
+	parallelProcess(t)
 	flags, hiveFlags := binaryFlags(t)
 	for _, root := range []string{"base", "overlays/etcd"} {
 		t.Run(strings.ReplaceAll(root, "/", "-"), func(t *testing.T) {

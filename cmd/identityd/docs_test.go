@@ -98,6 +98,7 @@ package readme
 // the real servers of package testenv, and check the grace period --help
 // states in each.
 func TestReadmeComposition(t *testing.T) {
+	parallelProcess(t)
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
 		t.Fatal(err)

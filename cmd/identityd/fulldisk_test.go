@@ -134,7 +134,7 @@ func TestFullStateFilesystem(t *testing.T) {
 // stays 200 (a restart would not make room), and the agent is ready again
 // once the prefixes past the capacity are deleted.
 func TestFullMapNotReady(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an agent process")
 	}

@@ -143,18 +143,18 @@ func (a *healthAgent) dial() *robustness.Shell {
 // TestHealthzPastGracePeriodUnderLoad probes /healthz and /readyz of a
 // running agent from its start until well past the restoration's grace
 // period, while 8 shell clients allocate and release local and global
-// identities for a minute: once the agent has started, every probe must
+// identities for four grace periods: once the agent has started, every probe must
 // answer 200. (When a finished job's health scope vanished, restoration
 // turned Unknown as its grace period ended and /healthz stayed 503, so
 // that a liveness probe restarted the agent in a loop.)
 func TestHealthzPastGracePeriodUnderLoad(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
-		t.Skip("runs an agent process under load for a minute")
+		t.Skip("runs an agent process under load for 20 seconds")
 	}
 	const (
 		grace   = 5 * time.Second
-		load    = 60 * time.Second
+		load    = 4 * grace
 		clients = 8
 	)
 	a := startHealthAgent(t, "--identity-restore-grace-period", grace.String())
@@ -334,7 +334,7 @@ func TestHealthWhileExternalEtcdDown(t *testing.T) {
 // with its health scope OK in the health command and on /healthz, which
 // stays 200 with them.
 func TestHealthListsJobs(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an agent process")
 	}

@@ -131,6 +131,7 @@ func checkStatic(t *testing.T, bin string) {
 // host's Go toolchain and module cache (mounted, offline); `make image`
 // uses the Dockerfile's builder image.
 func TestImage(t *testing.T) {
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("builds the agent")
 	}

@@ -115,7 +115,7 @@ func listPackages(t *testing.T) []listedPackage {
 // (identity, labels, internal). Test helpers are exempt: they are not in
 // the non-test build of the agent and the cells.
 func TestImportsPointOneWay(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	pkgs := listPackages(t)
 	var violations []string
 	seen := 0

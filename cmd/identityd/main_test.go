@@ -26,6 +26,32 @@ import (
 // pin, do not call t.Parallel and run alone before the others.
 const processParallel = 4
 
+// processSlots admit the parallel tests (parallelProcess), processParallel
+// or -test.parallel at a time. The package admits them rather than go
+// test's -parallel, which it raises, so that the tests that spend minutes
+// waiting out a timeout take no slot: they start as the parallel phase
+// starts, not whenever go test's wake-up order lets them, and their wait
+// overlaps the others.
+var processSlots chan struct{}
+
+// parallelProcess marks t parallel and holds one of processSlots until t
+// and its subtests end.
+func parallelProcess(t *testing.T) {
+	t.Parallel()
+	processSlot(t)
+}
+
+// processSlot holds one of processSlots until tb ends, for a subtest whose
+// parent holds none.
+func processSlot(tb testing.TB) {
+	processSlots <- struct{}{}
+	tb.Cleanup(func() { <-processSlots })
+}
+
+// waitingParallel marks t parallel without a slot: for the tests that
+// spend most of their time waiting out a lease or a heartbeat timeout.
+func waitingParallel(t *testing.T) { t.Parallel() }
+
 // TestMain lets the test binary act as identityd when IDENTITYD_AS_MAIN is
 // set, so process tests run the real main without a separate build. The
 // arguments come as a JSON array in IDENTITYD_ARGV, so that they reach main
@@ -44,12 +70,16 @@ func TestMain(m *testing.M) {
 	flag.Parse()
 	parallelSet := false
 	flag.Visit(func(f *flag.Flag) { parallelSet = parallelSet || f.Name == "test.parallel" })
-	if !parallelSet {
-		flag.Set("test.parallel", strconv.Itoa(max(processParallel, runtime.GOMAXPROCS(0))))
+	slots := max(processParallel, runtime.GOMAXPROCS(0))
+	if parallelSet {
+		slots, _ = strconv.Atoi(flag.Lookup("test.parallel").Value.String())
+	} else {
+		// Every parallel test and script may wait for a slot at once.
+		flag.Set("test.parallel", "1000")
 	}
-	// A whole run needs the binary (TestProcessRestart,
-	// TestDurableAnswerRestart): it is linked while the first tests run
-	// rather than on the way of the test that needs it first.
+	processSlots = make(chan struct{}, max(slots, 1))
+	// A whole run needs the binary (TestImage): it is linked while the
+	// first tests run rather than on the way of the test that needs it.
 	if !testing.Short() && flag.Lookup("test.run").Value.String() == "" && flag.Lookup("test.list").Value.String() == "" {
 		go built.once.Do(buildAgent)
 	}
@@ -163,7 +193,7 @@ func TestHelpStatesOneDefault(t *testing.T) {
 }
 
 func TestHiveAndVersionCommands(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	out, err := run(t, "hive")
 	if err != nil || !strings.Contains(out, "allocator (Security identity allocator)") || !strings.Contains(out, "Start hooks:") {
 		t.Fatalf("hive: %v\n%s", err, out)
@@ -186,7 +216,7 @@ func TestHiveAndVersionCommands(t *testing.T) {
 }
 
 func TestStartErrorIsOneLine(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	file := filepath.Join(t.TempDir(), "file")
 	os.WriteFile(file, nil, 0o600)
 	out, err := run(t, "--state-dir", file, "--log-level", "error")
@@ -208,7 +238,7 @@ func TestStartErrorIsOneLine(t *testing.T) {
 // --policy-cidr-match-mode other than Cilium's "nodes", instead of
 // numbering remote nodes by a mode it does not know.
 func TestInvalidPolicyCIDRMatchMode(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	var out bytes.Buffer
 	cmd := agentCmd(t, "--state-dir", t.TempDir(), "--log-level", "error", "--policy-cidr-match-mode", "pods")
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -233,7 +263,7 @@ func TestInvalidPolicyCIDRMatchMode(t *testing.T) {
 // TestSignalStopsCleanly runs the agent as a process on the embedded etcd,
 // reaches it through the shell, and stops it with SIGTERM.
 func TestSignalStopsCleanly(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("starts an agent process")
 	}

@@ -36,7 +36,7 @@ func TestMigrateKilledAndRerun(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts etcd and two API servers")
 	}
-	t.Parallel()
+	parallelProcess(t)
 	etcd := etcdtest.StartSingle(t)
 	cli := etcd.Client(t)
 	// The source, as Cilium and identityd write it: master keys, and a

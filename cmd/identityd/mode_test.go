@@ -56,7 +56,7 @@ func runAgentToExit(t *testing.T, args ...string) (string, error) {
 // TestAllocationModeInvalid: an unknown mode is refused with the valid
 // values.
 func TestAllocationModeInvalid(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	out, err := runAgentToExit(t, "--state-dir", t.TempDir(), "--identity-allocation-mode", "etcd", "--log-level", "error")
 	if err == nil || !strings.Contains(out, `invalid --identity-allocation-mode "etcd": must be one of "kvstore", "crd", "doublewrite-readkvstore", "doublewrite-readcrd"`) {
 		t.Fatalf("--identity-allocation-mode=etcd: %v %q", err, out)
@@ -68,7 +68,7 @@ func TestAllocationModeInvalid(t *testing.T) {
 // object), has no etcd client (no embedded etcd, no etcd directory), no
 // etcd store, and gives restoration the grace period of a shared store.
 func TestAllocationModeCRDAgentHive(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an API server")
 	}

@@ -19,7 +19,7 @@ import (
 // on one etcd: the second refuses to start and names the first, which
 // keeps serving.
 func TestSameNodeNameRefused(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("starts agent processes")
 	}
@@ -75,7 +75,7 @@ func TestSameNodeNameRefused(t *testing.T) {
 // it; once the first is killed (SIGKILL), an agent with the name takes its
 // record over, with the identities the first listed.
 func TestCRDSameNodeNameRefused(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes")
 	}
@@ -117,7 +117,7 @@ func hostname(t *testing.T) string {
 // last element and an object name everywhere (";", spaces) stop the agent
 // at start with an error line naming the rule, before it writes anything.
 func TestNodeNameCharactersRefused(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	for _, name := range []string{"a;b", "a b", "node-1 "} {
 		dir := filepath.Join(t.TempDir(), "state")
 		out, err := runAgentToExit(t, "--state-dir", dir, "--node-name", name, "--log-level", "error")

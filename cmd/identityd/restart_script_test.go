@@ -21,9 +21,11 @@ const restartCmd = "agent/restart"
 // by a fresh one on the same state directory and map, as a restarted
 // process would be, and script commands go to whichever hive is current.
 func TestRestartScript(t *testing.T) {
+	// Each script holds a process slot, not the test that runs them.
 	t.Parallel()
 	scripttest.Test(t, context.Background(),
 		func(t testing.TB, args []string) *script.Engine {
+			processSlot(t)
 			stateDir := t.TempDir()
 			build := func() (*hive.Hive, error) {
 				h := newHive()

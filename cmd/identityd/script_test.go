@@ -26,9 +26,11 @@ import (
 // own state directory, through the same commands the shell offers. A
 // script's first line may set agent flags: "#! --identity-restore-grace-period=1s".
 func TestScript(t *testing.T) {
+	// Each script holds a process slot, not the test that runs them.
 	t.Parallel()
 	scripttest.Test(t, context.Background(),
 		func(t testing.TB, args []string) *script.Engine {
+			processSlot(t)
 			h := newHive()
 			flags := pflag.NewFlagSet("script", pflag.ContinueOnError)
 			h.RegisterFlags(flags)

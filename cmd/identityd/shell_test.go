@@ -28,7 +28,7 @@ import (
 // an argument that is not a valid label is refused with a clear error
 // instead of being rewritten or starting a second command.
 func TestShellArgumentsVerbatim(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("starts an agent process")
 	}
@@ -238,7 +238,7 @@ func (b *syncBuffer) String() string {
 // command that runs until stopped (db/watch) and returns to the prompt,
 // where the next command works.
 func TestShellTerminal(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("starts an agent process")
 	}

@@ -23,7 +23,7 @@ import (
 // counts it; once the other label set's master key is gone the agent
 // writes its own again and /readyz is 200 after its next check.
 func TestTakenIdentityNotReady(t *testing.T) {
-	t.Parallel()
+	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs etcd and an agent process")
 	}

@@ -325,3 +325,42 @@ func BenchmarkBareCreate(b *testing.B) {
 		})
 	}
 }
+
+// TestSharedOutlivesTestsAndStartsEmpty: the server of Shared is the same
+// across tests, outlives the test that started it, keeps its CRDs, and has
+// no custom object when a test gets it.
+func TestSharedOutlivesTestsAndStartsEmpty(t *testing.T) {
+	var first *k8stest.Server
+	t.Run("first", func(t *testing.T) {
+		first = k8stest.Shared(t)
+		k8stest.InstallCRD(t, first.RESTConfig(), widgetCRD())
+		cli := widgetClient(t, first.RESTConfig())
+		createWidget(t, cli, "left-over", "red")
+		createWidget(t, cli, "another", "blue")
+	})
+	t.Run("second", func(t *testing.T) {
+		srv := k8stest.Shared(t)
+		if srv != first {
+			t.Fatal("a second server was started")
+		}
+		if !srv.Running() {
+			t.Fatal("the server ended with the test that started it")
+		}
+		cli := widgetClient(t, srv.RESTConfig())
+		list, err := cli.List(t.Context(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatalf("the CRD is gone: %v", err)
+		}
+		if len(list.Items) != 0 {
+			t.Fatalf("%d widgets left from the first test", len(list.Items))
+		}
+		createWidget(t, cli, "left-over", "green")
+		wantColor(t, cli, "left-over", "green", "a new widget of an old name")
+	})
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	k8stest.StopShared()
+	os.Exit(code)
+}

@@ -29,7 +29,6 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
-	"github.com/identityd/identityd/internal/k8stest"
 )
 
 // testElection are short election timings: the others take a lock whose
@@ -215,7 +214,7 @@ func collector(t *testing.T, ns []*electionNode, within time.Duration) int {
 // ago, and keeps those that live records list, the killed node's included
 // (its lease has not ended).
 func TestGCOneCollector(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.Interval = 100 * time.Millisecond
 	began := time.Now()
@@ -342,7 +341,7 @@ func TestGCOneCollector(t *testing.T) {
 // 2.2 retry periods (client-go's jitter) rather than a lease. A node
 // whose --identity-gc-interval is 0 neither collects nor reads the lock.
 func TestGCLeaderHandsOverOnStop(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.Interval = time.Hour
 	// A lease far longer than the retry period: without the release,
@@ -482,7 +481,7 @@ func TestLeaseSpecForms(t *testing.T) {
 // lock at its next renewal stops at once, and its run in flight with it:
 // the delete the run was about to send is not sent.
 func TestGCStopsWithLostLock(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.Interval = 100 * time.Millisecond
 	inDelete := make(chan struct{}, 1)

@@ -193,7 +193,7 @@ func oldMark() string { return time.Now().Add(-time.Hour).UTC().Format(time.RFC3
 // deleted. Once the CiliumEndpoint is gone, its identity gets a fresh mark
 // and is deleted only a timeout later.
 func TestGCKeepsIdentitiesCiliumEndpointsName(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := srv.RESTConfig()
 	k8stest.InstallCRD(t, cfg, ciliumEndpointCRD(), ciliumEndpointSliceCRD())
 	a := startGCNode(t, cfg, "node-a", gcTestConfig)
@@ -279,7 +279,7 @@ func (f *failingPages) RoundTrip(r *http.Request) (*http.Response, error) {
 // stays. Once listings work again, the run keeps it and deletes the
 // unnamed one.
 func TestGCSkipsDeletesOnPartialEndpoints(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := srv.RESTConfig()
 	k8stest.InstallCRD(t, cfg, ciliumEndpointCRD(), ciliumEndpointSliceCRD())
 	fail := &failingPages{resource: "ciliumendpoints"}

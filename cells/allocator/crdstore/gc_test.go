@@ -27,7 +27,6 @@ import (
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/idprobe"
-	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -256,7 +255,7 @@ func mustLabels(t *testing.T, s ...string) labels.Labels {
 // mark (RFC 3339 with nanoseconds), stays while the mark is younger than
 // the timeout, and is deleted after it.
 func TestGCMarksThenDeletesUnused(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=unused"))
 	a.release(t, id)
@@ -297,7 +296,7 @@ func TestGCMarksThenDeletesUnused(t *testing.T) {
 // marked by another node's collection, and a mark someone else set on it
 // does not get it deleted.
 func TestGCKeepsUsed(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=used"))
@@ -320,7 +319,7 @@ func TestGCKeepsUsed(t *testing.T) {
 // by rewriting renewTime, as a node that stopped renewing leaves it) the
 // collection marks and deletes them, and a lease later deletes the record.
 func TestGCExpiredNodeStopsProtecting(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=killed"))
@@ -374,7 +373,7 @@ func TestGCExpiredNodeStopsProtecting(t *testing.T) {
 // (UID and resourceVersion) refuse it and the identity stays. Deleting
 // without them makes this test fail (checked).
 func TestGCDeleteLosesToUnmark(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	lbls := mustLabels(t, "k8s:app=adopted-late")
@@ -416,7 +415,7 @@ func TestGCDeleteLosesToUnmark(t *testing.T) {
 // while that identity lives, though nobody uses it, and goes once the
 // later one is gone. Without the fence rule this test fails (checked).
 func TestGCFence(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	later := mustLabels(t, "k8s:app=later")
 	p := idprobe.New(later.Canonical(), gcCluster)
@@ -484,7 +483,7 @@ func TestGCFence(t *testing.T) {
 // TestGCRateLimit: deletions are paced at --identity-gc-rate-limit per
 // --identity-gc-rate-interval.
 func TestGCRateLimit(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.RateLimit, cfg.RateInterval = 2, time.Second
 	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
@@ -509,7 +508,7 @@ func TestGCRateLimit(t *testing.T) {
 // TestGCNotBeforeListing: a store whose caches have not listed the objects
 // yet does not collect: nothing is marked.
 func TestGCNotBeforeListing(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	id := identity.NumericIdentity(2000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=unlisted"), "")
@@ -529,7 +528,7 @@ func TestGCNotBeforeListing(t *testing.T) {
 // TestGCJob: with an interval, the collection runs as the store's timer
 // job and frees an unused identity on its own.
 func TestGCJob(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.Interval, cfg.HeartbeatTimeout = 200*time.Millisecond, 300*time.Millisecond
 	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
@@ -688,7 +687,7 @@ func TestGCFenceSweep(t *testing.T) {
 // objects of the range whose labels do not parse, are never marked or
 // deleted.
 func TestGCLeavesForeignObjects(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	old := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
 	other := gcCluster.MaxID() + 1 // cluster 1's first ID
@@ -764,7 +763,7 @@ identityd_crd_identity_gc_leader 0
 // replaced by the run's time, and the identity is deleted a timeout after
 // that, not at once.
 func TestGCRemarksUndatedMark(t *testing.T) {
-	srv := k8stest.Start(t)
+	srv := serialServer(t)
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	id := identity.NumericIdentity(5000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=undated"), "yesterday")

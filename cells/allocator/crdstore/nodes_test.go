@@ -29,7 +29,7 @@ import (
 // have ended, so that a restart does not end its claims sooner than its
 // death would; then the record lists only what the new process holds.
 func TestRestartKeepsEarlierRecord(t *testing.T) {
-	srv := startServer(t)
+	srv := serialServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	a := startNode(t, srv.RESTConfig(), "node-a")
 	x, _ := a.allocate(t, web(1))
@@ -335,7 +335,7 @@ func (f roundTripFunc) RoundTrip(req *http.Request) (*http.Response, error) { re
 // the object's metadata back, not the record with all its identities; a
 // change of the identities still writes them all.
 func TestRenewalSendsOnlyItsTime(t *testing.T) {
-	srv := startServer(t)
+	srv := serialServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	var patches patchLog
 	rc := rest.CopyConfig(srv.RESTConfig())

@@ -701,7 +701,7 @@ func counted(rc *rest.Config, n *atomic.Int64) *rest.Config {
 // TestCreateCostsOneRequest checks the design's figure: a new label set
 // whose first slot is free costs one request, one in the cache none.
 func TestCreateCostsOneRequest(t *testing.T) {
-	srv := startServer(t)
+	srv := serialServer(t)
 	var n atomic.Int64
 	a := startNode(t, counted(srv.RESTConfig(), &n), "node-a")
 	// Let the start's writes settle.

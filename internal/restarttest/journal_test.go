@@ -1,4 +1,4 @@
-package main
+package restarttest
 
 import (
 	"encoding/binary"
