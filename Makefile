@@ -89,7 +89,7 @@ vet:
 # does not start last; the rest follow in `go list` order. Most of their
 # time is waiting for processes (agents, etcd, API servers), so more
 # packages run at a time than there are cores (TEST_P).
-TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
+TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest internal/modemigration cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
 TEST_P ?= 4
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
 	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
