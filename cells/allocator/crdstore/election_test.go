@@ -382,10 +382,7 @@ func TestGCLeaderHandsOverOnStop(t *testing.T) {
 // Another node does not take the lock of the gone agent, which to it is
 // the agent of another node.
 func TestGCKilledCollectorRestarted(t *testing.T) {
-	srv := k8stest.Start(t)
-	if err := RegisterCRDs(t.Context(), srv.RESTConfig()); err != nil {
-		t.Fatal(err)
-	}
+	srv := serialServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	host, _ := os.Hostname()
 	ended := exec.Command("true")
