@@ -27,18 +27,6 @@ import (
 // a node's endpoints come back in parallel.
 const shellsPerAgent = 8
 
-// buildAgent builds the identityd binary into dir, without the race
-// detector: the agents' speed sets the test's length, and their races are
-// the business of the packages' own tests.
-func buildAgent(dir string) (string, error) {
-	bin := filepath.Join(dir, "identityd")
-	cmd := exec.Command("go", "build", "-o", bin, "github.com/identityd/identityd/cmd/identityd")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build: %w\n%s", err, out)
-	}
-	return bin, nil
-}
-
 // agent is one node: an identityd process, restarted on the same state
 // directory and node name in whatever mode the roll has reached.
 type agent struct {

@@ -98,7 +98,7 @@ func TestRollingModeMigration(t *testing.T) {
 	built := make(chan buildResult, 1)
 	binDir := t.TempDir()
 	go func() {
-		bin, err := buildAgent(binDir)
+		bin, err := testproc.BuildAgent(binDir)
 		built <- buildResult{bin, err}
 	}()
 	etcd := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())

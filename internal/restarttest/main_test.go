@@ -2,12 +2,11 @@ package restarttest
 
 import (
 	"flag"
-	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"sync"
 	"testing"
+
+	"github.com/identityd/identityd/internal/testproc"
 )
 
 // TestMain starts the build of the identityd binary at once, so that it
@@ -49,9 +48,5 @@ func buildAgent() {
 	if built.dir, built.err = os.MkdirTemp("", "identityd-restarttest"); built.err != nil {
 		return
 	}
-	built.bin = filepath.Join(built.dir, "identityd")
-	cmd := exec.Command("go", "build", "-o", built.bin, "github.com/identityd/identityd/cmd/identityd")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		built.err = fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
-	}
+	built.bin, built.err = testproc.BuildAgent(built.dir)
 }

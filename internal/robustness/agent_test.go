@@ -13,6 +13,7 @@ import (
 
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testproc"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -40,10 +41,9 @@ const (
 // buildAgent builds the identityd binary once for the test.
 func buildAgent(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "identityd")
-	cmd := exec.Command("go", "build", "-o", bin, "github.com/identityd/identityd/cmd/identityd")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	bin, err := testproc.BuildAgent(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
 	}
 	return bin
 }

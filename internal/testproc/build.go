@@ -167,3 +167,20 @@ func isExecutable(path string) bool {
 	fi, err := os.Stat(path)
 	return err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0
 }
+
+// AgentPackage is the import path of the identityd command.
+const AgentPackage = "github.com/identityd/identityd/cmd/identityd"
+
+// BuildAgent builds the identityd binary from this module into dir with a
+// plain go build, as a user builds it (no race detector: the agents' speed
+// sets the length of the tests that run them as processes), and returns
+// its path. The go command's build cache makes a build after the first a
+// link.
+func BuildAgent(dir string) (string, error) {
+	bin := filepath.Join(dir, "identityd")
+	cmd := exec.Command("go", "build", "-o", bin, AgentPackage)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("testproc: go build %s: %w\n%s", AgentPackage, err, out)
+	}
+	return bin, nil
+}
