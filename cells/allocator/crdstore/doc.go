@@ -8,6 +8,12 @@
 // design, and why racing nodes never give one label set two identities, is
 // docs/crd-store.md.
 //
+// The store serves --identity-allocation-mode=crd and the two double-write
+// modes, doublewrite-readcrd (it decides the IDs) and
+// doublewrite-readkvstore (it is written the IDs etcd decides; the
+// double-write cell, cells/allocator/doublewrite, composes the two
+// stores). In kvstore mode its cell builds no store.
+//
 // A new label set goes to the first ID of its probe sequence (from the
 // SHA-256 of its canonical labels) that the cache does not show held by
 // another label set: one create in the common case. A label set the cache

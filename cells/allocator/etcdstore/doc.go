@@ -41,9 +41,12 @@
 //
 // # Modes
 //
-// The store serves --identity-allocation-mode=kvstore (the default). In
-// crd mode its cell builds no store, starts nothing and reports health OK,
-// even when the kvstore cell has an etcd client.
+// The store serves --identity-allocation-mode=kvstore (the default) and
+// the two double-write modes, doublewrite-readkvstore (it decides the IDs)
+// and doublewrite-readcrd (it is written the IDs the CRDs decide; the
+// double-write cell, cells/allocator/doublewrite, composes the two stores).
+// In crd mode its cell builds no store, starts nothing and reports health
+// OK, even when the kvstore cell has an etcd client.
 //
 // # Stopping
 //
