@@ -290,6 +290,14 @@ func (p *podman) buildImage(tag string) {
 		return strings.TrimSpace(string(out))
 	}
 	goroot, modcache, gocache := goenv("GOROOT"), goenv("GOMODCACHE"), goenv("GOCACHE")
+	// The builder runs offline (GOPROXY=off) on this module cache, and
+	// the Dockerfile's `go mod download` wants every module go.mod names;
+	// on a fresh machine the cache holds only those a build needed.
+	download := exec.Command("go", "mod", "download")
+	download.Dir = "../.."
+	if out, err := download.CombinedOutput(); err != nil {
+		t.Fatalf("go mod download: %v\n%s", err, out)
+	}
 
 	// The builder's base: directories the go command needs, its PATH and
 	// module settings; the toolchain and the caches are mounted.
