@@ -11,10 +11,11 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/identityd/identityd/internal/testproc"
 )
 
 // processParallel is how many tests of this package run at a time unless
@@ -81,52 +82,37 @@ func TestMain(m *testing.M) {
 	// A whole run needs the binary (TestImage): it is linked while the
 	// first tests run rather than on the way of the test that needs it.
 	if !testing.Short() && flag.Lookup("test.run").Value.String() == "" && flag.Lookup("test.list").Value.String() == "" {
-		go built.once.Do(buildAgent)
+		built.Start()
 	}
 	code := m.Run()
-	built.once.Do(func() {}) // a build still running is waited for
-	if built.dir != "" {
-		os.RemoveAll(built.dir)
-	}
+	built.Remove()
 	os.Exit(code)
 }
 
 // built is the identityd binary that agentBinary builds once per test
 // binary, for the tests that run identityd by path (as an init system
 // would) rather than as this test binary.
-var built struct {
-	once sync.Once
-	dir  string
-	bin  string
-	err  error
-}
+var built = testproc.OnceBuild{Build: buildAgent}
 
-// agentBinary builds identityd from this package, once, as the Dockerfile
-// builds the image's (static, -trimpath), and returns its path.
+// agentBinary returns the path of identityd built from this package as the
+// Dockerfile builds the image's (static, -trimpath).
 func agentBinary(t *testing.T) string {
 	t.Helper()
-	built.once.Do(buildAgent)
-	if built.err != nil {
-		t.Fatal(built.err)
-	}
-	return built.bin
+	return built.Path(t)
 }
 
-func buildAgent() {
-	if built.dir, built.err = os.MkdirTemp("", "identityd-test-bin"); built.err != nil {
-		return
-	}
-	built.bin = filepath.Join(built.dir, "identityd")
-	// Built as the image builds it (static, -trimpath), so the process
-	// tests run the binary the image holds.
-	cmd, err := dockerfileBuildCmd(built.bin)
+// buildAgent builds identityd into dir as the image builds it (static,
+// -trimpath), so the process tests run the binary the image holds.
+func buildAgent(dir string) (string, error) {
+	bin := filepath.Join(dir, "identityd")
+	cmd, err := dockerfileBuildCmd(bin)
 	if err != nil {
-		built.err = err
-		return
+		return "", err
 	}
 	if out, err := cmd.CombinedOutput(); err != nil {
-		built.err = fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
+		return "", fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
 	}
+	return bin, nil
 }
 
 func agentCmd(t *testing.T, args ...string) *exec.Cmd {

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"testing"
 	"time"
 )
 
@@ -183,4 +184,48 @@ func BuildAgent(dir string) (string, error) {
 		return "", fmt.Errorf("testproc: go build %s: %w\n%s", AgentPackage, err, out)
 	}
 	return bin, nil
+}
+
+// OnceBuild is a binary a test binary builds once, into a temporary
+// directory of its own, for the tests that run it by path: Start begins the
+// build in the background (from TestMain, so that it links while the first
+// tests run), Path waits for it, and Remove, after m.Run, waits for a build
+// still running and deletes the directory.
+type OnceBuild struct {
+	// Build builds the binary into dir and returns its path.
+	Build func(dir string) (string, error)
+
+	once sync.Once
+	dir  string
+	bin  string
+	err  error
+}
+
+func (b *OnceBuild) build() {
+	if b.dir, b.err = os.MkdirTemp("", "identityd-test-bin"); b.err != nil {
+		return
+	}
+	b.bin, b.err = b.Build(b.dir)
+}
+
+// Start begins the build in the background.
+func (b *OnceBuild) Start() { go b.once.Do(b.build) }
+
+// Path returns the binary's path once built, failing tb if the build
+// failed.
+func (b *OnceBuild) Path(tb testing.TB) string {
+	tb.Helper()
+	b.once.Do(b.build)
+	if b.err != nil {
+		tb.Fatal(b.err)
+	}
+	return b.bin
+}
+
+// Remove waits for a build still running and deletes its directory.
+func (b *OnceBuild) Remove() {
+	b.once.Do(func() {})
+	if b.dir != "" {
+		os.RemoveAll(b.dir)
+	}
 }
