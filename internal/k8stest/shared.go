@@ -2,6 +2,7 @@ package k8stest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"sync"
@@ -37,15 +38,11 @@ func Shared(tb testing.TB, opts ...Option) *Server {
 	defer shared.mu.Unlock()
 	if shared.srv == nil && shared.err == nil {
 		shared.life = &binaryLife{TB: tb}
-		start := func() (srv *Server) {
-			defer func() {
-				if srv == nil {
-					shared.err = fmt.Errorf("k8stest: the shared API server did not start (see the first test that used it)")
-				}
-			}()
-			return Start(shared.life, opts...)
-		}
-		shared.srv = start()
+		// Start fails tb, ending its goroutine, if the server does not
+		// start: the error then stays for the tests that come after.
+		shared.err = errors.New("k8stest: the shared API server did not start (see the first test that used it)")
+		shared.srv = Start(shared.life, opts...)
+		shared.err = nil
 	}
 	if shared.err != nil {
 		tb.Fatal(shared.err)
