@@ -9,11 +9,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/testenv"
 )
 
@@ -62,11 +62,7 @@ func TestAPIServer(t *testing.T) {
 		t.Errorf("the kubeconfig's server is %s, want %s", fromFile.Host, api.URL())
 	}
 	for name, cfg := range map[string]*rest.Config{"kubeconfig": fromFile, "REST config": api.RESTConfig()} {
-		cs, err := kubernetes.NewForConfig(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body, err := cs.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(t.Context())
+		body, err := k8stest.GetRaw(t.Context(), cfg, "/readyz")
 		if err != nil || string(body) != "ok" {
 			t.Errorf("%s: /readyz = %q, %v; want ok", name, body, err)
 		}

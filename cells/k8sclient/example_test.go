@@ -9,10 +9,11 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/spf13/pflag"
-	"k8s.io/client-go/discovery"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/internal/exampletb"
+	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/testenv"
 )
 
@@ -41,12 +42,8 @@ func Example() {
 	st := c.Status(ctx)
 	fmt.Println("connected:", st.Connected, "server:", st.Server == api.URL(), "version known:", st.Version != "")
 
-	disco, err := discovery.NewDiscoveryClientForConfig(c.RESTConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	groups, err := disco.ServerGroups()
-	if err != nil {
+	var groups metav1.APIGroupList
+	if err := k8stest.GetJSON(ctx, c.RESTConfig(), "/apis", &groups); err != nil {
 		t.Fatal(err)
 	}
 	for _, g := range groups.Groups {
@@ -54,7 +51,6 @@ func Example() {
 	}
 	// Output:
 	// connected: true server: true version known: true
-	//
 	// apiextensions.k8s.io
 	// cilium.io
 	// identityd.io

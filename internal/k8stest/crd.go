@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/identityd/identityd/internal/crdclient"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -38,7 +38,7 @@ func InstallCRD(tb testing.TB, cfg *rest.Config, crds ...*apiextensionsv1.Custom
 }
 
 func installCRDs(ctx context.Context, cfg *rest.Config, crds []*apiextensionsv1.CustomResourceDefinition) error {
-	cli, err := apiextensionsclient.NewForConfig(cfg)
+	cli, err := crdclient.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -47,7 +47,7 @@ func installCRDs(ctx context.Context, cfg *rest.Config, crds []*apiextensionsv1.
 		return err
 	}
 	for _, crd := range crds {
-		if _, err := cli.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		if _, err := cli.Create(ctx, crd); err != nil && !apierrors.IsAlreadyExists(err) {
 			return fmt.Errorf("installing CRD %s: %w", crd.Name, err)
 		}
 	}
@@ -68,11 +68,10 @@ func installCRDs(ctx context.Context, cfg *rest.Config, crds []*apiextensionsv1.
 
 // waitServed waits until crd is Established and its objects are served,
 // and returns when it became Established.
-func waitServed(ctx context.Context, cli apiextensionsclient.Interface, dyn dynamic.Interface, crd *apiextensionsv1.CustomResourceDefinition) (time.Time, error) {
-	crds := cli.ApiextensionsV1().CustomResourceDefinitions()
+func waitServed(ctx context.Context, crds *crdclient.Client, dyn dynamic.Interface, crd *apiextensionsv1.CustomResourceDefinition) (time.Time, error) {
 	var established time.Time
 	for {
-		got, err := crds.Get(ctx, crd.Name, metav1.GetOptions{})
+		got, err := crds.Get(ctx, crd.Name)
 		if err != nil {
 			return established, err
 		}

@@ -15,7 +15,6 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -115,26 +114,34 @@ func TestCreateAndGet(t *testing.T) {
 	if _, err := cli.Create(t.Context(), bad, metav1.CreateOptions{}); !apierrors.IsInvalid(err) {
 		t.Errorf("creating a widget with a number for color: err = %v, want Invalid", err)
 	}
-	// Discovery clients find the CRD's resource, from /api and /apis on.
-	disco, err := discovery.NewDiscoveryClientForConfig(s.RESTConfig())
-	if err != nil {
-		t.Fatal(err)
+	// Discovery finds the CRD's resource the way client-go's discovery
+	// does without aggregated discovery: /api, /apis, then each group
+	// version's resources.
+	var core metav1.APIVersions
+	if err := k8stest.GetJSON(t.Context(), s.RESTConfig(), "/api", &core); err != nil {
+		t.Fatalf("discovery: %v", err)
 	}
-	_, resources, err := disco.ServerGroupsAndResources()
-	if err != nil {
+	var groups metav1.APIGroupList
+	if err := k8stest.GetJSON(t.Context(), s.RESTConfig(), "/apis", &groups); err != nil {
 		t.Fatalf("discovery: %v", err)
 	}
 	found := false
-	for _, list := range resources {
-		for _, r := range list.APIResources {
-			found = found || list.GroupVersion == widgets.GroupVersion().String() && r.Name == widgets.Resource
+	for _, g := range groups.Groups {
+		for _, v := range g.Versions {
+			var list metav1.APIResourceList
+			if err := k8stest.GetJSON(t.Context(), s.RESTConfig(), "/apis/"+v.GroupVersion, &list); err != nil {
+				t.Fatalf("discovery: %v", err)
+			}
+			for _, r := range list.APIResources {
+				found = found || list.GroupVersion == widgets.GroupVersion().String() && r.Name == widgets.Resource
+			}
 		}
 	}
 	if !found {
-		t.Errorf("discovery did not find %s in %v", widgets, resources)
+		t.Errorf("discovery did not find %s in %+v", widgets, groups)
 	}
 	// The server's metrics count requests, for tests that count them.
-	metrics, err := disco.RESTClient().Get().AbsPath("/metrics").DoRaw(t.Context())
+	metrics, err := k8stest.GetRaw(t.Context(), s.RESTConfig(), "/metrics")
 	if err != nil {
 		t.Fatalf("metrics: %v", err)
 	}

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	"github.com/identityd/identityd/internal/crdclient"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -68,7 +68,7 @@ func StopShared() {
 // waits until none is listed.
 func deleteCustomObjects(ctx context.Context, srv *Server) error {
 	cfg := srv.RESTConfig()
-	cli, err := apiextensionsclient.NewForConfig(cfg)
+	cli, err := crdclient.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -76,7 +76,7 @@ func deleteCustomObjects(ctx context.Context, srv *Server) error {
 	if err != nil {
 		return err
 	}
-	crds, err := cli.ApiextensionsV1().CustomResourceDefinitions().List(ctx, metav1.ListOptions{})
+	crds, err := cli.List(ctx)
 	if err != nil {
 		return err
 	}

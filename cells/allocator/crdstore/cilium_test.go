@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset/typed/apiextensions/v1"
+	"github.com/identityd/identityd/internal/crdclient"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
@@ -317,19 +317,19 @@ func TestCiliumInterop(t *testing.T) {
 	srv := k8stest.Start(t)
 	kc := srv.Kubeconfig()
 	cli := newClient(t, srv.RESTConfig())
-	ext, err := apiextensionsclient.NewForConfig(srv.RESTConfig())
+	ext, err := crdclient.New(srv.RESTConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
 
 	// Cilium's operator installs its CRD; identityd leaves it as it is.
 	runCilium(t, bin, kc, nil, "-register-crd", "-lookup")
-	crd, err := ext.CustomResourceDefinitions().Get(t.Context(), CiliumIdentityCRDName, metav1.GetOptions{})
+	crd, err := ext.Get(t.Context(), CiliumIdentityCRDName)
 	if err != nil {
 		t.Fatal(err)
 	}
 	node := startNode(t, srv.RESTConfig(), "node-1")
-	after, err := ext.CustomResourceDefinitions().Get(t.Context(), CiliumIdentityCRDName, metav1.GetOptions{})
+	after, err := ext.Get(t.Context(), CiliumIdentityCRDName)
 	if err != nil {
 		t.Fatal(err)
 	}

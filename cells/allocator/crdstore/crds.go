@@ -8,8 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/identityd/identityd/internal/crdclient"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset/typed/apiextensions/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
@@ -218,11 +218,10 @@ func IdentityLeaseCRD() *apiextensionsv1.CustomResourceDefinition {
 // names the CRD and the verb refused, so an operator knows which RBAC rule
 // is missing (or that the CRD must be installed by someone who has it).
 func RegisterCRDs(ctx context.Context, cfg *rest.Config) error {
-	cli, err := apiextensionsclient.NewForConfig(cfg)
+	crds, err := crdclient.New(cfg)
 	if err != nil {
 		return fmt.Errorf("%w: building the client: %w", ErrCRDRegistration, err)
 	}
-	crds := cli.CustomResourceDefinitions()
 	for _, want := range CRDs() {
 		label := ownSchemaVersionLabel
 		if want.Spec.Group == CiliumGroup {
@@ -241,7 +240,7 @@ func CRDs() []*apiextensionsv1.CustomResourceDefinition {
 	return []*apiextensionsv1.CustomResourceDefinition{CiliumIdentityCRD(), IdentityNodeCRD(), IdentityLeaseCRD()}
 }
 
-func registerCRD(ctx context.Context, crds apiextensionsclient.CustomResourceDefinitionInterface, want *apiextensionsv1.CustomResourceDefinition, label, version string) error {
+func registerCRD(ctx context.Context, crds *crdclient.Client, want *apiextensionsv1.CustomResourceDefinition, label, version string) error {
 	name := want.Name
 	fail := func(verb string, err error) error {
 		if apierrors.IsForbidden(err) {
@@ -251,10 +250,10 @@ func registerCRD(ctx context.Context, crds apiextensionsclient.CustomResourceDef
 		return fmt.Errorf("%w: %s: %s: %w", ErrCRDRegistration, name, verb, err)
 	}
 	for attempt := 0; ; attempt++ {
-		cur, err := crds.Get(ctx, name, metav1.GetOptions{})
+		cur, err := crds.Get(ctx, name)
 		switch {
 		case apierrors.IsNotFound(err):
-			_, err = crds.Create(ctx, want, metav1.CreateOptions{})
+			_, err = crds.Create(ctx, want)
 			if apierrors.IsAlreadyExists(err) && attempt < 5 {
 				continue // another node created it meanwhile: check it
 			}
@@ -274,7 +273,7 @@ func registerCRD(ctx context.Context, crds apiextensionsclient.CustomResourceDef
 			upd.Spec = want.Spec
 			// An older definition may carry it over; v1 CRDs must not.
 			upd.Spec.PreserveUnknownFields = false
-			_, err = crds.Update(ctx, upd, metav1.UpdateOptions{})
+			_, err = crds.Update(ctx, upd)
 			if apierrors.IsConflict(err) && attempt < 5 {
 				continue
 			}
@@ -282,7 +281,7 @@ func registerCRD(ctx context.Context, crds apiextensionsclient.CustomResourceDef
 				return fail("update", err)
 			}
 		}
-		cur, err = crds.Get(ctx, name, metav1.GetOptions{})
+		cur, err = crds.Get(ctx, name)
 		if err != nil {
 			return fail("get", err)
 		}
@@ -291,7 +290,7 @@ func registerCRD(ctx context.Context, crds apiextensionsclient.CustomResourceDef
 }
 
 // waitEstablished waits until the API server serves the CRD.
-func waitEstablished(ctx context.Context, crds apiextensionsclient.CustomResourceDefinitionInterface, cur *apiextensionsv1.CustomResourceDefinition, fail func(string, error) error) error {
+func waitEstablished(ctx context.Context, crds *crdclient.Client, cur *apiextensionsv1.CustomResourceDefinition, fail func(string, error) error) error {
 	ctx, cancel := context.WithTimeout(ctx, crdEstablishTimeout)
 	defer cancel()
 	for {
@@ -311,7 +310,7 @@ func waitEstablished(ctx context.Context, crds apiextensionsclient.CustomResourc
 		case <-t.C:
 		}
 		var err error
-		if cur, err = crds.Get(ctx, cur.Name, metav1.GetOptions{}); err != nil {
+		if cur, err = crds.Get(ctx, cur.Name); err != nil {
 			return fail("get", err)
 		}
 	}

@@ -5,8 +5,7 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset/typed/apiextensions/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"github.com/identityd/identityd/internal/crdclient"
 )
 
 func TestRegisterCRDsCreatesAndUpdates(t *testing.T) {
@@ -17,13 +16,12 @@ func TestRegisterCRDsCreatesAndUpdates(t *testing.T) {
 	if err := RegisterCRDs(ctx, srv.RESTConfig()); err != nil {
 		t.Fatalf("registering on a server without the CRDs: %v", err)
 	}
-	cli, err := apiextensionsclient.NewForConfig(srv.RESTConfig())
+	crds, err := crdclient.New(srv.RESTConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
-	crds := cli.CustomResourceDefinitions()
 	for _, name := range []string{CiliumIdentityCRDName, IdentityNodeCRDName, IdentityLeaseCRDName} {
-		if _, err := crds.Get(ctx, name, metav1.GetOptions{}); err != nil {
+		if _, err := crds.Get(ctx, name); err != nil {
 			t.Errorf("%s not installed: %v", name, err)
 		}
 	}
@@ -32,19 +30,19 @@ func TestRegisterCRDsCreatesAndUpdates(t *testing.T) {
 	// is left as its owner wrote it.
 	setVersion := func(version, description string) {
 		t.Helper()
-		cur, err := crds.Get(ctx, CiliumIdentityCRDName, metav1.GetOptions{})
+		cur, err := crds.Get(ctx, CiliumIdentityCRDName)
 		if err != nil {
 			t.Fatal(err)
 		}
 		cur.Labels[ciliumSchemaVersionLabel] = version
 		cur.Spec.Versions[0].Schema.OpenAPIV3Schema.Description = description
-		if _, err := crds.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
+		if _, err := crds.Update(ctx, cur); err != nil {
 			t.Fatal(err)
 		}
 	}
 	description := func() string {
 		t.Helper()
-		cur, err := crds.Get(ctx, CiliumIdentityCRDName, metav1.GetOptions{})
+		cur, err := crds.Get(ctx, CiliumIdentityCRDName)
 		if err != nil {
 			t.Fatal(err)
 		}

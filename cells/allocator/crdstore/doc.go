@@ -39,7 +39,7 @@
 // identity-unmark (removes the heartbeat mark from identities this node
 // uses), identity-splits (reports label sets this node holds under another
 // ID than the rule's), and, unless the collection's interval is 0, identity-gc-election
-// (client-go's leader election over the IdentityLease; its health names
+// (client-go's leader-election algorithm over the IdentityLease; its health names
 // the node that collects), identity-gc (the collection's timer, whose
 // runs happen only on the elected node) and identity-gc-endpoints (its
 // health says whether the collector found Cilium's endpoint CRDs).

@@ -4,29 +4,33 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/cilium/hive/cell"
-	"github.com/go-logr/logr"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/tools/leaderelection"
-	rl "k8s.io/client-go/tools/leaderelection/resourcelock"
 )
 
 // One node per cluster runs the garbage collection: the holder of the
-// IdentityLease identity-gc-<cluster ID>, elected by client-go's leader
-// election over that object. Others read the lock once per retry period
-// (a GET, no watch: a watch would bring every renewal to every node) and
-// take it when its holder has not renewed it for its lease duration, or at
-// once when the holder released it (a clean stop). The collection's
-// correctness does not rest on there being one collector (RunGC's
-// preconditions make two safe); the election only keeps the cluster's
-// listings and marks from growing with the number of nodes.
+// IdentityLease identity-gc-<cluster ID>. Others read the lock once per
+// retry period (a GET, no watch: a watch would bring every renewal to every
+// node) and take it when its holder has not renewed it for its lease
+// duration, or at once when the holder released it (a clean stop). The
+// collection's correctness does not rest on there being one collector
+// (RunGC's preconditions make two safe); the election only keeps the
+// cluster's listings and marks from growing with the number of nodes.
+//
+// The election follows client-go's leader election (tools/leaderelection)
+// step for step: the same record, the same reads, writes and timings. It is
+// written here rather than imported because that package pulls in the
+// whole generated clientset, its informers and listers (hundreds of
+// packages) for one lock this store implements itself.
 
-// electionTimings are the durations of client-go's leader election.
+// electionTimings are the durations of the election, as client-go names
+// them.
 type electionTimings struct {
 	// lease is how long the others wait after the holder's last renewal
 	// before they take the lock (whole seconds: the lock states seconds).
@@ -35,7 +39,8 @@ type electionTimings struct {
 	// it stops collecting.
 	renewDeadline time.Duration
 	// retry is the period of the holder's renewals and of the others'
-	// reads, which client-go stretches by a random factor of up to 2.2.
+	// reads, which the others stretch by a random factor of up to 2.2
+	// (client-go's jitter), so that they do not read in step.
 	retry time.Duration
 }
 
@@ -44,7 +49,7 @@ type electionTimings struct {
 // one IdentityNode lease: the others notice its last renewal at most 2.2
 // retry periods after it, and take the lock at most 2.2 retry periods
 // after a lease has passed from then, so within lease + 4.4 × retry =
-// 0.95 × ttl. client-go requires lease > renewDeadline > 1.2 × retry.
+// 0.95 × ttl. As client-go requires: lease > renewDeadline > 1.2 × retry.
 func gcElectionTimings(ttl time.Duration) electionTimings {
 	return electionTimings{
 		lease:         (ttl * 2 / 5).Truncate(time.Second),
@@ -53,8 +58,18 @@ func gcElectionTimings(ttl time.Duration) electionTimings {
 	}
 }
 
-// gcElection is this node's side of the election, and the lock
-// (resourcelock.Interface) client-go's elector drives: an IdentityLease
+// validate checks what client-go's elector requires of its timings: a
+// holder must give up (renew deadline) before the others may take the
+// lock (lease), and retry within the renew deadline even when stretched.
+func (t electionTimings) validate() error {
+	if t.retry <= 0 || t.lease <= t.renewDeadline || float64(t.renewDeadline) <= electionJitter*float64(t.retry) {
+		return fmt.Errorf("election timings lease %s, renew deadline %s, retry %s: want lease > renew deadline > %.1f × retry > 0",
+			t.lease, t.renewDeadline, t.retry, electionJitter)
+	}
+	return nil
+}
+
+// gcElection is this node's side of the election over an IdentityLease,
 // read with GET and written with POST and PUT, each PUT carrying the
 // resourceVersion of the last read or write as precondition.
 type gcElection struct {
@@ -75,9 +90,26 @@ type gcElection struct {
 	// h is the election job's health; reported is what it last said.
 	h        cell.Health
 	reported string
+
+	// The elector's own view, touched only by the run goroutine:
+	// observed is the record as last read (when it changed) or written,
+	// observedRaw the resourceVersion it was read at, observedTime when
+	// this node saw it; a holder's lease counts from then, on this node's
+	// clock, not from the time the holder wrote.
+	observed     lockRecord
+	observedRaw  string
+	observedTime time.Time
 }
 
-var _ rl.Interface = (*gcElection)(nil)
+// lockRecord is the election's record of the lock, client-go's
+// LeaderElectionRecord.
+type lockRecord struct {
+	holder       string
+	leaseSeconds int
+	acquired     time.Time
+	renewed      time.Time
+	transitions  int
+}
 
 // holderSeparator separates the node name from the process instance in a
 // holder identity; instances are hexadecimal.
@@ -100,42 +132,174 @@ func holderNode(id string) string {
 	return id
 }
 
-// run campaigns until ctx ends: client-go's elector acquires the lock,
-// renews it while this node collects, and releases it when ctx ends.
+// run campaigns until ctx ends: it acquires the lock, collects while it
+// renews it, and releases it when ctx ends or a renewal failed for the
+// renew deadline; then it campaigns again.
 func (e *gcElection) run(ctx context.Context, h cell.Health) {
 	e.mu.Lock()
 	e.h = h
 	e.mu.Unlock()
-	ctx = logr.NewContext(ctx, logr.FromSlogHandler(e.s.log.With("lock", e.name).Handler()))
+	if err := e.timings.validate(); err != nil {
+		// The timings are derived from a validated lease.
+		e.s.log.Error("Cannot run the garbage collection's election", "error", err)
+		if h != nil {
+			h.Degraded("Election of the collector", err)
+		}
+		return
+	}
 	for ctx.Err() == nil {
-		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
-			Lock:            e,
-			Name:            e.name,
-			LeaseDuration:   e.timings.lease,
-			RenewDeadline:   e.timings.renewDeadline,
-			RetryPeriod:     e.timings.retry,
-			ReleaseOnCancel: true,
-			Callbacks: leaderelection.LeaderCallbacks{
-				OnStartedLeading: e.startLeading,
-				OnStoppedLeading: e.stopLeading,
-			},
-		})
-		if err != nil {
-			// The timings are derived from a validated lease.
-			e.s.log.Error("Cannot run the garbage collection's election", "error", err)
-			if h != nil {
-				h.Degraded("Election of the collector", err)
-			}
+		if !e.acquire(ctx) {
 			return
 		}
-		// Run returns once this node's term ended (a lost renewal): it
-		// campaigns again.
-		le.Run(ctx)
+		e.debug("became leader")
+		term, endTerm := context.WithCancel(ctx)
+		e.startLeading(term)
+		e.renew(term)
+		endTerm()
+		e.stopLeading()
+		e.release()
+		e.debug("stopped leading")
 	}
 }
 
-// startLeading is client-go's start of a term: unless a read showed
-// another holder meanwhile, this node collects until its term ends.
+// acquire tries to take the lock until it holds it (true) or ctx ends
+// (false), waiting between tries a retry period stretched by up to 2.2.
+func (e *gcElection) acquire(ctx context.Context) bool {
+	for {
+		if e.tryAcquireOrRenew(ctx) {
+			return true
+		}
+		if !sleepCtx(ctx, e.timings.retry+time.Duration(rand.Float64()*electionJitter*float64(e.timings.retry))) {
+			return false
+		}
+	}
+}
+
+// electionJitter is client-go's JitterFactor.
+const electionJitter = 1.2
+
+// renew renews the lock once per retry period until ctx ends or no try
+// succeeded for the renew deadline (retrying every retry period).
+func (e *gcElection) renew(ctx context.Context) {
+	for {
+		deadline := time.Now().Add(e.timings.renewDeadline)
+		for !e.tryAcquireOrRenew(ctx) {
+			if ctx.Err() != nil {
+				return
+			}
+			if time.Until(deadline) < e.timings.retry {
+				e.s.log.Info("Failed to renew the collector lock", "lock", e.name, "renewDeadline", e.timings.renewDeadline)
+				return
+			}
+			if !sleepCtx(ctx, e.timings.retry) {
+				return
+			}
+		}
+		if !sleepCtx(ctx, e.timings.retry) {
+			return
+		}
+	}
+}
+
+// release gives the lock up when this node holds it, so that another node
+// takes it at once instead of after the lease: a record without a holder
+// and with a lease of one second. It runs after the store's stop too, so
+// its requests have their own deadline.
+func (e *gcElection) release() {
+	if e.observed.holder != e.id {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), e.timings.renewDeadline)
+	defer cancel()
+	now := time.Now()
+	rec := lockRecord{leaseSeconds: 1, acquired: now, renewed: now, transitions: e.observed.transitions}
+	if err := e.update(ctx, rec); err != nil {
+		e.s.log.Info("Failed to release the collector lock", "lock", e.name, "error", err)
+		return
+	}
+	e.setObserved(rec)
+}
+
+// tryAcquireOrRenew is one try, as client-go's of the same name: a holder
+// whose lease has not passed (on this node's clock) renews with a PUT
+// alone; otherwise the lock is read, created when missing, left alone when
+// another holder's lease has not passed, and written (taken or renewed)
+// with the read's resourceVersion as precondition.
+func (e *gcElection) tryAcquireOrRenew(ctx context.Context) bool {
+	now := time.Now()
+	rec := lockRecord{
+		holder:       e.id,
+		leaseSeconds: int(e.timings.lease / time.Second),
+		acquired:     now,
+		renewed:      now,
+	}
+	if e.observed.holder == e.id && e.leaseValid(now) {
+		rec.acquired, rec.transitions = e.observed.acquired, e.observed.transitions
+		if err := e.update(ctx, rec); err == nil {
+			e.setObserved(rec)
+			return true
+		}
+		// Read the lock and try again below.
+	}
+
+	old, raw, err := e.get(ctx)
+	switch {
+	case apierrors.IsNotFound(err):
+		if err := e.create(ctx, rec); err != nil {
+			return false
+		}
+		e.setObserved(rec)
+		return true
+	case err != nil:
+		return false
+	}
+	if raw != e.observedRaw {
+		e.setObserved(*old)
+		e.observedRaw = raw
+	}
+	if old.holder != "" && old.holder != e.id && e.leaseValid(now) {
+		return false
+	}
+	if old.holder == e.id {
+		rec.acquired, rec.transitions = old.acquired, old.transitions
+	} else {
+		rec.transitions = old.transitions + 1
+	}
+	if err := e.update(ctx, rec); err != nil {
+		return false
+	}
+	e.setObserved(rec)
+	return true
+}
+
+// leaseValid: the observed holder's lease, counted from when this node saw
+// the record, has not passed.
+func (e *gcElection) leaseValid(now time.Time) bool {
+	return e.observedTime.Add(time.Duration(e.observed.leaseSeconds) * time.Second).After(now)
+}
+
+func (e *gcElection) setObserved(r lockRecord) {
+	e.observed, e.observedTime = r, time.Now()
+}
+
+// sleepCtx waits d; false when ctx ended first.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+func (e *gcElection) debug(what string) {
+	e.s.log.Debug("Garbage collection election", "lock", e.name, "event", what)
+}
+
+// startLeading starts a term: unless a read showed another holder
+// meanwhile, this node collects until its term ends.
 func (e *gcElection) startLeading(ctx context.Context) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -147,10 +311,10 @@ func (e *gcElection) startLeading(ctx context.Context) {
 	e.reportLocked("This node collects", nil)
 }
 
-// stopLeading ends this node's term: client-go's end of it (a renewal that
-// failed for the renew deadline, or the store's stop), or a read or write
-// of the lock that names another holder. An in-flight collection ends
-// with it.
+// stopLeading ends this node's term: at the end of the renewals (one that
+// failed for the renew deadline, or the store's stop), or at a read or
+// write of the lock that names another holder. An in-flight collection
+// ends with it.
 func (e *gcElection) stopLeading() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -241,10 +405,9 @@ func (e *gcElection) requestTimeout() time.Duration {
 	return max(time.Second, e.timings.renewDeadline/2)
 }
 
-// Get implements resourcelock.Interface: one GET of the lock. The raw
-// record client-go compares to notice a renewal is the resourceVersion,
-// which every write changes.
-func (e *gcElection) Get(ctx context.Context) (*rl.LeaderElectionRecord, []byte, error) {
+// get is one GET of the lock, and its resourceVersion, which every write
+// changes.
+func (e *gcElection) get(ctx context.Context) (*lockRecord, string, error) {
 	ctx, cancel := context.WithTimeout(ctx, e.requestTimeout())
 	defer cancel()
 	var l IdentityLease
@@ -252,32 +415,31 @@ func (e *gcElection) Get(ctx context.Context) (*rl.LeaderElectionRecord, []byte,
 	switch {
 	case apierrors.IsNotFound(err):
 		e.observe(nil)
-		return nil, nil, err
+		return nil, "", err
 	case err != nil:
 		if ctx.Err() == nil {
 			e.failed("Reading", err)
 		}
-		return nil, nil, err
+		return nil, "", err
 	}
 	e.observe(&l)
 	r := leaseRecord(&l.Spec)
-	if p := e.s.predecessor.Load(); p != nil && r.HolderIdentity == *p {
+	if p := e.s.predecessor.Load(); p != nil && r.holder == *p {
 		// The gone agent of this node name (killed: it released
 		// nothing) holds the lock. Waiting for its lease to run out
 		// would leave the cluster without a collector, and in the
 		// double-write modes without a convergence report, for most of
-		// an IdentityNode lease: client-go takes a lock shown without a
-		// holder at once, and the PUT's precondition still refuses it
-		// if anyone wrote the lock since this read.
+		// an IdentityNode lease: a lock shown without a holder is taken
+		// at once, and the PUT's precondition still refuses it if anyone
+		// wrote the lock since this read.
 		e.s.log.Info("Taking over the collector lock from the gone agent of this node name", "lock", e.name, "previous", *p)
-		r.HolderIdentity = ""
+		r.holder = ""
 	}
-	return r, []byte(l.ResourceVersion), nil
+	return r, l.ResourceVersion, nil
 }
 
-// Create implements resourcelock.Interface: the first holder creates the
-// lock.
-func (e *gcElection) Create(ctx context.Context, r rl.LeaderElectionRecord) error {
+// create is the first holder's POST of the lock.
+func (e *gcElection) create(ctx context.Context, r lockRecord) error {
 	ctx, cancel := context.WithTimeout(ctx, e.requestTimeout())
 	defer cancel()
 	obj := &IdentityLease{
@@ -299,10 +461,10 @@ func (e *gcElection) Create(ctx context.Context, r rl.LeaderElectionRecord) erro
 // errLockNotRead: an update needs the lock's resourceVersion.
 var errLockNotRead = errors.New("the IdentityLease was not read yet")
 
-// Update implements resourcelock.Interface: a PUT with the resourceVersion
-// of the last read or write, which the API server refuses (Conflict) when
-// another node wrote the lock since.
-func (e *gcElection) Update(ctx context.Context, r rl.LeaderElectionRecord) error {
+// update is a PUT with the resourceVersion of the last read or write,
+// which the API server refuses (Conflict) when another node wrote the lock
+// since.
+func (e *gcElection) update(ctx context.Context, r lockRecord) error {
 	e.mu.Lock()
 	cur := e.cur
 	e.mu.Unlock()
@@ -324,47 +486,35 @@ func (e *gcElection) Update(ctx context.Context, r rl.LeaderElectionRecord) erro
 	return nil
 }
 
-// RecordEvent implements resourcelock.Interface: no Kubernetes events, a
-// debug log.
-func (e *gcElection) RecordEvent(what string) {
-	e.s.log.Debug("Garbage collection election", "lock", e.name, "event", what)
-}
-
-// Identity implements resourcelock.Interface.
-func (e *gcElection) Identity() string { return e.id }
-
-// Describe implements resourcelock.Interface.
-func (e *gcElection) Describe() string { return "identityleases/" + e.name }
-
-// leaseRecord is client-go's view of a lock's spec.
-func leaseRecord(spec *IdentityLeaseSpec) *rl.LeaderElectionRecord {
-	r := &rl.LeaderElectionRecord{}
+// leaseRecord is the election's record of a lock's spec.
+func leaseRecord(spec *IdentityLeaseSpec) *lockRecord {
+	r := &lockRecord{}
 	if spec.HolderIdentity != nil {
-		r.HolderIdentity = *spec.HolderIdentity
+		r.holder = *spec.HolderIdentity
 	}
 	if spec.LeaseDurationSeconds != nil {
-		r.LeaseDurationSeconds = int(*spec.LeaseDurationSeconds)
+		r.leaseSeconds = int(*spec.LeaseDurationSeconds)
 	}
 	if spec.AcquireTime != nil {
-		r.AcquireTime = metav1.NewTime(spec.AcquireTime.Time)
+		r.acquired = spec.AcquireTime.Time
 	}
 	if spec.RenewTime != nil {
-		r.RenewTime = metav1.NewTime(spec.RenewTime.Time)
+		r.renewed = spec.RenewTime.Time
 	}
 	if spec.LeaseTransitions != nil {
-		r.LeaderTransitions = int(*spec.LeaseTransitions)
+		r.transitions = int(*spec.LeaseTransitions)
 	}
 	return r
 }
 
-// leaseSpec is the spec of client-go's record.
-func leaseSpec(r rl.LeaderElectionRecord) IdentityLeaseSpec {
-	duration := int32(r.LeaseDurationSeconds)
-	transitions := int32(r.LeaderTransitions)
-	acquired := metav1.NewMicroTime(r.AcquireTime.Time)
-	renewed := metav1.NewMicroTime(r.RenewTime.Time)
+// leaseSpec is the spec of an election record.
+func leaseSpec(r lockRecord) IdentityLeaseSpec {
+	duration := int32(r.leaseSeconds)
+	transitions := int32(r.transitions)
+	acquired := metav1.NewMicroTime(r.acquired)
+	renewed := metav1.NewMicroTime(r.renewed)
 	return IdentityLeaseSpec{
-		HolderIdentity:       &r.HolderIdentity,
+		HolderIdentity:       &r.holder,
 		LeaseDurationSeconds: &duration,
 		AcquireTime:          &acquired,
 		RenewTime:            &renewed,
