@@ -69,14 +69,16 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.bin/*')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
-# vet compiles what it checks with -race, as test-unit does, so that a
-# fresh machine compiles the module's dependencies once instead of once
-# per build mode (the files for builds without -race, each one constant,
-# are left out); the two server mains, which no race test binary builds,
-# are checked as internal/testproc builds them.
+# A fresh machine compiles the dependencies in two build modes: -race, for
+# the tests, and the image's (CGO_ENABLED=0 -trimpath), in which
+# internal/testproc builds the test servers and the agents that tests run
+# as processes. vet compiles what it checks in those modes too: the tested
+# packages with -race, as test-unit does (the files for builds without
+# -race, each one constant, are left out), and the two server mains, which
+# no race test binary builds, as internal/testproc builds them.
 vet:
 	$(GO) vet -race $(TEST_PKGS)
-	$(GO) vet ./internal/k8stest/apiserver ./internal/etcdtest/etcdserver
+	CGO_ENABLED=0 $(GO) vet -trimpath ./internal/k8stest/apiserver ./internal/etcdtest/etcdserver
 
 # The servers the tests run as processes (internal/k8stest/apiserver,
 # internal/etcdtest/etcdserver) have no tests of their own: `go test` would
@@ -94,13 +96,18 @@ TEST_P ?= 4
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
 	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
 
+# go test's own vet checks are a subset of `make vet`'s, which `make test`
+# runs first: -vet=off spares a fresh machine a second analysis of every
+# dependency.
 test-unit:
-	$(GO) test -race -p $(TEST_P) -timeout 20m $(TEST_PKGS)
+	$(GO) test -race -vet=off -p $(TEST_P) -timeout 20m $(TEST_PKGS)
 
 # The compose example is its own module that imports the cells from
-# outside, so the public API stays nameable by other agents.
+# outside, so the public API stays nameable by other agents. It is built
+# with -race, the mode the tests compiled every package it imports in: a
+# plain build would compile them all once more.
 compose-example:
-	cd docs/examples/compose && GOFLAGS=-mod=mod $(GO) build -o /dev/null .
+	cd docs/examples/compose && GOFLAGS=-mod=mod $(GO) build -race -o /dev/null .
 
 bench:
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCHCOUNT) ./...

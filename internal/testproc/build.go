@@ -90,11 +90,11 @@ func build(name, pkg string) (string, error) {
 		return bin, nil
 	}
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
-	cmd := exec.Command("go", "build", "-o", tmp, "./"+pkg)
+	cmd := goBuild(tmp, "./"+pkg)
 	cmd.Dir = root
 	// This module's go.mod alone decides the versions, also under an
 	// importer's workspace.
-	cmd.Env = append(os.Environ(), "GOWORK=off")
+	cmd.Env = append(cmd.Env, "GOWORK=off")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
@@ -135,7 +135,7 @@ func sourceKey(root, pkg string) (string, error) {
 		fmt.Fprintf(h, "%s %d\n", filepath.Base(f), len(b))
 		h.Write(b)
 	}
-	fmt.Fprintf(h, "%s %s/%s", runtime.Version(), runtime.GOOS, runtime.GOARCH)
+	fmt.Fprintf(h, "%s %s/%s %s", runtime.Version(), runtime.GOOS, runtime.GOARCH, buildMode)
 	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }
 
@@ -172,14 +172,28 @@ func isExecutable(path string) bool {
 // AgentPackage is the import path of the identityd command.
 const AgentPackage = "github.com/identityd/identityd/cmd/identityd"
 
-// BuildAgent builds the identityd binary from this module into dir with a
-// plain go build, as a user builds it (no race detector: the agents' speed
-// sets the length of the tests that run them as processes), and returns
-// its path. The go command's build cache makes a build after the first a
-// link.
+// buildMode is how the binaries the tests run as processes are built: as
+// the image's (the Dockerfile's CGO_ENABLED=0 and -trimpath). Every binary
+// the tests build without -race (the test servers, the agents, the image's
+// binary) is built in this one mode, so that a fresh machine compiles the
+// dependencies in two modes in all, this one and -race, instead of once
+// more per set of flags.
+const buildMode = "CGO_ENABLED=0 -trimpath"
+
+// goBuild is `go build -o out pkg` in buildMode.
+func goBuild(out, pkg string) *exec.Cmd {
+	cmd := exec.Command("go", "build", "-trimpath", "-o", out, pkg)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	return cmd
+}
+
+// BuildAgent builds the identityd binary from this module into dir, as the
+// image's is built (no race detector: the agents' speed sets the length of
+// the tests that run them as processes), and returns its path. The go
+// command's build cache makes a build after the first a link.
 func BuildAgent(dir string) (string, error) {
 	bin := filepath.Join(dir, "identityd")
-	cmd := exec.Command("go", "build", "-o", bin, AgentPackage)
+	cmd := goBuild(bin, AgentPackage)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("testproc: go build %s: %w\n%s", AgentPackage, err, out)
 	}

@@ -1,6 +1,7 @@
 package testproc
 
 import (
+	"debug/buildinfo"
 	"os"
 	"path/filepath"
 	"testing"
@@ -60,5 +61,29 @@ func TestFreePortsDistinct(t *testing.T) {
 			t.Fatalf("ports %v: %d repeated or invalid", ports, p)
 		}
 		seen[p] = true
+	}
+}
+
+// TestBinaryBuiltAsTheImage: the servers are built in the image's mode
+// (static, -trimpath), which the agents and the image's binary share, so
+// that a fresh machine compiles the dependencies in that mode only once.
+func TestBinaryBuiltAsTheImage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the test etcd server")
+	}
+	bin, err := Binary("etcd", "internal/etcdtest/etcdserver", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := buildinfo.ReadFile(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	settings := map[string]string{}
+	for _, s := range info.Settings {
+		settings[s.Key] = s.Value
+	}
+	if settings["CGO_ENABLED"] != "0" || settings["-trimpath"] != "true" {
+		t.Errorf("%s built with CGO_ENABLED=%q -trimpath=%q, want 0 and true (the Dockerfile's)", bin, settings["CGO_ENABLED"], settings["-trimpath"])
 	}
 }
