@@ -36,10 +36,12 @@ type listed struct {
 // exportData runs `go list -export -deps` on patterns in dir and returns an
 // importer of the packages it lists, from their export data, and the
 // listed packages themselves (not their dependencies): the test needs
-// nothing but the go command.
+// nothing but the go command. The export data is compiled with -race, as
+// make test compiles every package: a plain build would compile the
+// dependencies once more on a fresh machine.
 func exportData(t *testing.T, fset *token.FileSet, dir string, env []string, patterns ...string) (types.Importer, []string) {
 	t.Helper()
-	cmd := exec.CommandContext(t.Context(), "go", append([]string{"list", "-export", "-deps", "-json=ImportPath,Export,DepOnly,Error"}, patterns...)...)
+	cmd := exec.CommandContext(t.Context(), "go", append([]string{"list", "-race", "-export", "-deps", "-json=ImportPath,Export,DepOnly,Error"}, patterns...)...)
 	cmd.Dir = dir
 	cmd.Env = append(os.Environ(), env...)
 	var stderr bytes.Buffer
