@@ -39,7 +39,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test vet fmt-check test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test vet vet-servers fmt-check test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -72,19 +72,26 @@ fmt-check:
 # A fresh machine compiles the dependencies in two build modes: -race, for
 # the tests, and the image's (CGO_ENABLED=0 -trimpath), in which
 # internal/testproc builds the test servers and the agents that tests run
-# as processes. vet compiles what it checks in those modes too: the tested
-# packages with -race, as test-unit does (the files for builds without
-# -race, each one constant, are left out), and the two server mains, which
-# no race test binary builds, as internal/testproc builds them.
+# as processes. vet compiles the tested packages with -race, as test-unit
+# does (the files for builds without -race, each one constant, are left
+# out).
 vet:
 	$(GO) vet -race $(TEST_PKGS)
+
+# The two test-server mains, which no race test binary builds, vetted as
+# internal/testproc builds them. Not part of `make test`: vet analyzes
+# every package they import, the Kubernetes API server libraries
+# included, which on a fresh machine takes more CPU than compiling them
+# (docs/benchmarks.md, "make test time"); `make lint` runs it.
+vet-servers:
 	CGO_ENABLED=0 $(GO) vet -trimpath ./internal/k8stest/apiserver ./internal/etcdtest/etcdserver
 
 # The servers the tests run as processes (internal/k8stest/apiserver,
 # internal/etcdtest/etcdserver) have no tests of their own: `go test` would
 # compile them, and 439 packages of the Kubernetes API server libraries
 # that nothing else imports, with -race only to print "no test files". The
-# tests build them without -race (internal/testproc), and vet checks them.
+# tests build them without -race (internal/testproc); `make vet-servers`
+# (part of `make lint`) vets them.
 #
 # go test starts packages in the order it is given them, -p at a time.
 # The packages whose tests take longest come first, so that the longest
@@ -172,7 +179,7 @@ fuzz:
 .bin/staticcheck:
 	GOBIN=$(CURDIR)/.bin $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 
-lint: fmt-check vet .bin/staticcheck
+lint: fmt-check vet vet-servers .bin/staticcheck
 	./.bin/staticcheck ./...
 
 # Regenerates docs/cells.svg, the cell graph of docs/architecture.md, from
