@@ -23,11 +23,12 @@ import (
 // (RunGC's preconditions make two safe); the election only keeps the
 // cluster's listings and marks from growing with the number of nodes.
 //
-// The election follows client-go's leader election (tools/leaderelection)
-// step for step: the same record, the same reads, writes and timings. It is
-// written here rather than imported because that package pulls in the
-// whole generated clientset, its informers and listers (hundreds of
-// packages) for one lock this store implements itself.
+// The election follows client-go's leader election (tools/leaderelection):
+// the same record, reads, writes and timings, except that a term ends
+// before the lock is released rather than after. It is written here rather
+// than imported because that package pulls in the whole generated
+// clientset, its informers and listers (hundreds of packages) for one lock
+// this store implements itself.
 
 // electionTimings are the durations of the election, as client-go names
 // them.
