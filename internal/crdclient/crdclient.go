@@ -1,4 +1,4 @@
-// Package crdclient reads and writes CustomResourceDefinitions
+// Package crdclient reads, creates and updates CustomResourceDefinitions
 // (apiextensions.k8s.io/v1) with client-go's REST client.
 //
 // The generated apiextensions clientset does the same, but it brings in
@@ -12,7 +12,6 @@ import (
 	"fmt"
 
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/client-go/rest"
@@ -74,9 +73,4 @@ func (c *Client) Update(ctx context.Context, crd *apiextensionsv1.CustomResource
 	var got apiextensionsv1.CustomResourceDefinition
 	err := c.rc.Put().Resource(resource).Name(crd.Name).Body(crd).Do(ctx).Into(&got)
 	return &got, err
-}
-
-// Delete deletes the CRD name (and, with it, its objects).
-func (c *Client) Delete(ctx context.Context, name string) error {
-	return c.rc.Delete().Resource(resource).Name(name).Body(&metav1.DeleteOptions{}).Do(ctx).Error()
 }
