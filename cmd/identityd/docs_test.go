@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/identityd/identityd/internal/testproc"
 	"github.com/spf13/pflag"
 )
 
@@ -149,7 +150,7 @@ func TestReadmeComposition(t *testing.T) {
 // builds, and no sums beyond this module's go.sum, so that it needs no
 // download the module cache of this module's tests lacks. The build cache
 // is the one of this test's go command. The tests are built as the
-// binaries internal/testproc builds (CGO_ENABLED=0, -trimpath), whose
+// binaries internal/testproc builds (testproc.InImageMode), whose
 // compiles of the dependencies they share, and without go test's vet
 // checks, which would analyze every dependency once more for a module
 // whose code is README.md's composition: another build mode would compile
@@ -176,9 +177,9 @@ func runOutsideModule(t *testing.T, dir string) {
 			t.Errorf("%s/go.sum has %q, which identityd's go.sum lacks", dir, l)
 		}
 	}
-	cmd := exec.Command("go", "test", "-trimpath", "-vet=off", "-count=1", "-timeout=5m", ".")
+	cmd := testproc.InImageMode("test", "-vet=off", "-count=1", "-timeout=5m", ".")
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "GOFLAGS="+strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"), "GOWORK=off", "CGO_ENABLED=0")
+	cmd.Env = append(cmd.Env, "GOFLAGS="+strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"), "GOWORK=off")
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("go test in %s: %v\n%s", dir, err, out)

@@ -180,12 +180,17 @@ const AgentPackage = "github.com/identityd/identityd/cmd/identityd"
 // more per set of flags.
 const buildMode = "CGO_ENABLED=0 -trimpath"
 
-// goBuild is `go build -o out pkg` in buildMode.
-func goBuild(out, pkg string) *exec.Cmd {
-	cmd := exec.Command("go", "build", "-trimpath", "-o", out, pkg)
+// InImageMode returns the go command `go verb -trimpath args...` with
+// CGO_ENABLED=0 added to this process's environment: go build or go test
+// in buildMode, for what a test builds that is not race-built.
+func InImageMode(verb string, args ...string) *exec.Cmd {
+	cmd := exec.Command("go", append([]string{verb, "-trimpath"}, args...)...)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	return cmd
 }
+
+// goBuild is `go build -o out pkg` in buildMode.
+func goBuild(out, pkg string) *exec.Cmd { return InImageMode("build", "-o", out, pkg) }
 
 // BuildAgent builds the identityd binary from this module into dir, as the
 // image's is built (no race detector: the agents' speed sets the length of
