@@ -180,7 +180,11 @@ func runOutsideModule(t *testing.T, dir string) {
 	cmd := testproc.InImageMode("test", "-vet=off", "-count=1", "-timeout=5m", ".")
 	cmd.Dir = dir
 	cmd.Env = append(cmd.Env, "GOFLAGS="+strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"), "GOWORK=off")
-	out, err := cmd.CombinedOutput()
+	var out []byte
+	err = testproc.WithBuildLock(func() error {
+		out, err = cmd.CombinedOutput()
+		return err
+	})
 	if err != nil {
 		t.Fatalf("go test in %s: %v\n%s", dir, err, out)
 	}

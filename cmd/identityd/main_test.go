@@ -109,8 +109,14 @@ func buildAgent(dir string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
+	err = testproc.WithBuildLock(func() error {
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
+		}
+		return nil
+	})
+	if err != nil {
+		return "", err
 	}
 	return bin, nil
 }

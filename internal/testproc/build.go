@@ -62,6 +62,29 @@ func build(name, pkg string) (string, error) {
 		return "", err
 	}
 
+	dir, err := cacheDir()
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, name+"-"+key)
+	if isExecutable(bin) {
+		return bin, nil
+	}
+	err = WithBuildLock(func() error {
+		// Another test binary may have built it while we waited for the lock.
+		if isExecutable(bin) {
+			return nil
+		}
+		return buildInto(bin, name, root, pkg)
+	})
+	if err != nil {
+		return "", err
+	}
+	return bin, nil
+}
+
+// cacheDir is where Binary keeps what it built, and the build lock.
+func cacheDir() (string, error) {
 	cacheRoot, err := os.UserCacheDir()
 	if err != nil {
 		cacheRoot = os.TempDir()
@@ -70,25 +93,35 @@ func build(name, pkg string) (string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", fmt.Errorf("testproc: creating cache dir: %w", err)
 	}
-	bin := filepath.Join(dir, name+"-"+key)
-	if isExecutable(bin) {
-		return bin, nil
-	}
+	return dir, nil
+}
 
+// WithBuildLock runs fn holding a lock that every test binary of this user
+// takes for its go commands in buildMode (Binary, BuildAgent and any other
+// build or test in InImageMode). Two go commands compiling the same
+// packages at once both compile them: the build cache only helps the one
+// that starts after the other has finished. Test binaries running in
+// parallel on a fresh machine would otherwise each compile the agent's and
+// the servers' dependencies, several times the work of one build.
+func WithBuildLock(fn func() error) error {
+	dir, err := cacheDir()
+	if err != nil {
+		return err
+	}
 	lock, err := os.OpenFile(filepath.Join(dir, "build.lock"), os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
-		return "", fmt.Errorf("testproc: opening build lock: %w", err)
+		return fmt.Errorf("testproc: opening build lock: %w", err)
 	}
 	defer lock.Close()
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
-		return "", fmt.Errorf("testproc: taking build lock: %w", err)
+		return fmt.Errorf("testproc: taking build lock: %w", err)
 	}
 	defer syscall.Flock(int(lock.Fd()), syscall.LOCK_UN)
+	return fn()
+}
 
-	// Another test binary may have built it while we waited for the lock.
-	if isExecutable(bin) {
-		return bin, nil
-	}
+// buildInto builds the command in pkg into bin.
+func buildInto(bin, name, root, pkg string) error {
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
 	cmd := goBuild(tmp, "./"+pkg)
 	cmd.Dir = root
@@ -100,15 +133,15 @@ func build(name, pkg string) (string, error) {
 	start := time.Now()
 	if err := cmd.Run(); err != nil {
 		os.Remove(tmp)
-		return "", fmt.Errorf("testproc: building %s: %w\n%s", name, err, out.String())
+		return fmt.Errorf("testproc: building %s: %w\n%s", name, err, out.String())
 	}
 	// Rename is atomic, so other processes never see a partial binary.
 	if err := os.Rename(tmp, bin); err != nil {
 		os.Remove(tmp)
-		return "", fmt.Errorf("testproc: installing %s: %w", name, err)
+		return fmt.Errorf("testproc: installing %s: %w", name, err)
 	}
 	fmt.Fprintf(os.Stderr, "testproc: built %s in %s: %s\n", name, time.Since(start).Round(time.Second), bin)
-	return bin, nil
+	return nil
 }
 
 // sourceKey hashes what the binary is built from: the module's
@@ -182,7 +215,8 @@ const buildMode = "CGO_ENABLED=0 -trimpath"
 
 // InImageMode returns the go command `go verb -trimpath args...` with
 // CGO_ENABLED=0 added to this process's environment: go build or go test
-// in buildMode, for what a test builds that is not race-built.
+// in buildMode, for what a test builds that is not race-built. Run it under
+// WithBuildLock.
 func InImageMode(verb string, args ...string) *exec.Cmd {
 	cmd := exec.Command("go", append([]string{verb, "-trimpath"}, args...)...)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")

@@ -2,9 +2,12 @@ package testproc
 
 import (
 	"debug/buildinfo"
+	"errors"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
+	"time"
 )
 
 func TestSourceKeyFollowsSources(t *testing.T) {
@@ -85,5 +88,45 @@ func TestBinaryBuiltAsTheImage(t *testing.T) {
 	}
 	if settings["CGO_ENABLED"] != "0" || settings["-trimpath"] != "true" {
 		t.Errorf("%s built with CGO_ENABLED=%q -trimpath=%q, want 0 and true (the Dockerfile's)", bin, settings["CGO_ENABLED"], settings["-trimpath"])
+	}
+}
+
+// TestBuildLockExcludes: a WithBuildLock waits while another holds the
+// lock. flock conflicts between two opens of the file, in one process as
+// between two test binaries, so the goroutines here stand for the test
+// binaries that go test runs in parallel.
+func TestBuildLockExcludes(t *testing.T) {
+	t.Setenv("XDG_CACHE_HOME", t.TempDir())
+	held, release := make(chan struct{}), make(chan struct{})
+	first := make(chan error, 1)
+	go func() {
+		first <- WithBuildLock(func() error {
+			close(held)
+			<-release
+			return nil
+		})
+	}()
+	<-held
+	var released atomic.Bool
+	second := make(chan error, 1)
+	go func() {
+		second <- WithBuildLock(func() error {
+			if !released.Load() {
+				return errors.New("ran while the first holder had the lock")
+			}
+			return nil
+		})
+	}()
+	select {
+	case err := <-second:
+		t.Fatalf("second WithBuildLock returned while the first held the lock: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	released.Store(true)
+	close(release)
+	for _, c := range []chan error{first, second} {
+		if err := <-c; err != nil {
+			t.Fatal(err)
+		}
 	}
 }
