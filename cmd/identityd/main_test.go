@@ -54,9 +54,8 @@ func processSlot(tb testing.TB) {
 func waitingParallel(t *testing.T) { t.Parallel() }
 
 // TestMain lets the test binary act as identityd when IDENTITYD_AS_MAIN is
-// set, so process tests run the real main without a separate build. The
-// arguments come as a JSON array in IDENTITYD_ARGV, so that they reach main
-// exactly as given (spaces, quotes and all).
+// set (raceAgentCmd). The arguments come as a JSON array in IDENTITYD_ARGV,
+// so that they reach main exactly as given (spaces, quotes and all).
 func TestMain(m *testing.M) {
 	if os.Getenv("IDENTITYD_AS_MAIN") == "1" {
 		var args []string
@@ -79,7 +78,7 @@ func TestMain(m *testing.M) {
 		flag.Set("test.parallel", "1000")
 	}
 	processSlots = make(chan struct{}, max(slots, 1))
-	// A whole run needs the binary (TestImage): it is linked while the
+	// A whole run needs the binary (every process test): it is linked while the
 	// first tests run rather than on the way of the test that needs it.
 	if !testing.Short() && flag.Lookup("test.run").Value.String() == "" && flag.Lookup("test.list").Value.String() == "" {
 		built.Start()
@@ -90,8 +89,7 @@ func TestMain(m *testing.M) {
 }
 
 // built is the identityd binary that agentBinary builds once per test
-// binary, for the tests that run identityd by path (as an init system
-// would) rather than as this test binary.
+// binary, for the tests that run identityd as a process.
 var built = testproc.OnceBuild{Build: buildAgent}
 
 // agentBinary returns the path of identityd built from this package as the
@@ -121,7 +119,26 @@ func buildAgent(dir string) (string, error) {
 	return bin, nil
 }
 
+// agentCmd is identityd with args as a process, as users run it: the
+// binary built as the image's (agentBinary), with this process's
+// environment.
+//
+// The agents are not race-built: under the race detector an agent takes
+// several times the CPU, and the process tests run dozens of them, many
+// for minutes. The code they run is race-tested in process, by this
+// package's hive and script tests and by each cell's own tests;
+// raceAgentCmd runs main itself under the race detector.
 func agentCmd(t *testing.T, args ...string) *exec.Cmd {
+	cmd := exec.Command(agentBinary(t), args...)
+	cmd.Env = os.Environ()
+	return cmd
+}
+
+// raceAgentCmd is agentCmd with this test binary, built with -race as the
+// tests are, running main: for the test of the agent's whole life as a
+// process (start, the shell, SIGTERM), whose signal handling and shutdown
+// no in-process test runs.
+func raceAgentCmd(t *testing.T, args ...string) *exec.Cmd {
 	argv, err := json.Marshal(args)
 	if err != nil {
 		t.Fatal(err)
@@ -253,7 +270,8 @@ func TestInvalidPolicyCIDRMatchMode(t *testing.T) {
 }
 
 // TestSignalStopsCleanly runs the agent as a process on the embedded etcd,
-// reaches it through the shell, and stops it with SIGTERM.
+// under the race detector (raceAgentCmd), reaches it through the shell,
+// and stops it with SIGTERM.
 func TestSignalStopsCleanly(t *testing.T) {
 	parallelProcess(t)
 	if testing.Short() {
@@ -261,7 +279,7 @@ func TestSignalStopsCleanly(t *testing.T) {
 	}
 	dir := t.TempDir()
 	var logs bytes.Buffer
-	cmd := agentCmd(t, "--state-dir", dir, "--ipcache-map", "file", "--log-format", "json", "--prometheus-serve-addr", "127.0.0.1:0")
+	cmd := raceAgentCmd(t, "--state-dir", dir, "--ipcache-map", "file", "--log-format", "json", "--prometheus-serve-addr", "127.0.0.1:0")
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
