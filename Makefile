@@ -39,7 +39,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test vet vet-servers fmt-check test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -63,7 +63,7 @@ run: build
 shell: build
 	./$(BIN) shell --state-dir $(STATE_DIR) $(if $(CMD),-- $(CMD))
 
-test: fmt-check vet test-unit compose-example
+test: fmt-check vet test-binaries test-unit compose-example
 
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.bin/*')); \
@@ -103,11 +103,22 @@ TEST_P ?= 4
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
 	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
 
+# The binaries the tests run as processes (the test etcd and API servers,
+# the agent), built as internal/testproc builds them on first use, before
+# the first test starts: on a fresh machine, building them while go test
+# builds and runs the race-built tests cost a fifth more CPU in all
+# (docs/benchmarks.md, "make test time"). With warm caches it only links
+# the agent.
+test-binaries:
+	CGO_ENABLED=0 $(GO) run -trimpath ./internal/testproc/testbins
+
 # go test's own vet checks are a subset of `make vet`'s, which `make test`
 # runs first: -vet=off spares a fresh machine a second analysis of every
-# dependency.
+# dependency. The test binaries are linked without DWARF (-w), which
+# nothing reads (stack traces and race reports come from the symbol
+# table), for a quarter less link time per test binary.
 test-unit:
-	$(GO) test -race -vet=off -p $(TEST_P) -timeout 20m $(TEST_PKGS)
+	$(GO) test -race -vet=off -ldflags=-w -p $(TEST_P) -timeout 20m $(TEST_PKGS)
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents. It is built

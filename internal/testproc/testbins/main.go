@@ -1,0 +1,44 @@
+// Command testbins builds the binaries that the tests run as processes
+// (the test etcd server, the test API server and the identityd agent) as
+// internal/testproc builds them on first use, in the image's mode.
+//
+// `make test` runs it before `go test`: on a fresh machine, compiling them
+// while go test compiles and runs the race-built tests costs more CPU in
+// all (several go commands compiling at once, each sized for the whole
+// machine) and holds the first tests waiting behind the build lock.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/k8stest"
+	"github.com/identityd/identityd/internal/testproc"
+)
+
+func main() {
+	if err := buildAll(); err != nil {
+		fmt.Fprintln(os.Stderr, "testbins:", err)
+		os.Exit(1)
+	}
+}
+
+func buildAll() error {
+	if _, err := etcdtest.Binary(); err != nil {
+		return err
+	}
+	if _, err := k8stest.Binary(); err != nil {
+		return err
+	}
+	// The agent is built per test binary, from the sources of the moment
+	// (testproc.BuildAgent): this build leaves its compiled packages in
+	// the build cache, so that those builds only link.
+	dir, err := os.MkdirTemp("", "testbins")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	_, err = testproc.BuildAgent(dir)
+	return err
+}
