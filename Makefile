@@ -106,9 +106,9 @@ TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p;
 # The binaries the tests run as processes (the test etcd and API servers,
 # the agent), built as internal/testproc builds them on first use, before
 # the first test starts: on a fresh machine, building them while go test
-# builds and runs the race-built tests cost a fifth more CPU in all
-# (docs/benchmarks.md, "make test time"). With warm caches it only links
-# the agent.
+# built and ran the race-built tests took an eighth more CPU in all, and
+# the first tests waited for them (docs/benchmarks.md, "make test time").
+# With warm caches it only links the agent.
 test-binaries:
 	CGO_ENABLED=0 $(GO) run -trimpath ./internal/testproc/testbins
 

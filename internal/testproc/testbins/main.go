@@ -3,9 +3,8 @@
 // internal/testproc builds them on first use, in the image's mode.
 //
 // `make test` runs it before `go test`: on a fresh machine, compiling them
-// while go test compiles and runs the race-built tests costs more CPU in
-// all (several go commands compiling at once, each sized for the whole
-// machine) and holds the first tests waiting behind the build lock.
+// while go test compiled and ran the race-built tests took more CPU in all,
+// and the first tests waited for them behind the build lock.
 package main
 
 import (
