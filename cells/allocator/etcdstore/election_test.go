@@ -138,6 +138,23 @@ func TestEtcdCollectorKilledAndRestarted(t *testing.T) {
 	killedKey := killed("restarted")
 	withGC := func(_ *kvstore.Config, e *storeConfig) { e.IdentityGCInterval = time.Hour }
 	other := startEtcdNode(t, c, "other", withGC)
+	// The other node campaigns in a job of its own: its key must be in
+	// before the gone agent of another name leaves its key, so that the
+	// other node's is the oldest once the restarted node withdraws its
+	// gone process's. (Written after it, the gone agent's key is the
+	// oldest, and no node collects for as long as its lease lasts.)
+	eventually.True(t, "the other node campaigns", func() bool {
+		resp, err := cli.Get(ctx, CollectorKeyPrefix+"/", clientv3.WithPrefix())
+		if err != nil {
+			return false
+		}
+		for _, kv := range resp.Kvs {
+			if string(kv.Value) == "other" {
+				return true
+			}
+		}
+		return false
+	})
 	otherKilledKey := killed("elsewhere")
 	if other.backend.Collecting() {
 		t.Fatal("a node collects while the killed collector's key is the oldest")
