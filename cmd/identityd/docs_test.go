@@ -180,11 +180,7 @@ func runOutsideModule(t *testing.T, dir string) {
 	cmd := testproc.InImageMode("test", "-vet=off", "-count=1", "-timeout=5m", ".")
 	cmd.Dir = dir
 	cmd.Env = append(cmd.Env, "GOFLAGS="+strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"), "GOWORK=off")
-	var out []byte
-	err = testproc.WithBuildLock(func() error {
-		out, err = cmd.CombinedOutput()
-		return err
-	})
+	out, err := testproc.CombinedOutputLocked(cmd)
 	if err != nil {
 		t.Fatalf("go test in %s: %v\n%s", dir, err, out)
 	}

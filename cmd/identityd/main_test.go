@@ -107,14 +107,8 @@ func buildAgent(dir string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	err = testproc.WithBuildLock(func() error {
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
-		}
-		return nil
-	})
-	if err != nil {
-		return "", err
+	if out, err := testproc.CombinedOutputLocked(cmd); err != nil {
+		return "", fmt.Errorf("%v: %w\n%s", cmd.Args, err, out)
 	}
 	return bin, nil
 }

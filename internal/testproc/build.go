@@ -120,6 +120,16 @@ func WithBuildLock(fn func() error) error {
 	return fn()
 }
 
+// CombinedOutputLocked runs cmd under WithBuildLock and returns its
+// combined output: for a go command in buildMode.
+func CombinedOutputLocked(cmd *exec.Cmd) (out []byte, err error) {
+	err = WithBuildLock(func() error {
+		out, err = cmd.CombinedOutput()
+		return err
+	})
+	return out, err
+}
+
 // buildInto builds the command in pkg into bin.
 func buildInto(bin, name, root, pkg string) error {
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
@@ -216,7 +226,7 @@ const buildMode = "CGO_ENABLED=0 -trimpath"
 // InImageMode returns the go command `go verb -trimpath args...` with
 // CGO_ENABLED=0 added to this process's environment: go build or go test
 // in buildMode, for what a test builds that is not race-built. Run it under
-// WithBuildLock.
+// WithBuildLock (CombinedOutputLocked).
 func InImageMode(verb string, args ...string) *exec.Cmd {
 	cmd := exec.Command("go", append([]string{verb, "-trimpath"}, args...)...)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
@@ -233,7 +243,7 @@ func goBuild(out, pkg string) *exec.Cmd { return InImageMode("build", "-o", out,
 func BuildAgent(dir string) (string, error) {
 	bin := filepath.Join(dir, "identityd")
 	cmd := goBuild(bin, AgentPackage)
-	if out, err := cmd.CombinedOutput(); err != nil {
+	if out, err := CombinedOutputLocked(cmd); err != nil {
 		return "", fmt.Errorf("testproc: go build %s: %w\n%s", AgentPackage, err, out)
 	}
 	return bin, nil
