@@ -39,7 +39,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -63,7 +63,8 @@ run: build
 shell: build
 	./$(BIN) shell --state-dir $(STATE_DIR) $(if $(CMD),-- $(CMD))
 
-test: fmt-check vet test-binaries test-unit compose-example
+# CI runs `make test`, `make vet` and `make test-long`, in that order.
+test: fmt-check test-binaries test-unit compose-example
 
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.bin/*')); \
@@ -74,7 +75,10 @@ fmt-check:
 # internal/testproc builds the test servers and the agents that tests run
 # as processes. vet compiles the tested packages with -race, as test-unit
 # does (the files for builds without -race, each one constant, are left
-# out).
+# out), so after `make test` only the analysis is left. It is not part of
+# `make test`: vet analyzes every dependency of the tested packages too,
+# which on a fresh machine takes a third as much CPU as compiling them
+# (docs/benchmarks.md, "make test time"). CI runs it.
 vet:
 	$(GO) vet -race $(TEST_PKGS)
 
@@ -98,7 +102,7 @@ vet-servers:
 # does not start last; the rest follow in `go list` order. Most of their
 # time is waiting for processes (agents, etcd, API servers), so more
 # packages run at a time than there are cores (TEST_P).
-TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest internal/modemigration cells/allocator/etcdstore internal/robustness cells/kvstore cells/k8sclient cells/allocator/doublewrite
+TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest cells/allocator/etcdstore internal/robustness cells/kvstore cells/allocator/doublewrite cells/k8sclient
 TEST_P ?= 4
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
 	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
@@ -112,13 +116,20 @@ TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p;
 test-binaries:
 	CGO_ENABLED=0 $(GO) run -trimpath ./internal/testproc/testbins
 
-# go test's own vet checks are a subset of `make vet`'s, which `make test`
-# runs first: -vet=off spares a fresh machine a second analysis of every
-# dependency. The test binaries are linked without DWARF (-w), which
+# go test's own vet checks are a subset of `make vet`'s, and would
+# analyze every dependency as well: -vet=off leaves vet to `make vet`. The test binaries are linked without DWARF (-w), which
 # nothing reads (stack traces and race reports come from the symbol
 # table), for a quarter less link time per test binary.
 test-unit:
 	$(GO) test -race -vet=off -ldflags=-w -p $(TEST_P) -timeout 20m $(TEST_PKGS)
+
+# The full-size runs of the tests that `make test` runs smaller, for the
+# same steps and checks: the rolling migration between the stores with
+# 2,000 global identities instead of 300 (internal/modemigration). CI runs
+# it after `make test`; with make test's build cache it takes about two
+# minutes.
+test-long:
+	MODEMIGRATION_SETS=2000 $(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m -run '^TestRollingModeMigration$$' ./internal/modemigration
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents. It is built
