@@ -105,16 +105,20 @@ const (
 )
 
 // drain delivers everything queued and returns how many changes it took.
+// It takes the changes under d.mu, so that whoever holds d.mu never finds
+// a change neither queued nor in d.state: a drain that finds the queue
+// empty has waited for the drain in progress to deliver.
 func (d *dispatcher) drain() int {
+	d.mu.Lock()
 	chunks := d.queue.q.Take()
 	if len(chunks) == 0 {
+		d.mu.Unlock()
 		return 0
 	}
 	taken := 0
 	for _, c := range chunks {
 		taken += len(c)
 	}
-	d.mu.Lock()
 	// Handler batches and observer events are only built when someone
 	// consumes them: a busy allocator queues many changes per drain.
 	wantBatch, wantOut := len(d.handlers) > 0, d.observers.Len() > 0
