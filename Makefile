@@ -125,11 +125,15 @@ test-unit:
 
 # The full-size runs of the tests that `make test` runs smaller, for the
 # same steps and checks: the rolling migration between the stores with
-# 2,000 global identities instead of 300 (internal/modemigration). CI runs
-# it after `make test`; with make test's build cache it takes about two
-# minutes.
+# 2,000 global identities instead of 300 (internal/modemigration), the CRD
+# store's three-node race on 2,000 new label sets instead of 600, and 200
+# kills of a checkpoint writer instead of 60. CI runs it after `make test`;
+# with make test's build cache it takes about two minutes.
 test-long:
-	MODEMIGRATION_SETS=2000 $(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m -run '^TestRollingModeMigration$$' ./internal/modemigration
+	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 \
+	$(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m \
+	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety)$$' \
+	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents. It is built

@@ -43,15 +43,23 @@ func crashChild(dir string) {
 }
 
 // TestCrashSafety kills a process that writes checkpoints in a loop at
-// random moments, 200 times: after every kill the file must be one complete
-// state, and at most the one temporary file being written may be left.
-// Four children run side by side, each in its own directory, because
-// starting the test binary is most of the cost.
+// random moments, 60 times (CHECKPOINT_CRASH_RUNS; `make test-long` runs
+// 200, -short 40): after every kill the file must be one complete state,
+// and at most the one temporary file being written may be left. Four
+// children run side by side, each in its own directory, because starting
+// the test binary is most of the cost.
 func TestCrashSafety(t *testing.T) {
 	const workers = 4
-	runs := 200
+	runs := 60
 	if testing.Short() {
 		runs = 40
+	}
+	if s := os.Getenv("CHECKPOINT_CRASH_RUNS"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < workers {
+			t.Fatalf("CHECKPOINT_CRASH_RUNS=%q: want a number of kills, at least %d", s, workers)
+		}
+		runs = n
 	}
 	errs := make(chan error, workers)
 	for w := range workers {

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -238,15 +239,103 @@ func goBuild(out, pkg string) *exec.Cmd { return InImageMode("build", "-o", out,
 
 // BuildAgent builds the identityd binary from this module into dir, as the
 // image's is built (no race detector: the agents' speed sets the length of
-// the tests that run them as processes), and returns its path. The go
-// command's build cache makes a build after the first a link.
+// the tests that run them as processes), and returns its path.
+//
+// The binary is built into a directory of the user's cache kept per
+// checkout (sharedAgentPath) and copied into dir. The go command leaves a
+// binary that is up to date with the sources as it is, so the test
+// binaries of one `make test` link the agent once between them (the
+// build cache spares them the compile, not the link) and each runs its
+// own copy, which no later build replaces.
 func BuildAgent(dir string) (string, error) {
-	bin := filepath.Join(dir, "identityd")
-	cmd := goBuild(bin, AgentPackage)
-	if out, err := CombinedOutputLocked(cmd); err != nil {
-		return "", fmt.Errorf("testproc: go build %s: %w\n%s", AgentPackage, err, out)
+	shared, err := sharedAgentPath()
+	if err != nil {
+		return "", err
 	}
+	bin := filepath.Join(dir, "identityd")
+	err = WithBuildLock(func() error {
+		if err := os.MkdirAll(filepath.Dir(shared), 0o755); err != nil {
+			return fmt.Errorf("testproc: %w", err)
+		}
+		if out, err := goBuild(shared, AgentPackage).CombinedOutput(); err != nil {
+			return fmt.Errorf("testproc: go build %s: %w\n%s", AgentPackage, err, out)
+		}
+		now := time.Now()
+		os.Chtimes(shared, now, now) // in use: pruneSharedAgents keeps it
+		return copyExecutable(shared, bin)
+	})
+	if err != nil {
+		return "", err
+	}
+	pruneSharedAgents(filepath.Dir(filepath.Dir(shared)), filepath.Dir(shared))
 	return bin, nil
+}
+
+// sharedAgentPath is where BuildAgent builds the agent of this checkout:
+// under the user's cache, in a directory named after the module's
+// directory, so that checkouts with other sources never replace each
+// other's binary.
+func sharedAgentPath() (string, error) {
+	root, err := moduleDir()
+	if err != nil {
+		return "", err
+	}
+	cache, err := cacheDir()
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256([]byte(root))
+	return filepath.Join(cache, "agents", hex.EncodeToString(sum[:8]), "identityd"), nil
+}
+
+// sharedAgentsKept is how long an agent of a checkout no test used stays
+// in the cache.
+const sharedAgentsKept = 24 * time.Hour
+
+// pruneSharedAgents deletes the agents of other checkouts under dir that
+// no build used for sharedAgentsKept (a clone per CI run leaves one each).
+func pruneSharedAgents(dir, keep string) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		sub := filepath.Join(dir, e.Name())
+		if sub == keep {
+			continue
+		}
+		if fi, err := os.Stat(filepath.Join(sub, "identityd")); err == nil && time.Since(fi.ModTime()) < sharedAgentsKept {
+			continue
+		}
+		os.RemoveAll(sub)
+	}
+}
+
+// copyExecutable copies the executable src to dst, a new file (a process
+// running an earlier dst keeps its own).
+func copyExecutable(src, dst string) error {
+	if err := os.Remove(dst); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("testproc: %w", err)
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return fmt.Errorf("testproc: %w", err)
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o755)
+	if err != nil {
+		return fmt.Errorf("testproc: %w", err)
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		os.Remove(dst)
+		return fmt.Errorf("testproc: copying the agent: %w", err)
+	}
+	if err := out.Close(); err != nil {
+		os.Remove(dst)
+		return fmt.Errorf("testproc: copying the agent: %w", err)
+	}
+	return nil
 }
 
 // OnceBuild is a binary a test binary builds once, into a temporary

@@ -4,7 +4,9 @@ import (
 	"debug/buildinfo"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -129,4 +131,89 @@ func TestBuildLockExcludes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// TestBuildAgentLinksOnce: BuildAgent into two directories gives each its
+// own copy of one binary, linked once: the second build finds the
+// checkout's shared binary up to date and leaves that file alone. An
+// agent of another checkout unused for a day is deleted; a recent one
+// stays.
+func TestBuildAgentLinksOnce(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the agent")
+	}
+	gocache, err := exec.Command("go", "env", "GOCACHE").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The build cache stays where it is; only testproc's cache moves.
+	t.Setenv("GOCACHE", strings.TrimSpace(string(gocache)))
+	t.Setenv("XDG_CACHE_HOME", t.TempDir())
+
+	first, err := BuildAgent(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared, err := sharedAgentPath()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.Stat(shared)
+	if err != nil {
+		t.Fatalf("the shared agent: %v", err)
+	}
+	agents := filepath.Dir(filepath.Dir(shared))
+	other := func(name string, age time.Duration) string {
+		t.Helper()
+		bin := filepath.Join(agents, name, "identityd")
+		if err := os.MkdirAll(filepath.Dir(bin), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(bin, []byte("another checkout's agent"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		when := time.Now().Add(-age)
+		if err := os.Chtimes(bin, when, when); err != nil {
+			t.Fatal(err)
+		}
+		return bin
+	}
+	stale, recent := other("stale", 25*time.Hour), other("recent", time.Hour)
+
+	second, err := BuildAgent(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	after, err := os.Stat(shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !os.SameFile(before, after) {
+		t.Error("the second BuildAgent replaced the shared binary: it linked the agent again")
+	}
+	a, b := mustStat(t, first), mustStat(t, second)
+	if first == second || os.SameFile(a, b) || os.SameFile(a, after) {
+		t.Errorf("the two builds did not give two copies: %s, %s", first, second)
+	}
+	if a.Size() != after.Size() || b.Size() != after.Size() || a.Mode()&0o111 == 0 || b.Mode()&0o111 == 0 {
+		t.Errorf("copies: %v %v, shared binary: %v", a.Mode(), b.Mode(), after.Mode())
+	}
+	if out, err := exec.Command(second, "version").CombinedOutput(); err != nil {
+		t.Errorf("%s version: %v\n%s", second, err, out)
+	}
+	if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("an agent unused for 25 hours is still there: %v", err)
+	}
+	if _, err := os.Stat(recent); err != nil {
+		t.Errorf("an agent used an hour ago is gone: %v", err)
+	}
+}
+
+func mustStat(t *testing.T, path string) os.FileInfo {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi
 }

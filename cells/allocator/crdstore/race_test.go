@@ -3,6 +3,8 @@ package crdstore
 import (
 	"context"
 	"fmt"
+	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -55,15 +57,23 @@ func allocateAll(ctx context.Context, n *testNode, sets []labels.Labels, gorouti
 }
 
 // TestRaceNoDuplicates is the acceptance race: 3 nodes, the same 2,000
-// label sets, 8 goroutines each, at once. Placement by probe sequence must
+// label sets (`make test-long`; 600 by default, CRDSTORE_RACE_SETS
+// changes it, -short 300), 8 goroutines each, at once. Placement by probe sequence must
 // leave exactly one object per label set and every node with the same ID
 // (with a random free ID per create, as Cilium picks, it fails: 863
 // objects for the 300 label sets of -short, 570 ID mismatches).
 func TestRaceNoDuplicates(t *testing.T) {
 	t.Parallel()
-	nodes, setCount, goroutines := 3, raceSetCount, 8
+	nodes, setCount, goroutines := 3, 600, 8
 	if testing.Short() {
 		setCount = 300
+	}
+	if s := os.Getenv("CRDSTORE_RACE_SETS"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 {
+			t.Fatalf("CRDSTORE_RACE_SETS=%q: want a number of label sets", s)
+		}
+		setCount = n
 	}
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
@@ -128,6 +138,3 @@ func TestRaceNoDuplicates(t *testing.T) {
 		return nil
 	})
 }
-
-// raceSetCount is the acceptance figure; -short runs fewer.
-var raceSetCount = 2000

@@ -31,8 +31,8 @@ func buildAll() error {
 		return err
 	}
 	// The agent is built per test binary, from the sources of the moment
-	// (testproc.BuildAgent): this build leaves its compiled packages in
-	// the build cache, so that those builds only link.
+	// (testproc.BuildAgent): this build links the checkout's shared
+	// binary, which those builds then find up to date and copy.
 	dir, err := os.MkdirTemp("", "testbins")
 	if err != nil {
 		return err
