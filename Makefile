@@ -101,9 +101,13 @@ vet-servers:
 # The packages whose tests take longest come first, so that the longest
 # does not start last; the rest follow in `go list` order. Most of their
 # time is waiting for processes (agents, etcd, API servers), so more
-# packages run at a time than there are cores (TEST_P).
+# packages run at a time than there are cores (TEST_P). A running test
+# binary holds one of go test's -p slots, as a compile or a link does: on
+# a fresh machine, with four, the four longest packages held every slot
+# while they waited for their processes, and the compiles of the others
+# waited for them.
 TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest cells/allocator/etcdstore internal/robustness cells/kvstore cells/allocator/doublewrite cells/k8sclient
-TEST_P ?= 4
+TEST_P ?= 6
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
 	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
 
