@@ -121,9 +121,10 @@ test-binaries:
 	CGO_ENABLED=0 $(GO) run -trimpath ./internal/testproc/testbins
 
 # go test's own vet checks are a subset of `make vet`'s, and would
-# analyze every dependency as well: -vet=off leaves vet to `make vet`. The test binaries are linked without DWARF (-w), which
-# nothing reads (stack traces and race reports come from the symbol
-# table), for a quarter less link time per test binary.
+# analyze every dependency as well: -vet=off leaves vet to `make vet`.
+# The test binaries are linked without DWARF (-w), which nothing reads
+# (stack traces and race reports come from the symbol table), for a
+# quarter less link time per test binary.
 test-unit:
 	$(GO) test -race -vet=off -ldflags=-w -p $(TEST_P) -timeout 20m $(TEST_PKGS)
 

@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/identityd/identityd/internal/testproc"
 )
 
 const (
@@ -54,13 +56,7 @@ func TestCrashSafety(t *testing.T) {
 	if testing.Short() {
 		runs = 40
 	}
-	if s := os.Getenv("CHECKPOINT_CRASH_RUNS"); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < workers {
-			t.Fatalf("CHECKPOINT_CRASH_RUNS=%q: want a number of kills, at least %d", s, workers)
-		}
-		runs = n
-	}
+	runs = testproc.CountFromEnv(t, "CHECKPOINT_CRASH_RUNS", runs, workers)
 	errs := make(chan error, workers)
 	for w := range workers {
 		dir := t.TempDir()

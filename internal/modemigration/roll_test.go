@@ -43,15 +43,7 @@ var path = []string{
 const convergeWithin = 60 * time.Second
 
 func setCount(t *testing.T) int {
-	s := os.Getenv("MODEMIGRATION_SETS")
-	if s == "" {
-		return defaultSets
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n < nodes {
-		t.Fatalf("MODEMIGRATION_SETS=%q: want a number of label sets, at least %d", s, nodes)
-	}
-	return n
+	return testproc.CountFromEnv(t, "MODEMIGRATION_SETS", defaultSets, nodes)
 }
 
 // holders returns the nodes that hold label set i: two neighbours, and

@@ -20,6 +20,7 @@ import (
 	"github.com/identityd/identityd/internal/ipcachemaptest"
 	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/internal/robustness"
+	"github.com/identityd/identityd/internal/testproc"
 )
 
 // journalBackends are the datapath map backends of the journal's process
@@ -107,14 +108,7 @@ func TestDurableDeleteKill(t *testing.T) {
 // backend: IDENTITYD_KILL_ROUNDS, default 2 (a restart after SIGKILL takes
 // about 2.5s); make robustness runs 20.
 func killRounds(t *testing.T) int {
-	if s := os.Getenv("IDENTITYD_KILL_ROUNDS"); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 {
-			t.Fatalf("IDENTITYD_KILL_ROUNDS=%q", s)
-		}
-		return n
-	}
-	return 2
+	return testproc.CountFromEnv(t, "IDENTITYD_KILL_ROUNDS", 2, 1)
 }
 
 // allocRow is what the test reads of identity/allocate -o json.

@@ -262,12 +262,14 @@ func BuildAgent(dir string) (string, error) {
 		}
 		now := time.Now()
 		os.Chtimes(shared, now, now) // in use: pruneSharedAgents keeps it
+		// Under the lock, so that no other checkout's build is under way
+		// in a directory this deletes.
+		pruneSharedAgents(filepath.Dir(filepath.Dir(shared)), filepath.Dir(shared))
 		return copyExecutable(shared, bin)
 	})
 	if err != nil {
 		return "", err
 	}
-	pruneSharedAgents(filepath.Dir(filepath.Dir(shared)), filepath.Dir(shared))
 	return bin, nil
 }
 

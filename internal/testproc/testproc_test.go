@@ -3,6 +3,7 @@ package testproc
 import (
 	"debug/buildinfo"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -216,4 +217,60 @@ func mustStat(t *testing.T, path string) os.FileInfo {
 		t.Fatal(err)
 	}
 	return fi
+}
+
+// fatalRecorder is a testing.TB whose Fatalf records the message and ends
+// the call with a panic that the test recovers.
+type fatalRecorder struct {
+	testing.TB
+	msg string
+}
+
+type fatalCalled struct{}
+
+func (r *fatalRecorder) Helper() {}
+func (r *fatalRecorder) Fatalf(format string, args ...any) {
+	r.msg = fmt.Sprintf(format, args...)
+	panic(fatalCalled{})
+}
+
+func TestCountFromEnv(t *testing.T) {
+	const name = "TESTPROC_COUNT"
+	count := func(value string) (n int, fatal string) {
+		t.Setenv(name, value)
+		r := &fatalRecorder{TB: t}
+		defer func() {
+			if v := recover(); v != nil {
+				if _, ok := v.(fatalCalled); !ok {
+					panic(v)
+				}
+				fatal = r.msg
+			}
+		}()
+		return CountFromEnv(r, name, 7, 3), ""
+	}
+	for _, c := range []struct {
+		value string
+		want  int
+		fatal bool
+	}{
+		{"", 7, false},
+		{"3", 3, false},
+		{"2000", 2000, false},
+		{"2", 0, true},
+		{"x", 0, true},
+		{"1e3", 0, true},
+		{"-5", 0, true},
+	} {
+		n, fatal := count(c.value)
+		if c.fatal {
+			if !strings.Contains(fatal, name+"=") {
+				t.Errorf("%q: want a failure naming %s, got %d, %q", c.value, name, n, fatal)
+			}
+			continue
+		}
+		if fatal != "" || n != c.want {
+			t.Errorf("%q: got %d, %q; want %d", c.value, n, fatal, c.want)
+		}
+	}
 }

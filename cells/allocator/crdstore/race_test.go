@@ -3,13 +3,12 @@ package crdstore
 import (
 	"context"
 	"fmt"
-	"os"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testproc"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -58,23 +57,17 @@ func allocateAll(ctx context.Context, n *testNode, sets []labels.Labels, gorouti
 
 // TestRaceNoDuplicates is the acceptance race: 3 nodes, the same 2,000
 // label sets (`make test-long`; 600 by default, CRDSTORE_RACE_SETS
-// changes it, -short 300), 8 goroutines each, at once. Placement by probe sequence must
-// leave exactly one object per label set and every node with the same ID
-// (with a random free ID per create, as Cilium picks, it fails: 863
-// objects for the 300 label sets of -short, 570 ID mismatches).
+// changes it, -short 300), 8 goroutines each, at once. Placement by probe
+// sequence must leave exactly one object per label set and every node with
+// the same ID (with a random free ID per create, as Cilium picks, it fails:
+// 863 objects for the 300 label sets of -short, 570 ID mismatches).
 func TestRaceNoDuplicates(t *testing.T) {
 	t.Parallel()
 	nodes, setCount, goroutines := 3, 600, 8
 	if testing.Short() {
 		setCount = 300
 	}
-	if s := os.Getenv("CRDSTORE_RACE_SETS"); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 {
-			t.Fatalf("CRDSTORE_RACE_SETS=%q: want a number of label sets", s)
-		}
-		setCount = n
-	}
+	setCount = testproc.CountFromEnv(t, "CRDSTORE_RACE_SETS", setCount, 1)
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	sets := raceSets(setCount)
