@@ -82,13 +82,14 @@ fmt-check:
 vet:
 	$(GO) vet -race $(TEST_PKGS)
 
-# The two test-server mains, which no race test binary builds, vetted as
-# internal/testproc builds them. Not part of `make test`: vet analyzes
-# every package they import, the Kubernetes API server libraries
-# included, which on a fresh machine takes more CPU than compiling them
+# The two test-server mains, which no race test binary builds, vetted in
+# the mode and with the flags internal/testproc builds them with
+# (k8stest.ServerBuildFlags). Not part of `make test`: vet analyzes every
+# package they import, the Kubernetes API server libraries included,
+# which on a fresh machine takes more CPU than compiling them
 # (docs/benchmarks.md, "make test time"); `make lint` runs it.
 vet-servers:
-	CGO_ENABLED=0 $(GO) vet -trimpath ./internal/k8stest/apiserver ./internal/etcdtest/etcdserver
+	CGO_ENABLED=0 $(GO) run -trimpath ./internal/testproc/testbins -vet
 
 # The servers the tests run as processes (internal/k8stest/apiserver,
 # internal/etcdtest/etcdserver) have no tests of their own: `go test` would

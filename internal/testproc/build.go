@@ -34,8 +34,9 @@ var (
 // runs share one build: a file lock keeps concurrent test binaries from
 // building at the same time (one build of such a server takes all cores). When the environment variable env is set,
 // its value is the binary, an escape hatch for machines without a Go
-// toolchain at test time.
-func Binary(name, pkg, env string) (string, error) {
+// toolchain at test time. buildFlags go to go build after buildMode's and
+// are part of the key.
+func Binary(name, pkg, env string, buildFlags ...string) (string, error) {
 	binariesMu.Lock()
 	defer binariesMu.Unlock()
 	if p, ok := binaries[pkg]; ok {
@@ -45,7 +46,7 @@ func Binary(name, pkg, env string) (string, error) {
 		binaries[pkg] = p
 		return p, nil
 	}
-	p, err := build(name, pkg)
+	p, err := build(name, pkg, buildFlags)
 	if err != nil {
 		return "", err
 	}
@@ -53,12 +54,12 @@ func Binary(name, pkg, env string) (string, error) {
 	return p, nil
 }
 
-func build(name, pkg string) (string, error) {
+func build(name, pkg string, buildFlags []string) (string, error) {
 	root, err := moduleDir()
 	if err != nil {
 		return "", fmt.Errorf("testproc: cannot build %s: %w", name, err)
 	}
-	key, err := sourceKey(root, pkg)
+	key, err := sourceKey(root, pkg, buildFlags)
 	if err != nil {
 		return "", err
 	}
@@ -76,7 +77,7 @@ func build(name, pkg string) (string, error) {
 		if isExecutable(bin) {
 			return nil
 		}
-		return buildInto(bin, name, root, pkg)
+		return buildInto(bin, name, root, pkg, buildFlags)
 	})
 	if err != nil {
 		return "", err
@@ -132,9 +133,9 @@ func CombinedOutputLocked(cmd *exec.Cmd) (out []byte, err error) {
 }
 
 // buildInto builds the command in pkg into bin.
-func buildInto(bin, name, root, pkg string) error {
+func buildInto(bin, name, root, pkg string, buildFlags []string) error {
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
-	cmd := goBuild(tmp, "./"+pkg)
+	cmd := InImageMode("build", append(slices.Clone(buildFlags), "-o", tmp, "./"+pkg)...)
 	cmd.Dir = root
 	// This module's go.mod alone decides the versions, also under an
 	// importer's workspace.
@@ -156,8 +157,8 @@ func buildInto(bin, name, root, pkg string) error {
 }
 
 // sourceKey hashes what the binary is built from: the module's
-// dependencies, the package's own files and the toolchain.
-func sourceKey(root, pkg string) (string, error) {
+// dependencies, the package's own files, the toolchain and the flags.
+func sourceKey(root, pkg string, buildFlags []string) (string, error) {
 	h := sha256.New()
 	for _, f := range []string{"go.mod", "go.sum"} {
 		b, err := os.ReadFile(filepath.Join(root, f))
@@ -179,7 +180,7 @@ func sourceKey(root, pkg string) (string, error) {
 		fmt.Fprintf(h, "%s %d\n", filepath.Base(f), len(b))
 		h.Write(b)
 	}
-	fmt.Fprintf(h, "%s %s/%s %s", runtime.Version(), runtime.GOOS, runtime.GOARCH, buildMode)
+	fmt.Fprintf(h, "%s %s/%s %s %q", runtime.Version(), runtime.GOOS, runtime.GOARCH, buildMode, buildFlags)
 	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }
 

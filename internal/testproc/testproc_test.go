@@ -24,9 +24,10 @@ func TestSourceKeyFollowsSources(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	var flags []string
 	key := func() string {
 		t.Helper()
-		k, err := sourceKey(root, "cmd/x")
+		k, err := sourceKey(root, "cmd/x", flags)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -51,7 +52,15 @@ func TestSourceKeyFollowsSources(t *testing.T) {
 			k0 = k
 		}
 	}
-	if _, err := sourceKey(root, "cmd/none"); err == nil {
+	for _, change := range [][]string{{"-gcflags=example.com/...=-N"}, {"-gcflags=example.com/...=-N -l"}, {"-gcflags=example.com/...=-N", "-l"}} {
+		flags = change
+		if k := key(); k == k0 {
+			t.Errorf("key unchanged after build flags %q", change)
+		} else {
+			k0 = k
+		}
+	}
+	if _, err := sourceKey(root, "cmd/none", nil); err == nil {
 		t.Error("no error for a package without Go files")
 	}
 }
