@@ -7,5 +7,9 @@ import "github.com/identityd/identityd/internal/testproc"
 // testproc.Binary). IDENTITYD_ETCD_BINARY, when set, names the binary to use
 // instead.
 func Binary() (string, error) {
-	return testproc.Binary("etcd", "internal/etcdtest/etcdserver", "IDENTITYD_ETCD_BINARY")
+	return testproc.Binary("etcd", ServerPackage, "IDENTITYD_ETCD_BINARY")
 }
+
+// ServerPackage is the etcd server's main package, relative to the module
+// root.
+const ServerPackage = "internal/etcdtest/etcdserver"

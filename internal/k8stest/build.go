@@ -9,8 +9,12 @@ import "github.com/identityd/identityd/internal/testproc"
 // when set, names the binary to use instead. The first build takes
 // minutes.
 func Binary() (string, error) {
-	return testproc.Binary("apiserver", "internal/k8stest/apiserver", "IDENTITYD_APISERVER_BINARY", ServerBuildFlags...)
+	return testproc.Binary("apiserver", ServerPackage, "IDENTITYD_APISERVER_BINARY", ServerBuildFlags...)
 }
+
+// ServerPackage is the API server's main package, relative to the module
+// root.
+const ServerPackage = "internal/k8stest/apiserver"
 
 // ServerBuildFlags are the go build flags of the API server beyond the
 // image's mode. They cut the compile of the packages that only the server

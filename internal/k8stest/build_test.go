@@ -1,9 +1,11 @@
 package k8stest_test
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/internal/testproc"
 )
@@ -24,8 +26,8 @@ func TestServerBuildFlagsLeaveSharedPackages(t *testing.T) {
 		return strings.Fields(string(out))
 	}
 	mod := testproc.ModulePath
-	shared := deps(testproc.AgentPackage, mod+"/internal/etcdtest/etcdserver")
-	server := deps(mod + "/internal/k8stest/apiserver")
+	shared := deps(testproc.AgentPackage, mod+"/"+etcdtest.ServerPackage)
+	server := deps(mod + "/" + k8stest.ServerPackage)
 	if len(k8stest.ServerBuildFlags) == 0 {
 		t.Fatal("no server build flags")
 	}
@@ -46,13 +48,7 @@ func TestServerBuildFlagsLeaveSharedPackages(t *testing.T) {
 		if len(both) > 0 {
 			t.Errorf("%q matches %d packages that the agent or the etcd server imports: %s", flag, len(both), strings.Join(both[:min(len(both), 3)], ", "))
 		}
-		n := 0
-		for _, pkg := range server {
-			if matches(pkg) {
-				n++
-			}
-		}
-		if n == 0 {
+		if !slices.ContainsFunc(server, matches) {
 			t.Errorf("%q matches no package of the API server", flag)
 		}
 	}

@@ -135,7 +135,7 @@ func CombinedOutputLocked(cmd *exec.Cmd) (out []byte, err error) {
 // buildInto builds the command in pkg into bin.
 func buildInto(bin, name, root, pkg string, buildFlags []string) error {
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
-	cmd := InImageMode("build", append(slices.Clone(buildFlags), "-o", tmp, "./"+pkg)...)
+	cmd := goBuild(tmp, "./"+pkg, buildFlags...)
 	cmd.Dir = root
 	// This module's go.mod alone decides the versions, also under an
 	// importer's workspace.
@@ -235,8 +235,10 @@ func InImageMode(verb string, args ...string) *exec.Cmd {
 	return cmd
 }
 
-// goBuild is `go build -o out pkg` in buildMode.
-func goBuild(out, pkg string) *exec.Cmd { return InImageMode("build", "-o", out, pkg) }
+// goBuild is `go build flags... -o out pkg` in buildMode.
+func goBuild(out, pkg string, flags ...string) *exec.Cmd {
+	return InImageMode("build", append(slices.Clone(flags), "-o", out, pkg)...)
+}
 
 // BuildAgent builds the identityd binary from this module into dir, as the
 // image's is built (no race detector: the agents' speed sets the length of

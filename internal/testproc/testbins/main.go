@@ -37,7 +37,7 @@ func main() {
 // and with the flags they are built with. The flags of the API server
 // name none of the etcd server's packages, so one go vet serves both.
 func vetServers() error {
-	args := append(append([]string{}, k8stest.ServerBuildFlags...), "./internal/k8stest/apiserver", "./internal/etcdtest/etcdserver")
+	args := append(append([]string{}, k8stest.ServerBuildFlags...), "./"+k8stest.ServerPackage, "./"+etcdtest.ServerPackage)
 	cmd := testproc.InImageMode("vet", args...)
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	return cmd.Run()
