@@ -12,7 +12,7 @@ import (
 
 func openOver(t *testing.T, path string, base Base) (*Journal, Opened) {
 	t.Helper()
-	j, op, err := Open(path, testKind, base, time.Unix(2000, 0))
+	j, op, err := Open(path, testKind, base, time.Unix(2000, 0), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -21,8 +21,9 @@ func openOver(t *testing.T, path string, base Base) (*Journal, Opened) {
 }
 
 // TestOtherSnapshot: a journal whose header names another snapshot than
-// the one read is not replayed; a copy is kept, and the journal starts
-// afresh over the snapshot read.
+// the one read (the snapshot was replaced) is damage: a copy is kept, its
+// records are returned to be replayed over the snapshot read, and the
+// file is rewritten to hold them over that snapshot.
 func TestOtherSnapshot(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "j")
 	old, replaced := BaseOf([]byte("old snapshot")), BaseOf([]byte("replaced snapshot"))
@@ -40,14 +41,15 @@ func TestOtherSnapshot(t *testing.T) {
 	}
 
 	j, op := openOver(t, path, replaced)
-	if !errors.Is(op.Damage, ErrOtherSnapshot) || len(op.Records) != 0 {
-		t.Fatalf("journal over a replaced snapshot: damage %v, %d records replayed", op.Damage, len(op.Records))
+	if !errors.Is(op.Damage, ErrOtherSnapshot) {
+		t.Fatalf("journal over a replaced snapshot: damage %v", op.Damage)
 	}
+	checkRecords(t, op.Records, 3)
 	kept, err := os.ReadFile(op.KeptAs)
 	if err != nil || !bytes.Equal(kept, orig) {
 		t.Fatalf("copy kept as %q: %v, equal %v", op.KeptAs, err, bytes.Equal(kept, orig))
 	}
-	j.Append(payload(0))
+	j.Append(payload(3))
 	if err := j.Sync(1); err != nil {
 		t.Fatal(err)
 	}
@@ -56,7 +58,68 @@ func TestOtherSnapshot(t *testing.T) {
 	if op.Damage != nil {
 		t.Fatal(op.Damage)
 	}
-	checkRecords(t, op.Records, 1)
+	checkRecords(t, op.Records, 4)
+}
+
+// TestCoveredBySnapshot: a journal over the previous snapshot whose
+// records the snapshot read holds (a crash between a snapshot write and
+// the journal's reset) is no damage: no copy, nothing to replay, and the
+// journal goes on over the snapshot read. The same journal over a
+// snapshot that does not hold them is damage.
+func TestCoveredBySnapshot(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "j")
+	prev, next := BaseOf([]byte("previous")), BaseOf([]byte("next"))
+	j, _ := openOver(t, path, prev)
+	for i := range 3 {
+		j.Append(payload(i))
+	}
+	if err := j.Sync(3); err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	saved, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var asked [][]byte
+	j, op, err := Open(path, testKind, next, time.Unix(2000, 0), func(r [][]byte) bool { asked = r; return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkRecords(t, asked, 3)
+	if op.Damage != nil || op.KeptAs != "" || len(op.Records) != 0 || op.Covered != 3 {
+		t.Fatalf("journal covered by the snapshot: %+v", op)
+	}
+	j.Close()
+	if c := Decode(mustReadFile(t, path), testKind); c.Base != next || len(c.Records) != 0 || c.Damage != nil {
+		t.Fatalf("after open: base %v, %d records, damage %v", c.Base, len(c.Records), c.Damage)
+	}
+	if kept, _ := filepath.Glob(path + ".corrupt-*"); len(kept) != 0 {
+		t.Fatalf("copies kept: %v", kept)
+	}
+
+	if err := os.WriteFile(path, saved, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	j, op, err = Open(path, testKind, next, time.Unix(2000, 0), func([][]byte) bool { return false })
+	if err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	if !errors.Is(op.Damage, ErrOtherSnapshot) || op.KeptAs == "" || op.Covered != 0 {
+		t.Fatalf("journal not covered by the snapshot: %+v", op)
+	}
+	checkRecords(t, op.Records, 3)
+}
+
+func mustReadFile(t *testing.T, path string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
 }
 
 // TestOtherSnapshotWithoutRecords: a header naming another snapshot over
@@ -107,14 +170,15 @@ func TestCompactNamesSnapshot(t *testing.T) {
 	if err := os.WriteFile(path, saved, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if _, op := openOver(t, path, first); !errors.Is(op.Damage, ErrOtherSnapshot) || len(op.Records) != 0 {
+	if _, op := openOver(t, path, first); !errors.Is(op.Damage, ErrOtherSnapshot) || len(op.Records) != 1 {
 		t.Fatalf("over the first snapshot: damage %v, %d records", op.Damage, len(op.Records))
 	}
 }
 
 // TestResetFailureBreaksJournal: a journal that could not be emptied after
-// a snapshot still names the old one, so it takes no record (it would be
-// kept aside at restart, not replayed) until a later Compact succeeds.
+// a snapshot still names the old one, so it takes no record (at restart it
+// would be replayed over a snapshot it does not follow) until a later
+// Compact succeeds.
 func TestResetFailureBreaksJournal(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "j")
 	first, second, third := BaseOf([]byte("1")), BaseOf([]byte("2")), BaseOf([]byte("3"))

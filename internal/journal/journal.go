@@ -20,12 +20,23 @@
 // The checksum covers the length too, so a torn or zeroed length is found
 // as surely as a damaged payload. A reader stops at the first record that
 // is short, too long or fails its checksum: everything before it is the
-// valid prefix, everything from it on the damaged tail.
+// valid prefix. It then searches the bytes after it for records that
+// still verify by their own checksum (a flipped byte, a cut or an
+// overwritten range leaves the records after it intact): each was a
+// durable state of what it describes when it was written, so they are
+// replayed after the prefix, in file order. A damaged header gets the
+// same search from the first record on.
 //
-// A journal is replayed only over the snapshot its header names: the
-// snapshot's file may have been replaced since (a backup restored, another
-// agent's file), and the records of one state replayed over another would
-// make a third that never existed. Open keeps such a journal aside.
+// A journal is replayed over the snapshot its header names. When the
+// snapshot read is another one, either the crash came between a
+// snapshot's write and the journal's reset, and the snapshot holds every
+// record already (the caller tells, see Open), or the snapshot's file was
+// replaced (a backup restored, another agent's file) or lost: the records
+// are still the last durable states of what they describe, and are
+// replayed over the snapshot found, the journal reported as damaged.
+//
+// A journal file is created holding its header and never cut below it,
+// so an empty file is damage too: whatever it held is unknown.
 //
 // # Writing
 //
@@ -45,7 +56,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"path/filepath"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -114,6 +125,10 @@ var (
 	// ErrOtherSnapshot: the journal follows another snapshot than the
 	// one read (the snapshot's file was replaced), or names none.
 	ErrOtherSnapshot = errors.New("journal of another snapshot")
+	// ErrEmpty: the file is empty. A journal is created with its
+	// header and never cut below it, so something else emptied it:
+	// whatever its records held is unknown.
+	ErrEmpty = errors.New("zero-length journal (a journal always holds its header)")
 	// ErrBroken: the journal cannot take records until the next
 	// snapshot (Compact): a failed write could not be undone, or the
 	// journal could not be emptied after a snapshot. The caller makes
@@ -158,92 +173,193 @@ type Contents struct {
 	Damage error
 	// Base is the snapshot the header names (when Valid > 0).
 	Base Base
+	// Salvaged are the records after the damage that still verify by
+	// their own checksum, in file order; Lost is the number of bytes
+	// after the valid prefix in none of them.
+	Salvaged [][]byte
+	Lost     int64
+	// HeaderDamaged says the header failed its checksum: the records
+	// were all salvaged, and the snapshot they follow is unknown.
+	HeaderDamaged bool
 }
 
 // Decode reads a journal of kind from data. It never panics: whatever the
-// bytes, it returns the records of the valid prefix and says why it
-// stopped. An empty input is an empty journal without damage (a file
-// created but never written).
+// bytes, it returns the records of the valid prefix, says why it stopped,
+// and salvages the records after the damage that still verify by their own
+// checksum (see salvage). An empty input holds nothing and has no damage;
+// Open, which knows that a journal file always holds its header, tells the
+// empty file apart.
 func Decode(data []byte, kind uint32) Contents {
 	var c Contents
 	if len(data) == 0 {
 		return c
 	}
-	if string(data[:min(len(data), len(magic))]) != string(magic[:min(len(data), len(magic))]) {
+	if len(data) >= HeaderSize && string(data[:len(magic)]) == string(magic[:]) {
+		sum := binary.LittleEndian.Uint32(data[28:])
+		v := binary.LittleEndian.Uint32(data[8:])
+		switch {
+		case crc32.Checksum(data[:28], castagnoli) == sum:
+			// A sound header: its version and kind are what they say.
+			switch k := binary.LittleEndian.Uint32(data[12:]); {
+			case v > Version:
+				c.Damage = fmt.Errorf("%w: version %d, this agent reads %d", ErrNewerVersion, v, Version)
+				return c
+			case v != Version && v != 1:
+				c.Damage = fmt.Errorf("%w: unknown version %d", ErrNotJournal, v)
+				return c
+			case v == Version && k != kind:
+				c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, k, kind)
+				return c
+			case v == Version:
+				return decodeRecords(data, c, binary.LittleEndian.Uint64(data[16:]), binary.LittleEndian.Uint32(data[24:]))
+			}
+		case v > Version && !headerOfVersion(data, Version):
+			// A newer format may lay its header out otherwise; a damaged
+			// version field of this format's header is told apart by
+			// the checksum it still matches with this version.
+			c.Damage = fmt.Errorf("%w: version %d, this agent reads %d", ErrNewerVersion, v, Version)
+			return c
+		}
+	}
+	if len(data) >= 12 && string(data[:len(magic)]) == string(magic[:]) && binary.LittleEndian.Uint32(data[8:]) == 1 {
+		return decodeV1(data, kind)
+	}
+	switch {
+	case len(data) < HeaderSize && string(data[:min(len(data), len(magic))]) == string(magic[:min(len(data), len(magic))]):
+		c.Damage = fmt.Errorf("%w: %d of %d header bytes", ErrTorn, len(data), HeaderSize)
+		return c
+	case len(data) < HeaderSize:
+		c.Damage = ErrNotJournal
+		return c
+	case string(data[:len(magic)]) != string(magic[:]) && !hasRecordAt(data, HeaderSize):
+		// Neither the magic nor a record where the first one would be:
+		// another file, whose bytes are not searched for records.
 		c.Damage = ErrNotJournal
 		return c
 	}
-	if len(data) >= 12 {
-		switch v := binary.LittleEndian.Uint32(data[8:]); {
-		case v == 1 && len(data) >= v1HeaderSize && binary.LittleEndian.Uint32(data[12:]) != kind:
-			c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, binary.LittleEndian.Uint32(data[12:]), kind)
-			return c
-		case v == 1 && len(data) == v1HeaderSize:
-			// A bare header of version 1, as a clean stop left it:
-			// nothing to replay and no damage; Open writes a new
-			// header.
-			c.Valid = v1HeaderSize
-			return c
-		case v == 1:
-			c.Damage = fmt.Errorf("%w: format version 1 names no snapshot", ErrOtherSnapshot)
-			return c
-		case v > Version:
-			c.Damage = fmt.Errorf("%w: version %d, this agent reads %d", ErrNewerVersion, v, Version)
-			return c
-		case v != Version:
-			c.Damage = fmt.Errorf("%w: unknown version %d", ErrNotJournal, v)
-			return c
-		}
+	// A damaged header: the records after it are salvaged. The snapshot
+	// they follow is unknown.
+	c.Damage = fmt.Errorf("%w: header", ErrChecksum)
+	c.HeaderDamaged = true
+	c.Salvaged, c.Lost = salvage(data, HeaderSize)
+	return c
+}
+
+// headerOfVersion tells whether the header's checksum matches its first
+// 28 bytes with the version field set to v.
+func headerOfVersion(data []byte, v uint32) bool {
+	var h [28]byte
+	copy(h[:], data[:28])
+	binary.LittleEndian.PutUint32(h[8:], v)
+	return crc32.Checksum(h[:], castagnoli) == binary.LittleEndian.Uint32(data[28:])
+}
+
+// decodeV1 reads a journal of format version 1, whose 16-byte header
+// names no snapshot: only its bare header, as a clean stop left it, is
+// taken (nothing to replay); one with records is of another snapshot.
+func decodeV1(data []byte, kind uint32) Contents {
+	var c Contents
+	switch {
+	case len(data) >= v1HeaderSize && binary.LittleEndian.Uint32(data[12:]) != kind:
+		c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, binary.LittleEndian.Uint32(data[12:]), kind)
+	case len(data) == v1HeaderSize:
+		c.Valid = v1HeaderSize
+	default:
+		c.Damage = fmt.Errorf("%w: format version 1 names no snapshot", ErrOtherSnapshot)
 	}
-	if len(data) < HeaderSize {
-		c.Damage = fmt.Errorf("%w: %d of %d header bytes", ErrTorn, len(data), HeaderSize)
-		return c
-	}
-	if k := binary.LittleEndian.Uint32(data[12:]); k != kind {
-		c.Damage = fmt.Errorf("%w: kind %d, want %d", ErrOtherKind, k, kind)
-		return c
-	}
-	if crc32.Checksum(data[:28], castagnoli) != binary.LittleEndian.Uint32(data[28:]) {
-		c.Damage = fmt.Errorf("%w: header", ErrChecksum)
-		return c
-	}
-	c.Base = Base{Size: binary.LittleEndian.Uint64(data[16:]), CRC: binary.LittleEndian.Uint32(data[24:])}
+	return c
+}
+
+// decodeRecords reads the records after a sound header.
+func decodeRecords(data []byte, c Contents, size uint64, crc uint32) Contents {
+	c.Base = Base{Size: size, CRC: crc}
 	off := HeaderSize
 	c.Valid = int64(off)
 	for off < len(data) {
-		rest := data[off:]
-		if len(rest) < RecordOverhead {
-			c.Damage = fmt.Errorf("%w: %d bytes at offset %d", ErrTorn, len(rest), off)
-			return c
-		}
-		n := binary.LittleEndian.Uint32(rest[0:])
-		sum := binary.LittleEndian.Uint32(rest[4:])
-		if n == 0 || n > MaxRecord {
-			// A zero length with a zero checksum is a zeroed tail (a file
-			// system that extended the file but not its data before the
-			// crash): torn, not corrupt.
-			if n == 0 && sum == 0 && allZero(rest) {
-				c.Damage = fmt.Errorf("%w: %d zero bytes at offset %d", ErrTorn, len(rest), off)
-			} else {
-				c.Damage = fmt.Errorf("%w: %d at offset %d", ErrBadLength, n, off)
-			}
-			return c
-		}
-		if uint64(len(rest)-RecordOverhead) < uint64(n) {
-			c.Damage = fmt.Errorf("%w: record of %d bytes at offset %d, %d left", ErrTorn, n, off, len(rest)-RecordOverhead)
-			return c
-		}
-		payload := rest[RecordOverhead : RecordOverhead+int(n)]
-		crc := crc32.Update(0, castagnoli, rest[0:4])
-		if crc32.Update(crc, castagnoli, payload) != sum {
-			c.Damage = fmt.Errorf("%w: record at offset %d", ErrChecksum, off)
+		payload, n, err := frameAt(data, off)
+		if err != nil {
+			c.Damage = err
+			c.Salvaged, c.Lost = salvage(data, off)
 			return c
 		}
 		c.Records = append(c.Records, payload)
-		off += RecordOverhead + int(n)
+		off += n
 		c.Valid = int64(off)
 	}
 	return c
+}
+
+// frameAt decodes the record at off, returning its payload and its size
+// with the framing, or why it is no record.
+func frameAt(data []byte, off int) ([]byte, int, error) {
+	rest := data[off:]
+	if len(rest) < RecordOverhead {
+		return nil, 0, fmt.Errorf("%w: %d bytes at offset %d", ErrTorn, len(rest), off)
+	}
+	n := binary.LittleEndian.Uint32(rest[0:])
+	sum := binary.LittleEndian.Uint32(rest[4:])
+	if n == 0 || n > MaxRecord {
+		// A zero length with a zero checksum is a zeroed tail (a file
+		// system that extended the file but not its data before the
+		// crash): torn, not corrupt.
+		if n == 0 && sum == 0 && allZero(rest) {
+			return nil, 0, fmt.Errorf("%w: %d zero bytes at offset %d", ErrTorn, len(rest), off)
+		}
+		return nil, 0, fmt.Errorf("%w: %d at offset %d", ErrBadLength, n, off)
+	}
+	if uint64(len(rest)-RecordOverhead) < uint64(n) {
+		return nil, 0, fmt.Errorf("%w: record of %d bytes at offset %d, %d left", ErrTorn, n, off, len(rest)-RecordOverhead)
+	}
+	payload := rest[RecordOverhead : RecordOverhead+int(n)]
+	crc := crc32.Update(0, castagnoli, rest[0:4])
+	if crc32.Update(crc, castagnoli, payload) != sum {
+		return nil, 0, fmt.Errorf("%w: record at offset %d", ErrChecksum, off)
+	}
+	return payload, RecordOverhead + int(n), nil
+}
+
+func hasRecordAt(data []byte, off int) bool {
+	_, _, err := frameAt(data, off)
+	return err == nil
+}
+
+// salvage finds the records after damage at off that still verify by
+// their own checksum, in file order, and counts the bytes in none of
+// them. It first tries the end the damaged record's length names (a
+// damaged payload leaves the next record where it was), then every
+// offset (a cut or overwritten range moves it). A record found by chance
+// in damaged bytes would need a matching CRC-32C: one in 2^32. The
+// checksums computed are bounded by a multiple of the file's size, so
+// that no bytes make the search slow; what it leaves unsearched counts
+// as lost.
+func salvage(data []byte, off int) (records [][]byte, lost int64) {
+	budget := 32*len(data) + MaxRecord
+	if len(data)-off >= RecordOverhead && !hasRecordAt(data, off) {
+		if n := binary.LittleEndian.Uint32(data[off:]); n > 0 && n <= MaxRecord {
+			if next := off + RecordOverhead + int(n); next < len(data) && hasRecordAt(data, next) {
+				lost += int64(next - off)
+				off = next
+			}
+		}
+	}
+	for off < len(data) {
+		if len(data)-off < RecordOverhead || budget <= 0 {
+			lost += int64(len(data) - off)
+			break
+		}
+		n := binary.LittleEndian.Uint32(data[off:])
+		if n > 0 && n <= MaxRecord && len(data)-off-RecordOverhead >= int(n) {
+			budget -= int(n)
+			if payload, size, err := frameAt(data, off); err == nil {
+				records = append(records, payload)
+				off += size
+				continue
+			}
+		}
+		lost++
+		off++
+	}
+	return records, lost
 }
 
 func allZero(b []byte) bool {
@@ -257,8 +373,16 @@ func allZero(b []byte) bool {
 
 // Opened is what Open found in the file.
 type Opened struct {
-	// Records are the payloads of the valid prefix, in order.
+	// Records are the payloads to replay, in order: the valid prefix,
+	// then the salvaged records.
 	Records [][]byte
+	// Salvaged is the number of Records found after the damage; Lost
+	// the number of damaged bytes in no record.
+	Salvaged int
+	Lost     int64
+	// Covered is the number of records of a journal over the previous
+	// snapshot that the snapshot read holds already (none replayed).
+	Covered int
 	// Found is false when there was no file.
 	Found bool
 	// Size is the file's size as found.
@@ -307,19 +431,46 @@ type Journal struct {
 
 // Open opens the journal at path for kind over the snapshot base (the
 // BaseOf the snapshot file's bytes just read, the zero Base when there was
-// none), creating it (mode 0600) if needed, and returns it with what it
-// held. A damaged file (a torn or corrupt tail, a file that is no journal,
-// one of a newer version or of another kind) is copied aside to
-// <path>.corrupt-<unix time> first and then cut to its valid prefix (or
-// started afresh when no prefix is valid), so that new records follow the
-// last valid one. A journal whose header names another snapshot than base
-// is copied aside the same way and started afresh, none of its records
-// returned (Damage wraps ErrOtherSnapshot); one without records just gets
-// a new header. Only an error that leaves the file untouched and unread
-// is returned: the caller must then not write it.
-func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened, error) {
+// none) and returns it with the records to replay. A new file is created
+// (mode 0600) holding its header, atomically: a journal file always holds
+// at least its header, so an empty one is damage (ErrEmpty), not a journal
+// that never held anything.
+//
+// A damaged file (a torn or corrupt record, a damaged header, a file that
+// is no journal, one of a newer version or of another kind) is copied
+// aside to <path>.corrupt-<unix time> first. Its records to replay are the
+// valid prefix and then the records after the damage that still verify
+// (Opened.Salvaged): every one of them was a durable state of its keys
+// when it was written, and a key's last record is its last durable state.
+// The file is then cut to the valid prefix, or, when records were
+// salvaged, rewritten to hold exactly the records returned, so that new
+// records follow them.
+//
+// A journal whose header names another snapshot than base is, when
+// covered says the snapshot already holds the net change of all its
+// records, the trace of a crash between a snapshot write and the
+// journal's reset: it is started afresh over base with nothing to replay
+// and no damage (Opened.Covered). Otherwise the snapshot was replaced
+// (an older copy, another agent's file) or lost: a copy is kept, Damage
+// wraps ErrOtherSnapshot, its records are returned to be replayed over
+// the snapshot found and the file rewritten to hold them over base. The
+// caller must treat what it restores then as incomplete.
+//
+// Only an error that leaves the file untouched is returned: the caller
+// must then not write it.
+func Open(path string, kind uint32, base Base, now time.Time, covered func(records [][]byte) bool) (*Journal, Opened, error) {
 	var op Opened
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NONBLOCK, 0o600)
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NONBLOCK, 0)
+	created := false
+	if errors.Is(err, fs.ErrNotExist) {
+		// Created with its header by a rename: no crash leaves an empty
+		// journal behind.
+		if werr := atomicfile.Write(path, Header(kind, base)); werr != nil {
+			return nil, op, fmt.Errorf("create journal: %w", werr)
+		}
+		created = true
+		f, err = os.OpenFile(path, os.O_RDWR|syscall.O_NONBLOCK, 0)
+	}
 	if err != nil {
 		return nil, op, fmt.Errorf("open journal: %w", err)
 	}
@@ -332,7 +483,7 @@ func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened,
 		f.Close()
 		return nil, op, fmt.Errorf("journal %s is not a regular file (%s)", path, fi.Mode().Type())
 	}
-	op.Found = fi.Size() > 0
+	op.Found = !created
 	op.Size = fi.Size()
 	if fi.Size() > 1<<31 {
 		f.Close()
@@ -344,19 +495,31 @@ func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened,
 		return nil, op, fmt.Errorf("read journal: %w", err)
 	}
 	c := Decode(data, kind)
-	valid := c.Valid
-	if valid >= HeaderSize && c.Base != base {
-		if len(c.Records) == 0 && c.Damage == nil {
-			// Nothing to replay: only the header is out of date (a
-			// crash between a snapshot and the journal's reset).
-			valid = 0
-		} else {
-			c.Records, valid = nil, 0
-			c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the snapshot read has %v", ErrOtherSnapshot, c.Base, base)
-		}
+	if len(data) == 0 {
+		c.Damage = ErrEmpty
 	}
-	op.Records, op.Damage = c.Records, c.Damage
-	if c.Damage != nil {
+	records := c.Records
+	if len(c.Salvaged) > 0 {
+		records = append(slices.Clip(records), c.Salvaged...)
+	}
+	other := c.Valid >= HeaderSize && c.Base != base
+	switch {
+	case !other:
+	case len(records) == 0 && c.Damage == nil:
+		// Nothing to replay: only the header is out of date.
+	case c.Damage == nil && covered != nil && covered(records):
+		// The snapshot holds every record: the crash came between its
+		// write and the journal's reset.
+		op.Covered = len(records)
+		records = nil
+	case c.Damage == nil:
+		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the snapshot read has %v", ErrOtherSnapshot, c.Base, base)
+	default:
+		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the snapshot read has %v; and %w", ErrOtherSnapshot, c.Base, base, c.Damage)
+	}
+	op.Records, op.Damage = records, c.Damage
+	op.Salvaged, op.Lost = len(c.Salvaged), c.Lost
+	if c.Damage != nil && len(data) > 0 {
 		kept, err := keepCopy(path, data, now)
 		if err != nil {
 			f.Close()
@@ -365,14 +528,30 @@ func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened,
 		op.KeptAs = kept
 	}
 	j := &Journal{path: path, kind: kind, base: base, f: f, first: 1}
-	if valid < HeaderSize {
-		// No valid header: start afresh.
+	switch {
+	case len(records) > 0 && (other || len(c.Salvaged) > 0 || c.HeaderDamaged):
+		// The file is made to hold exactly what is replayed, over base.
+		f.Close()
+		out := Header(kind, base)
+		for _, r := range records {
+			out = AppendRecord(out, r)
+		}
+		if err := atomicfile.Write(path, out); err != nil {
+			return nil, op, fmt.Errorf("rewrite journal with its salvaged records: %w", err)
+		}
+		if j.f, err = os.OpenFile(path, os.O_RDWR|syscall.O_NONBLOCK, 0); err != nil {
+			return nil, op, fmt.Errorf("open journal: %w", err)
+		}
+		j.size = int64(len(out))
+	case c.Valid < HeaderSize || other:
+		// No valid header, or one naming another snapshot over no
+		// record to keep: start afresh.
 		if err := j.writeHeader(base); err != nil {
 			f.Close()
 			return nil, op, err
 		}
-	} else if valid < fi.Size() {
-		if err := f.Truncate(valid); err != nil {
+	case c.Valid < fi.Size():
+		if err := f.Truncate(c.Valid); err != nil {
 			f.Close()
 			return nil, op, fmt.Errorf("cut journal to its valid prefix: %w", err)
 		}
@@ -380,16 +559,9 @@ func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened,
 			f.Close()
 			return nil, op, fmt.Errorf("sync journal: %w", err)
 		}
-		j.size = valid
-	} else {
-		j.size = valid
-	}
-	if !op.Found {
-		// A new file: its name must survive a crash too.
-		if err := atomicfile.SyncDir(filepath.Dir(path)); err != nil {
-			f.Close()
-			return nil, op, fmt.Errorf("sync journal directory: %w", err)
-		}
+		j.size = c.Valid
+	default:
+		j.size = c.Valid
 	}
 	return j, op, nil
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"sync"
@@ -16,7 +17,7 @@ const testKind = 7
 
 func open(t *testing.T, path string) (*Journal, Opened) {
 	t.Helper()
-	j, op, err := Open(path, testKind, Base{}, time.Unix(1000, 0))
+	j, op, err := Open(path, testKind, Base{}, time.Unix(1000, 0), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,7 +229,7 @@ func TestCompact(t *testing.T) {
 // damaged opens a journal of 10 records damaged by damage and checks that
 // the valid prefix is read, a copy of the whole file kept and the file cut
 // so that new records follow the prefix.
-func damaged(t *testing.T, damage func(data []byte) []byte, wantValid int, wantErr error) {
+func damaged(t *testing.T, damage func(data []byte) []byte, wantValid int, wantErr error, salvaged ...int) {
 	t.Helper()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "j")
@@ -245,7 +246,15 @@ func damaged(t *testing.T, damage func(data []byte) []byte, wantValid int, wantE
 	if !errors.Is(op.Damage, wantErr) {
 		t.Fatalf("damage %v, want %v", op.Damage, wantErr)
 	}
-	checkRecords(t, op.Records, wantValid)
+	checkRecords(t, op.Records[:min(wantValid, len(op.Records))], wantValid)
+	if got := op.Records[wantValid:]; len(got) != len(salvaged) || op.Salvaged != len(salvaged) {
+		t.Fatalf("%d records salvaged (%d counted), want %v", len(got), op.Salvaged, salvaged)
+	}
+	for i, want := range salvaged {
+		if !bytes.Equal(op.Records[wantValid+i], payload(want)) {
+			t.Fatalf("salvaged record %d is %q, want %q", i, op.Records[wantValid+i], payload(want))
+		}
+	}
 	if op.KeptAs == "" {
 		t.Fatal("no copy kept of the damaged journal")
 	}
@@ -263,7 +272,7 @@ func damaged(t *testing.T, damage func(data []byte) []byte, wantValid int, wantE
 	}
 	j.Close()
 	_, op = open(t, path)
-	if op.Damage != nil || len(op.Records) != wantValid+1 || string(op.Records[wantValid]) != "after" {
+	if n := wantValid + len(salvaged); op.Damage != nil || len(op.Records) != n+1 || string(op.Records[n]) != "after" {
 		t.Fatalf("after reopening: damage %v, %d records", op.Damage, len(op.Records))
 	}
 }
@@ -288,20 +297,84 @@ func TestFlippedByteInTheMiddle(t *testing.T) {
 	for i := range 5 {
 		off += RecordOverhead + len(payload(i))
 	}
-	damaged(t, func(d []byte) []byte { d[off+RecordOverhead+2] ^= 0x40; return d }, 5, ErrChecksum)
+	damaged(t, func(d []byte) []byte { d[off+RecordOverhead+2] ^= 0x40; return d }, 5, ErrChecksum, 6, 7, 8, 9)
+}
+
+// recordOffset is where record i of writeRecords' file begins.
+func recordOffset(i int) int {
+	off := HeaderSize
+	for k := range i {
+		off += RecordOverhead + len(payload(k))
+	}
+	return off
+}
+
+// TestCutInTheMiddle: bytes cut out of records 3 and 4 leave the records
+// after them, found at their new offsets.
+func TestCutInTheMiddle(t *testing.T) {
+	damaged(t, func(d []byte) []byte {
+		return append(d[:recordOffset(3)+5], d[recordOffset(4)+7:]...)
+	}, 3, ErrChecksum, 5, 6, 7, 8, 9)
+}
+
+// TestGarbageInTheMiddle: records 2 to 4 overwritten with other bytes.
+func TestGarbageInTheMiddle(t *testing.T) {
+	damaged(t, func(d []byte) []byte {
+		for i := recordOffset(2) + 3; i < recordOffset(5)-2; i++ {
+			d[i] = byte(i*7 + 13)
+		}
+		return d
+	}, 2, ErrBadLength, 5, 6, 7, 8, 9)
+}
+
+// TestDamagedHeader: a flipped byte in the header (here in the snapshot's
+// size) keeps every record, salvaged.
+func TestDamagedHeader(t *testing.T) {
+	damaged(t, func(d []byte) []byte { d[17] ^= 0x01; return d }, 0, ErrChecksum, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+}
+
+// TestDamagedVersion: a flipped bit that makes the version look newer is
+// damage, told apart from a newer format by the header's checksum.
+func TestDamagedVersion(t *testing.T) {
+	damaged(t, func(d []byte) []byte { d[8] ^= 0x04; return d }, 0, ErrChecksum, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+}
+
+// TestSalvageBounded: a large file of plausible lengths and no record is
+// searched in time bounded by its size.
+func TestSalvageBounded(t *testing.T) {
+	data := Header(testKind, Base{})
+	junk := make([]byte, 4<<20)
+	for i := 0; i+4 <= len(junk); i += 4 {
+		binary.LittleEndian.PutUint32(junk[i:], uint32(MaxRecord-i%1000))
+	}
+	data = append(data, junk...)
+	t0 := time.Now()
+	c := Decode(data, testKind)
+	if len(c.Salvaged) != 0 || c.Lost != int64(len(junk)) {
+		t.Fatalf("%d salvaged, %d lost of %d", len(c.Salvaged), c.Lost, len(junk))
+	}
+	t.Logf("searched %d bytes of plausible lengths in %v", len(junk), time.Since(t0))
 }
 
 func TestFlippedLength(t *testing.T) {
 	off := HeaderSize + RecordOverhead + len(payload(0))
-	damaged(t, func(d []byte) []byte { d[off+2] = 0xff; return d }, 1, ErrBadLength)
+	damaged(t, func(d []byte) []byte { d[off+2] = 0xff; return d }, 1, ErrBadLength, 2, 3, 4, 5, 6, 7, 8, 9)
+}
+
+// resum gives a changed header its checksum again.
+func resum(d []byte) []byte {
+	binary.LittleEndian.PutUint32(d[28:], crc32.Checksum(d[:28], castagnoli))
+	return d
 }
 
 func TestNewerVersion(t *testing.T) {
-	damaged(t, func(d []byte) []byte { binary.LittleEndian.PutUint32(d[8:], Version+1); return d }, 0, ErrNewerVersion)
+	damaged(t, func(d []byte) []byte { binary.LittleEndian.PutUint32(d[8:], Version+1); return resum(d) }, 0, ErrNewerVersion)
+	// A newer format whose header is laid out otherwise.
+	damaged(t, func(d []byte) []byte { binary.LittleEndian.PutUint32(d[8:], Version+1); d[28] ^= 0xff; return d }, 0, ErrNewerVersion)
 }
 
 func TestOtherKind(t *testing.T) {
-	damaged(t, func(d []byte) []byte { binary.LittleEndian.PutUint32(d[12:], testKind+1); return d }, 0, ErrOtherKind)
+	damaged(t, func(d []byte) []byte { binary.LittleEndian.PutUint32(d[12:], testKind+1); return resum(d) }, 0, ErrOtherKind)
 }
 
 func TestNotAJournal(t *testing.T) {
@@ -312,15 +385,15 @@ func TestTornHeader(t *testing.T) {
 	damaged(t, func(d []byte) []byte { return d[:5] }, 0, ErrTorn)
 }
 
-// TestZeroLengthFile: a journal created but never written is empty, not
-// damaged.
+// TestZeroLengthFile: a journal is created with its header, so an empty
+// file is damage (its records are unknown), and it goes on afresh.
 func TestZeroLengthFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "j")
 	if err := os.WriteFile(path, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	j, op := open(t, path)
-	if op.Damage != nil || op.KeptAs != "" || len(op.Records) != 0 {
+	if !errors.Is(op.Damage, ErrEmpty) || op.KeptAs != "" || len(op.Records) != 0 || !op.Found {
 		t.Fatalf("zero-length file: %+v", op)
 	}
 	j.Append(payload(0))
@@ -339,7 +412,7 @@ func TestNotRegular(t *testing.T) {
 	if err := os.Mkdir(path, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := Open(path, testKind, Base{}, time.Now()); err == nil {
+	if _, _, err := Open(path, testKind, Base{}, time.Now(), nil); err == nil {
 		t.Fatal("opened a directory as a journal")
 	}
 }
