@@ -19,7 +19,7 @@ type Config struct {
 // DefaultConfig serves on loopback only: metrics are not meant to be
 // reachable from the network unless the operator says so.
 var DefaultConfig = Config{
-	PrometheusServeAddr: "127.0.0.1:9963",
+	PrometheusServeAddr: "127.0.0.1:9981",
 }
 
 // Flags registers the metrics flags.
@@ -35,7 +35,7 @@ func (c Config) Validate() error {
 	}
 	_, port, err := net.SplitHostPort(c.PrometheusServeAddr)
 	if err != nil {
-		return fmt.Errorf("invalid --prometheus-serve-addr %q: want host:port, e.g. 127.0.0.1:9963 or :9963: %w", c.PrometheusServeAddr, err)
+		return fmt.Errorf("invalid --prometheus-serve-addr %q: want host:port, e.g. 127.0.0.1:9981 or :9981: %w", c.PrometheusServeAddr, err)
 	}
 	// Service names ("http") would resolve, but a numeric port is what
 	// scrape configs and firewall rules name, so ask for one.

@@ -13,7 +13,7 @@
 //	})
 //
 // It serves the registry on --prometheus-serve-addr (default
-// 127.0.0.1:9963, loopback only; empty disables the endpoint; port 0 picks
+// 127.0.0.1:9981, loopback only; empty disables the endpoint; port 0 picks
 // a free port, reported by (*Server).Addr and logged):
 //
 //   - /metrics: the Prometheus text format.

@@ -26,8 +26,8 @@ func TestConfigValidate(t *testing.T) {
 		addr string
 		err  string
 	}{
-		{"127.0.0.1:9963", ""},
-		{":9963", ""},
+		{"127.0.0.1:9981", ""},
+		{":9981", ""},
 		{"[::1]:0", ""},
 		{"", ""},
 		{"127.0.0.1", "want host:port"},

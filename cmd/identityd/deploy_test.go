@@ -15,6 +15,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -858,4 +859,129 @@ func fileMode(m *int32) string {
 func hasKey[V any](m map[string]V, k string) bool {
 	_, ok := m[k]
 	return ok
+}
+
+// ciliumPorts are the TCP ports Cilium's Helm chart has its components
+// listen on by default, on the node's network (the agent, the operator
+// and Envoy run with hostNetwork) or on ports of Cilium's that operators
+// open on every node. An agent of identityd beside Cilium must listen on
+// none of them, or one of the two fails to start on some node: the pod
+// crash-loops with "address already in use" and the rollout stalls.
+// From Cilium's "System Requirements" list of ports and its chart's values.
+var ciliumPorts = map[int]string{
+	2379: "etcd (kvstore mode, clustermesh-apiserver)",
+	2380: "etcd peers",
+	4240: "cilium-health, cluster health checks",
+	4244: "Hubble server (Hubble peer)",
+	4245: "Hubble Relay",
+	4250: "mutual authentication",
+	4251: "Spire agent health",
+	6060: "cilium-agent pprof",
+	6061: "cilium-operator pprof",
+	6062: "Hubble Relay pprof",
+	6063: "clustermesh-apiserver pprof",
+	9234: "cilium-operator health API",
+	9876: "cilium-agent health",
+	9878: "cilium-envoy health",
+	9879: "cilium-agent health API",
+	9880: "clustermesh-apiserver health",
+	9881: "KVStoreMesh health",
+	9890: "cilium-agent gops",
+	9891: "cilium-operator gops",
+	9892: "clustermesh-apiserver gops",
+	9893: "Hubble Relay gops",
+	9901: "cilium-envoy admin API",
+	9962: "cilium-agent Prometheus metrics",
+	9963: "cilium-operator Prometheus metrics",
+	9964: "cilium-envoy Prometheus metrics",
+	9965: "Hubble metrics",
+	9966: "Hubble Relay metrics",
+}
+
+// hostPorts returns the TCP ports the agent of the pod spec listens on in
+// the node's network namespace, each with what names it: with
+// hostNetwork, the port of --prometheus-serve-addr, the probes' ports and
+// the container's ports; without, the container's host ports.
+func hostPorts(t *testing.T, s agentSettings, spec corev1.PodSpec, c corev1.Container) map[int][]string {
+	t.Helper()
+	ports := map[int][]string{}
+	for _, p := range c.Ports {
+		if p.Protocol != "" && p.Protocol != corev1.ProtocolTCP {
+			continue
+		}
+		if p.HostPort != 0 {
+			ports[int(p.HostPort)] = append(ports[int(p.HostPort)], "hostPort of containerPort "+p.Name)
+		}
+		if spec.HostNetwork {
+			ports[int(p.ContainerPort)] = append(ports[int(p.ContainerPort)], "containerPort "+p.Name)
+		}
+	}
+	if !spec.HostNetwork {
+		return ports
+	}
+	if addr, _ := s.value("prometheus-serve-addr"); addr != "" {
+		_, port, err := net.SplitHostPort(addr)
+		if err != nil {
+			t.Fatalf("--prometheus-serve-addr=%q: %v", addr, err)
+		}
+		if n, err := strconv.Atoi(port); err == nil && n != 0 {
+			ports[n] = append(ports[n], "--prometheus-serve-addr="+addr)
+		}
+	}
+	for _, p := range []struct {
+		name  string
+		probe *corev1.Probe
+	}{{"startupProbe", c.StartupProbe}, {"livenessProbe", c.LivenessProbe}, {"readinessProbe", c.ReadinessProbe}} {
+		if p.probe != nil && p.probe.HTTPGet != nil && p.probe.HTTPGet.Port.IntValue() != 0 {
+			n := p.probe.HTTPGet.Port.IntValue()
+			ports[n] = append(ports[n], p.name)
+		}
+	}
+	return ports
+}
+
+// TestDeployPortsNotCilium renders the DaemonSet of every root of deploy/
+// and refuses any port it listens on in the node's network that Cilium's
+// chart uses by default (ciliumPorts), and the same of the flag's default
+// for an agent run on a node beside Cilium without --prometheus-serve-addr.
+func TestDeployPortsNotCilium(t *testing.T) {
+	root := newRootCmd(newHive(), &bytes.Buffer{}, &bytes.Buffer{})
+	flags := root.Flags()
+	flags.AddFlagSet(root.PersistentFlags())
+	hiveFlags := map[string]bool{}
+	hfs := pflag.NewFlagSet("hive", pflag.ContinueOnError)
+	newHive().RegisterFlags(hfs)
+	hfs.VisitAll(func(f *pflag.Flag) { hiveFlags[f.Name] = true })
+
+	def := flags.Lookup("prometheus-serve-addr").DefValue
+	_, port, err := net.SplitHostPort(def)
+	if err != nil {
+		t.Fatalf("--prometheus-serve-addr's default %q: %v", def, err)
+	}
+	if n, _ := strconv.Atoi(port); ciliumPorts[n] != "" {
+		t.Errorf("--prometheus-serve-addr's default %s is the port of Cilium's %s", def, ciliumPorts[n])
+	}
+
+	checked := 0
+	for _, r := range deployRoots(t) {
+		for _, ds := range findObject[*appsv1.DaemonSet](t, buildDeploy(t, r), "DaemonSet") {
+			spec := ds.Spec.Template.Spec
+			for _, c := range spec.Containers {
+				s := containerSettings(t, c, flags, hiveFlags)
+				ports := hostPorts(t, s, spec, c)
+				if spec.HostNetwork && len(ports) == 0 {
+					t.Errorf("deploy/%s, container %s: on the host network with no port found", r, c.Name)
+				}
+				for p, what := range ports {
+					checked++
+					if cilium, ok := ciliumPorts[p]; ok {
+						t.Errorf("deploy/%s, container %s: port %d of the node (%s) is Cilium's %s", r, c.Name, p, strings.Join(what, ", "), cilium)
+					}
+				}
+			}
+		}
+	}
+	if checked == 0 {
+		t.Fatal("no DaemonSet of deploy/ listens on a port of the node: nothing was checked")
+	}
 }

@@ -7,7 +7,7 @@
 // returns a value and keeps the value in a variable of its type (tour),
 // which shows that another module can name each of these types. Its
 // configuration is the cells' flags
-// (compose --state-dir DIR --prometheus-serve-addr 127.0.0.1:9963 ...) or
+// (compose --state-dir DIR --prometheus-serve-addr 127.0.0.1:9981 ...) or
 // COMPOSE_-prefixed environment variables.
 package main
 
