@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -22,6 +23,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/statedir"
@@ -66,6 +68,10 @@ type Client struct {
 	embedded  *embeddedEtcd
 	endpoints []string
 	lease     *nodeLease
+	// granted holds the last leases this client granted, newest last:
+	// keys found on one of them are this agent's own, written before
+	// the lease was lost (see Granted).
+	granted []clientv3.LeaseID
 	// forgotten is the last lease forgotten as lost, so that LeaseLost
 	// of it waits for its loss to be reported rather than returning at
 	// once in the moment between the forgetting and the report.
@@ -94,6 +100,11 @@ type Client struct {
 	// stop is the stop path's state of the current run (see StopBudget).
 	stop atomic.Pointer[stopState]
 }
+
+// ReconnectMaxDelay bounds the pause between the client's attempts to
+// reach an etcd that went away, so that the agent is back within seconds
+// of etcd's return whatever the outage's length.
+const ReconnectMaxDelay = 3 * time.Second
 
 // StopBudget bounds the etcd requests of the stop path together: the first
 // stop-path call of StopContext fixes a deadline this far ahead (or one
@@ -317,6 +328,14 @@ func (c *Client) connect(ctx context.Context, endpoints []string, e *embeddedEtc
 		DialOptions: []grpc.DialOption{
 			grpc.WithChainUnaryInterceptor(c.unaryInterceptor),
 			grpc.WithChainStreamInterceptor(c.streamInterceptor),
+			// gRPC's own backoff between connection attempts grows to
+			// two minutes: after an outage of a lease TTL the agent
+			// would stay away for tens of seconds after etcd came
+			// back, its lease lost and its node unready meanwhile.
+			grpc.WithConnectParams(grpc.ConnectParams{
+				Backoff:           backoff.Config{BaseDelay: time.Second, Multiplier: 1.6, Jitter: 0.2, MaxDelay: ReconnectMaxDelay},
+				MinConnectTimeout: 20 * time.Second,
+			}),
 		},
 	}
 	if e != nil {
@@ -601,6 +620,10 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	c.mu.Lock()
 	c.lease = l
 	c.lostLease, c.lostWhy = 0, ""
+	if len(c.granted) == grantedKept {
+		c.granted = append(c.granted[:0], c.granted[1:]...)
+	}
+	c.granted = append(c.granted, l.id)
 	c.mu.Unlock()
 	select {
 	case c.leaseGranted <- struct{}{}:
@@ -609,6 +632,26 @@ func (c *Client) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	c.log.Debug("Granted etcd lease", "lease", fmt.Sprintf("%x", int64(l.id)), "ttl", c.cfg.KVStoreLeaseTTL)
 	c.reportHealth()
 	return l.id, nil
+}
+
+// grantedKept is how many of its last leases a client remembers as its
+// own. A lease outlives its loss on this side only until etcd expires it,
+// one TTL after etcd serves again, by which time the client has granted
+// one new lease, not several.
+const grantedKept = 8
+
+// Granted reports whether this client granted lease id in one of its last
+// few grants (this run's or an earlier one's). A lease this side took for
+// lost may live on in etcd: the keepalive gave up when etcd did not answer
+// for a TTL, but etcd, once it serves again, gives its leases a full TTL
+// anew. Keys on such a lease are this agent's own, not another agent's.
+func (c *Client) Granted(id clientv3.LeaseID) bool {
+	if id == 0 {
+		return false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Contains(c.granted, id)
 }
 
 // KeepaliveJob is the name of the job that consumes the keepalive answers

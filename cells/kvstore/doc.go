@@ -16,7 +16,10 @@
 //     lease is lost (expired, revoked by someone else, or refused by etcd),
 //     after which Lease grants a new one and the keys written with the old
 //     one must be written again. The lease is revoked on stop, so this
-//     node's keys vanish at once instead of after the TTL.
+//     node's keys vanish at once instead of after the TTL. Granted(id)
+//     tells whether this client granted id (its last 8 grants): etcd, back
+//     after an outage, gives its leases a full TTL anew, so keys on a lease
+//     this side took for lost are still this agent's own.
 //   - Status(ctx) reports mode, endpoints, leader, revision, lease and the
 //     last request error.
 //   - RequestContext(ctx) bounds one request by --kvstore-request-timeout
@@ -27,6 +30,10 @@
 //     pre-stop hook, before any cell's stop hook), after which keys on the
 //     node's lease need no per-key delete: the revoke, or the TTL if etcd
 //     is gone, removes them.
+//
+// The client tries to reach an etcd that went away at least every
+// ReconnectMaxDelay (3s), rather than after gRPC's pause of up to two
+// minutes, so that it is back within seconds of etcd's return.
 //
 // With no --kvstore-endpoints the cell runs an embedded single-member etcd
 // with its data in <state-dir>/etcd (needs the statedir cell), logging

@@ -6,7 +6,9 @@
 // A new label set costs one transaction; adopting another node's identity
 // at most two (one when the cache knows it); the last release of a label
 // set on this node one delete. The Store keeps a list+watch cache of every
-// master key, re-creates this node's keys after a lost lease, checks them
+// master key, re-creates this node's keys after a lost lease (keys found on
+// an earlier lease of this agent, which etcd revived after an outage, are
+// its own and moved to the current lease), checks them
 // every --kvstore-periodic-sync, and collects unused master keys at
 // --identity-gc-interval. Concurrent creations share transactions (see
 // batch.go). Follower is the same cache, read-only, for another etcd: the

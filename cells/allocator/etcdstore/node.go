@@ -108,8 +108,18 @@ func (b *Store) claimNodeName(ctx context.Context) error {
 		if take.Succeeded {
 			// The gone agent's reference keys are this node's now.
 			b.predecessorLease.Store(kvs[0].Lease)
-			if other.Instance != b.claim.Instance {
+			switch {
+			case other.Instance != b.claim.Instance:
 				b.log.Info("Took over the node name from an agent that is gone", "node", b.node, "previous", other.String())
+				b.withdrawCandidacy(ctx, cli, kvs[0].Lease)
+			case kvs[0].Lease != int64(lease):
+				// This agent's own key on a lease it took for lost
+				// while etcd was away, which etcd revived when it came
+				// back: the key would vanish when that lease expires,
+				// and its candidacy there would hold up the election
+				// as long.
+				b.log.Info("Moved this node's key to its current lease", "node", b.node,
+					"from", fmt.Sprintf("%x", kvs[0].Lease), "to", fmt.Sprintf("%x", int64(lease)))
 				b.withdrawCandidacy(ctx, cli, kvs[0].Lease)
 			}
 			b.claim.Hold()
@@ -126,7 +136,8 @@ func (b *Store) releaseNodeName() {
 }
 
 // checkNodeName reads this node's key during the periodic sync: a missing
-// key (the lease was lost) is claimed again, another agent's is a conflict.
+// key (the lease was lost), or this agent's key on a lease it no longer
+// keeps alive, is claimed again; another agent's is a conflict.
 func (b *Store) checkNodeName(ctx context.Context, cli *clientv3.Client) error {
 	key := NodeKeyPrefix + b.node
 	rctx, cancel := b.requestContext(ctx)
@@ -141,6 +152,12 @@ func (b *Store) checkNodeName(ctx context.Context, cli *clientv3.Client) error {
 	var other globalstore.NodeClaim
 	if json.Unmarshal(resp.Kvs[0].Value, &other) != nil || other.Instance != b.claim.Instance {
 		b.nameConflict(fmt.Errorf("%w: node key %s holds %q", ErrNodeNameInUse, key, resp.Kvs[0].Value))
+		return nil
+	}
+	// This agent's key on an earlier lease of its own goes when that
+	// lease expires: claimed again on the current one.
+	if lease, err := b.kv.Lease(ctx); err == nil && int64(lease) != resp.Kvs[0].Lease {
+		return b.claimNodeName(ctx)
 	}
 	return nil
 }

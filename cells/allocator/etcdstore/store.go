@@ -1054,8 +1054,35 @@ func (b *Store) protect(id identity.NumericIdentity, lbls labels.Labels) {
 // they lived on was lost, and master keys someone deleted.
 func (b *Store) repairLoop(ctx context.Context) {
 	var cur clientv3.LeaseID
-	// retry is set while master keys wait for another attempt.
-	var retry <-chan time.Time
+	// again is set while master keys wait for another attempt; reclaim
+	// while the node key does, claims the number of attempts made.
+	var again, reclaim <-chan time.Time
+	claims := 0
+	claim := func() {
+		err := b.claimNodeName(ctx)
+		switch {
+		case err == nil:
+			claims, reclaim = 0, nil
+			if b.health != nil && !b.conflictSeen.Load() {
+				b.health.OK(fmt.Sprintf("Node name %q claimed again after the lease was lost", b.node))
+			}
+		case ctx.Err() != nil:
+			claims, reclaim = 0, nil
+		case errors.Is(err, ErrNodeNameInUse):
+			// Another live agent's now: the periodic sync reports it.
+			claims, reclaim = 0, nil
+			b.nameConflict(err)
+		default:
+			// etcd is not back yet. The key is what keeps a second
+			// agent from taking the name: it is claimed as soon as
+			// etcd answers, not at the next periodic sync.
+			claims++
+			if claims == 1 {
+				b.log.Warn("Claiming the node name again after the lease was lost failed; retrying", "error", err)
+			}
+			reclaim = time.After(retry.Backoff(claims))
+		}
+	}
 	for {
 		var lost <-chan struct{}
 		if cur != 0 {
@@ -1064,22 +1091,29 @@ func (b *Store) repairLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-retry:
-			retry = nil
+		case <-again:
+			again = nil
 			if b.restoreMasters(ctx) {
-				retry = time.After(time.Second)
+				again = time.After(time.Second)
 			}
 		case <-b.leaseSeen:
 			cur = clientv3.LeaseID(b.lease.Load())
 		case <-lost:
-			// The node key went with the lease.
-			if err := b.claimNodeName(ctx); err != nil && ctx.Err() == nil {
-				b.log.Warn("Claiming the node name again after the lease was lost failed; the periodic sync retries", "error", err)
-			}
+			// The node key went with the lease, or lives on with it
+			// for one TTL more if etcd was away and revived it: either
+			// way it is claimed on the next lease.
+			claims = 0
+			claim()
 			cur = b.restoreReferences(ctx)
+			if reclaim != nil {
+				// The references are back: etcd answers again.
+				claim()
+			}
+		case <-reclaim:
+			claim()
 		case <-b.repairWake:
 			if b.restoreMasters(ctx) {
-				retry = time.After(time.Second)
+				again = time.After(time.Second)
 			}
 		}
 	}
@@ -1330,11 +1364,13 @@ func (b *Store) Mirror(ctx context.Context, ref *globalstore.Reference) error {
 }
 
 // writesOver tells whether a reference key of this node's name on lease
-// is this node's to write over: missing (0), on this node's lease, or on
-// the lease of the agent of this name that was gone when this one took
-// the name over.
+// is this node's to write over: missing (0), on this node's lease, on an
+// earlier lease of this agent (taken for lost while etcd was away, and
+// revived by etcd when it came back), or on the lease of the agent of this
+// name that was gone when this one took the name over.
 func (b *Store) writesOver(lease int64) bool {
-	return lease == 0 || lease == b.lease.Load() || lease == b.predecessorLease.Load()
+	return lease == 0 || lease == b.lease.Load() || lease == b.predecessorLease.Load() ||
+		b.kv.Granted(clientv3.LeaseID(lease))
 }
 
 // foreignReference reports a reference key under this node's name that
