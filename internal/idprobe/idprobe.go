@@ -23,11 +23,17 @@ type Sequence struct {
 // New returns the probe sequence of the label set whose canonical string
 // is canonical, over cluster's range.
 func New(canonical string, cluster identity.ClusterInfo) Sequence {
+	return NewRange(canonical, cluster.MinID(), cluster.MaxID())
+}
+
+// NewRange returns the probe sequence of the label set whose canonical
+// string is canonical, over the IDs lo..hi (lo <= hi): New over a part of
+// a cluster's range, as the CRD store's tests narrow it to fill it quickly.
+func NewRange(canonical string, lo, hi identity.NumericIdentity) Sequence {
 	sum := sha256.Sum256([]byte(canonical))
 	h := binary.BigEndian.Uint64(sum[:8])
-	lo, hi := uint64(cluster.MinID()), uint64(cluster.MaxID())
-	n := hi - lo + 1
-	return Sequence{min: lo, n: n, start: h % n}
+	n := uint64(hi) - uint64(lo) + 1
+	return Sequence{min: uint64(lo), n: n, start: h % n}
 }
 
 // Len is the length of the sequence: the size of the range, each of

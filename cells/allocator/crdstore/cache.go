@@ -71,9 +71,12 @@ type cacheHooks struct {
 // Events arrive from one goroutine, in the API server's order, so the
 // cache is a consistent prefix of the server's history.
 type identityCache struct {
-	log     *slog.Logger
-	cluster identity.ClusterInfo
-	hooks   cacheHooks
+	log *slog.Logger
+	// rng is the part of the cluster's range the store places and
+	// collects identities in: the whole range, except in tests that
+	// narrow it (idRange).
+	rng   idRange
+	hooks cacheHooks
 
 	mu    sync.RWMutex
 	byID  map[identity.NumericIdentity]*entry
@@ -113,10 +116,31 @@ func (c *identityCache) passGate() {
 
 var _ cache.ReflectorStore = (*identityCache)(nil)
 
+// idRange is the IDs lo..hi the store places identities in and collects:
+// the cluster's range. Tests of a full range narrow it (the unexported
+// rng of the store's cache, set before Start), so that it fills with a few
+// hundred objects instead of the range's tens of thousands; nothing else
+// sets it.
+type idRange struct{ lo, hi identity.NumericIdentity }
+
+// clusterRange is the whole range of cluster.
+func clusterRange(cluster identity.ClusterInfo) idRange {
+	return idRange{lo: cluster.MinID(), hi: cluster.MaxID()}
+}
+
+func (r idRange) contains(id identity.NumericIdentity) bool { return id >= r.lo && id <= r.hi }
+
+// size is the number of IDs of the range.
+func (r idRange) size() uint64 { return uint64(r.hi) - uint64(r.lo) + 1 }
+
+// probe is the probe sequence of the label set whose canonical string is
+// key over the range.
+func (r idRange) probe(key string) idprobe.Sequence { return idprobe.NewRange(key, r.lo, r.hi) }
+
 func newIdentityCache(log *slog.Logger, cluster identity.ClusterInfo, hooks cacheHooks) *identityCache {
 	return &identityCache{
 		log:     log,
-		cluster: cluster,
+		rng:     clusterRange(cluster),
 		hooks:   hooks,
 		byID:    map[identity.NumericIdentity]*entry{},
 		byKey:   map[string][]*entry{},
@@ -134,8 +158,8 @@ func (c *identityCache) parse(obj *CiliumIdentity) (*entry, error) {
 	if err != nil {
 		return nil, err
 	}
-	if id < c.cluster.MinID() || id > c.cluster.MaxID() {
-		return nil, fmt.Errorf("ID %d is outside this cluster's range %d..%d", id, c.cluster.MinID(), c.cluster.MaxID())
+	if !c.rng.contains(id) {
+		return nil, fmt.Errorf("ID %d is outside this cluster's range %d..%d", id, c.rng.lo, c.rng.hi)
 	}
 	lbls, err := parseSecurityLabels(obj.SecurityLabels)
 	if err != nil {
@@ -526,7 +550,7 @@ func (c *identityCache) pickLocked(key string, es []*entry, own map[identity.Num
 // walkFirstLocked returns the first object of key the walk of its probe
 // sequence reaches before a free slot, or nil. Under mu.
 func (c *identityCache) walkFirstLocked(key string, own map[identity.NumericIdentity]*entry) *entry {
-	p := idprobe.New(key, c.cluster)
+	p := c.rng.probe(key)
 	for i := uint64(0); i < p.Len(); i++ {
 		id := p.Slot(i)
 		e := own[id]
@@ -573,7 +597,7 @@ func (c *identityCache) Objects() ([]Object, string) {
 // Position returns the position of id in the probe sequence of lbls, and
 // false when id is outside this cluster's range.
 func (c *identityCache) Position(lbls labels.Labels, id identity.NumericIdentity) (uint64, bool) {
-	return idprobe.New(lbls.Canonical(), c.cluster).Position(id)
+	return c.rng.probe(lbls.Canonical()).Position(id)
 }
 
 // ResourceVersion returns the resourceVersion the cache reflects.

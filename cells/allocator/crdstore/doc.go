@@ -73,8 +73,10 @@
 // it measures marks against, and on a listing of Cilium's CiliumEndpoint
 // and CiliumEndpointSlice objects (endpoints.go), which name the
 // identities Cilium agents use: it marks identities no live IdentityNode
-// lists, no endpoint object names and no fence needs, deletes those marked a heartbeat timeout
-// earlier with their UID and resourceVersion as preconditions, paced by a
+// lists, no endpoint object names and no fence needs (a fence lasts while
+// the object that needs it is young), deletes those marked a heartbeat timeout
+// earlier, unless a walk announced a step over them in the last minute,
+// with their UID and resourceVersion as preconditions, paced by a
 // rate limit, and deletes IdentityNode objects a lease after their lease
 // ended. Its settings are a GCConfig (DefaultGCConfig unless the hive
 // provides one).

@@ -130,7 +130,7 @@ func (s *Store) listEndpointSource(ctx context.Context, src endpointSource, name
 			return false, fmt.Errorf("%w: decoding %s objects, so no identity is deleted: %w", globalstore.ErrUnavailable, src.kind, err)
 		}
 		for _, id := range ids {
-			if id >= int64(s.cluster.MinID()) && id <= int64(s.cluster.MaxID()) {
+			if id >= int64(s.ids.rng.lo) && id <= int64(s.ids.rng.hi) {
 				found[identity.NumericIdentity(id)] = struct{}{}
 			}
 		}

@@ -21,7 +21,6 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/identity"
-	"github.com/identityd/identityd/internal/idprobe"
 )
 
 // GCConfig configures the garbage collection of CiliumIdentity and
@@ -109,12 +108,15 @@ type gcState struct {
 	// beforeDelete, when set (by tests), runs before each delete of an
 	// identity.
 	beforeDelete func(*gcObject)
+	// stepWindow is how long a step annotation defers a delete
+	// (maxWalkAge; tests make it short).
+	stepWindow time.Duration
 }
 
 func newGCState(cfg GCConfig) *gcState {
 	perDeletion := cfg.RateInterval / time.Duration(max(cfg.RateLimit, 1))
 	// A burst of one keeps every window of the interval within the limit.
-	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize}
+	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: maxWalkAge}
 }
 
 // SetGCConfig replaces the garbage collection's configuration; it takes
@@ -140,6 +142,10 @@ type GCResult struct {
 	// Unmarked counts marks removed from fenced identities and from
 	// identities only Cilium's endpoint objects name.
 	Unmarked int
+	// Deferred counts marked identities past the timeout left to the next
+	// run because a walk announced it stepped over them (stepAnnotation)
+	// less than maxWalkAge before the run.
+	Deferred int
 	// NodesDeleted counts IdentityNode objects deleted a lease after
 	// their lease ended.
 	NodesDeleted int
@@ -187,9 +193,9 @@ func (s *Store) startGC(life context.Context) {
 			}
 			return health.External(fmt.Errorf("garbage collection of CiliumIdentity objects failed after %d deletions: %w", res.Deleted, err))
 		}
-		if res.Marked > 0 || res.Deleted > 0 || res.Skipped > 0 || res.NodesDeleted > 0 {
+		if res.Marked > 0 || res.Deleted > 0 || res.Skipped > 0 || res.Deferred > 0 || res.NodesDeleted > 0 {
 			s.log.Info("Garbage collection of global identities",
-				"marked", res.Marked, "deleted", res.Deleted, "skipped", res.Skipped,
+				"marked", res.Marked, "deleted", res.Deleted, "skipped", res.Skipped, "deferred", res.Deferred,
 				"keptUsed", res.KeptUsed, "keptFenced", res.KeptFenced, "identityNodesDeleted", res.NodesDeleted)
 		}
 		return nil
@@ -263,7 +269,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 	for _, id := range s.heldIDs() {
 		used[identity.NumericIdentity(id)] = struct{}{}
 	}
-	fenced := s.fenced(objs)
+	fence := fenced(s.ids.rng, objs, now.Add(-fenceWindow(gc.cfg)))
 
 	var keptUsed, keptFenced int
 	for i := range objs {
@@ -277,19 +283,22 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		}
 		mark, marked := o.obj.Annotations[HeartbeatAnnotation]
 		_, byEndpoint := named[o.id]
-		if byEndpoint || fenced[o.id] {
+		if byEndpoint || fence[o.id] {
 			if byEndpoint {
 				keptUsed++
 			} else {
 				keptFenced++
 			}
-			if marked {
+			if marked && (byEndpoint || s.cfg.IdentityGCCiliumAgents) {
 				// Another collector (a Cilium operator) may delete a
 				// marked identity; this one must stay while the fence
 				// or the endpoint needs it. Without the mark, the
 				// timeout starts again once nothing names it: an
 				// agent that still holds it has a whole timeout to
-				// remove the next mark.
+				// remove the next mark. Where no Cilium runs, the
+				// collectors are identityd's, which honour the fence:
+				// a fenced identity keeps its mark, and its timeout
+				// goes on while the fence lasts.
 				if err := s.gcUnmark(ctx, o); err == nil {
 					res.Unmarked++
 					gc.unmarked.Add(1)
@@ -315,6 +324,13 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 			continue
 		}
 		if now.Sub(at) < gc.cfg.HeartbeatTimeout {
+			continue
+		}
+		if stepped(&o.obj, now.Add(-gc.stepWindow)) {
+			// A walk stepped over it less than maxWalkAge ago and
+			// may still create an object that depends on the slot
+			// and is not in this listing; the next run decides.
+			res.Deferred++
 			continue
 		}
 		if err := gc.limiter.Wait(ctx); err != nil {
@@ -376,19 +392,33 @@ func nodeGone(n *IdentityNode, now time.Time) bool {
 	return n.Spec.RenewTime.Add(2 * nodeLease(n)).Before(now)
 }
 
-// fenced returns the IDs the fence rule keeps: for an object of label set
-// M at position k > 0 of M's probe sequence, positions 0..k-1, when every
-// one of them is held by an object now. (An object with a free slot before
-// it is not where a walk of M's sequence finds M, as Cilium agents' random
-// IDs are not; freeing more slots before it changes nothing for the walk.)
+// fenced returns the IDs the fence rule keeps: for a young object of
+// label set M at position k > 0 of M's probe sequence, positions 0..k-1,
+// when every one of them is held by an object now. (An object with a free
+// slot before it is not where a walk of M's sequence finds M, as Cilium
+// agents' random IDs are not; freeing more slots before it changes
+// nothing for the walk.)
+//
+// The race a fence guards against: a node whose cache does not show M's
+// object yet walks M's sequence, finds a slot before it free, and creates
+// a second object of M there. An object is young when it may have been
+// created after youngSince (creationTimestamp counts whole seconds, so one
+// created in youngSince's second or later is young). The collection passes
+// fenceWindow before its listing: a node that walks after a delete started
+// its walk at most maxWalkAge before it, on a cache that lags by at most
+// the rest of the window (docs/crd-store.md), so its cache shows every
+// object created a window before the run, and it finds M's object in the
+// cache instead of walking. Only younger objects need their
+// fences; an old object displaced far along a crowded range holds nothing,
+// so a full range frees what its released identities held.
 //
 // Positions 0..k-1 of a sequence are the k IDs just before the object's
 // own, cyclically in the range, so an object fences the last k IDs of the
 // run of held IDs that ends at it; one backward sweep over the range finds
 // them all.
-func (s *Store) fenced(objs []gcObject) map[identity.NumericIdentity]bool {
-	lo := uint64(s.cluster.MinID())
-	n := uint64(s.cluster.MaxID()) - lo + 1
+func fenced(rng idRange, objs []gcObject, youngSince time.Time) map[identity.NumericIdentity]bool {
+	lo := uint64(rng.lo)
+	n := rng.size()
 	held := make([]bool, n)
 	reach := make([]uint64, n) // how many IDs before this one its object fences
 	for i := range objs {
@@ -408,10 +438,10 @@ func (s *Store) fenced(objs []gcObject) map[identity.NumericIdentity]bool {
 	}
 	for i := range objs {
 		o := &objs[i]
-		if o.e == nil {
+		if o.e == nil || !young(&o.obj, youngSince) {
 			continue
 		}
-		k, ok := idprobe.New(o.e.key, s.cluster).Position(o.id)
+		k, ok := rng.probe(o.e.key).Position(o.id)
 		if !ok || k == 0 {
 			continue
 		}
@@ -440,6 +470,29 @@ func (s *Store) fenced(objs []gcObject) map[identity.NumericIdentity]bool {
 	return out
 }
 
+// stepped reports whether obj carries a step annotation written after
+// since. One that does not parse is not identityd's and counts as none, so
+// that it cannot keep an identity for ever.
+func stepped(obj *CiliumIdentity, since time.Time) bool {
+	at, err := time.Parse(time.RFC3339Nano, obj.Annotations[stepAnnotation])
+	return err == nil && at.After(since)
+}
+
+// fenceWindow is how long after its creation an object fences the slots
+// before it: maxWalkAge plus the lag of a node's cache, which the store
+// assumes under a minute (MinHeartbeatTimeout, docs/crd-store.md), or the
+// heartbeat timeout where that is shorter (tests).
+func fenceWindow(c GCConfig) time.Duration {
+	return min(c.HeartbeatTimeout, MinHeartbeatTimeout)
+}
+
+// young reports whether obj may have been created after since: the API
+// server keeps creationTimestamp in whole seconds, so an object stamped
+// with since's second, or a later one, is young.
+func young(obj *CiliumIdentity, since time.Time) bool {
+	return obj.CreationTimestamp.Add(time.Second).After(since)
+}
+
 // listGCIdentities lists the CiliumIdentity objects of this cluster's
 // range: the first page without a resourceVersion (a consistent read),
 // the next ones from the same snapshot.
@@ -460,7 +513,7 @@ func (s *Store) listGCIdentities(ctx context.Context) ([]gcObject, error) {
 		for i := range list.Items {
 			obj := list.Items[i]
 			id, err := parseName(obj.Name)
-			if err != nil || id < s.cluster.MinID() || id > s.cluster.MaxID() {
+			if err != nil || !s.ids.rng.contains(id) {
 				continue
 			}
 			o := gcObject{id: id, obj: obj}

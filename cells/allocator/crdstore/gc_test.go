@@ -412,11 +412,21 @@ func TestGCDeleteLosesToUnmark(t *testing.T) {
 
 // TestGCFence: an identity at position 0 of another label set's probe
 // sequence, whose identity sits at position 1 because of it, is kept
-// while that identity lives, though nobody uses it, and goes once the
-// later one is gone. Without the fence rule this test fails (checked).
+// while that identity is young, though nobody uses it, and a mark another
+// collector set on it is removed; once the later identity is older than
+// the heartbeat timeout, every cache shows it, and the first slot is
+// collected while the later identity lives. Without the fence rule the
+// first part fails, with the fence of every object, young or old, the
+// second (both checked).
 func TestGCFence(t *testing.T) {
 	srv := serialServer(t)
-	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
+	cfg := gcTestConfig
+	// Long enough for the first runs to happen while later is young on a
+	// loaded machine.
+	cfg.HeartbeatTimeout = 4 * time.Second
+	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
+	// Beside Cilium, whose operator may collect too.
+	a.cfg.IdentityGCCiliumAgents = true
 	later := mustLabels(t, "k8s:app=later")
 	p := idprobe.New(later.Canonical(), gcCluster)
 	// Another label set holds the first slot of later's sequence.
@@ -427,56 +437,47 @@ func TestGCFence(t *testing.T) {
 	if id != p.Slot(1) {
 		t.Fatalf("later got %d, want %d, the second slot of its sequence", id, p.Slot(1))
 	}
-	waitListed(t, a.Store, "node-a", id, true)
-
-	for range 2 {
-		res := runGC(t, a.Store)
-		if res.Marked != 0 || res.KeptFenced != 1 || res.KeptUsed != 1 {
-			t.Fatalf("run while later is in use: %+v, want the first slot kept by the fence", res)
-		}
-		if _, ok := markOf(t, a.Store, first); ok {
-			t.Fatal("the fenced identity got the heartbeat mark")
-		}
-		waitTimeout(gcTestConfig)
+	obj := readIdentity(t, a.Store, id)
+	if obj == nil {
+		t.Fatal("later's object is gone")
 	}
+	oldAt := obj.CreationTimestamp.Add(cfg.HeartbeatTimeout + time.Second)
 
+	if res := runGC(t, a.Store); res.Marked != 0 || res.KeptFenced != 1 || res.KeptUsed != 1 {
+		t.Fatalf("run while later is young: %+v, want the first slot kept by the fence", res)
+	}
+	if _, ok := markOf(t, a.Store, first); ok {
+		t.Fatal("the fenced identity got the heartbeat mark")
+	}
 	// A mark another collector set on the fenced identity is removed.
 	patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano))
 	if err := a.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(first.String()).Body(patch).Do(t.Context()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	if res := runGC(t, a.Store); res.Deleted != 0 || res.Unmarked != 1 {
+	if res := runGC(t, a.Store); res.Deleted != 0 || res.Unmarked != 1 || res.KeptFenced != 1 {
 		t.Fatalf("run with the fenced identity marked: %+v, want it unmarked and kept", res)
 	}
 	if _, ok := markOf(t, a.Store, first); ok {
 		t.Fatal("the fenced identity's mark stayed")
 	}
 
-	a.release(t, id)
-	waitListed(t, a.Store, "node-a", id, false)
-	// later is marked; first stays fenced while later exists.
-	if res := runGC(t, a.Store); res.Marked != 1 || res.KeptFenced != 1 {
-		t.Fatalf("run after the release: %+v, want later marked and first kept", res)
+	// Later is old: every node's cache shows it, so nobody walks its
+	// sequence, and the first slot is no longer fenced.
+	time.Sleep(time.Until(oldAt) + 50*time.Millisecond)
+	if res := runGC(t, a.Store); res.Marked != 1 || res.KeptFenced != 0 || res.KeptUsed != 1 {
+		t.Fatalf("run once later is old: %+v, want first marked, later kept as used", res)
 	}
-	waitTimeout(gcTestConfig)
-	if res := runGC(t, a.Store); res.Deleted != 1 || res.KeptFenced != 1 {
-		t.Fatalf("run after the timeout: %+v, want later deleted, first kept", res)
-	}
-	if readIdentity(t, a.Store, id) != nil {
-		t.Fatal("later is still there")
-	}
-	if _, ok := markOf(t, a.Store, first); ok {
-		t.Fatal("first was marked in the run that deleted later")
-	}
-	if res := runGC(t, a.Store); res.Marked != 1 || res.KeptFenced != 0 {
-		t.Fatalf("run after later is gone: %+v, want first marked", res)
-	}
-	waitTimeout(gcTestConfig)
-	if res := runGC(t, a.Store); res.Deleted != 1 {
-		t.Fatalf("last run: %+v, want first deleted", res)
+	waitTimeout(cfg)
+	if res := runGC(t, a.Store); res.Deleted != 1 || res.KeptUsed != 1 {
+		t.Fatalf("run after the timeout: %+v, want first deleted", res)
 	}
 	if readIdentity(t, a.Store, first) != nil {
 		t.Fatal("first is still there")
+	}
+	// later keeps its ID: the cache shows its object, so the walk is not
+	// needed.
+	if got := a.allocate(t, later); got != id {
+		t.Fatalf("later allocated again: %d, want %d", got, id)
 	}
 }
 
@@ -588,7 +589,7 @@ func fencedByWalk(s *Store, objs []gcObject) map[identity.NumericIdentity]bool {
 }
 
 // TestGCFenceSweep: the sweep over the range finds what walking each
-// object's probe sequence finds, for runs of held IDs that wrap past the
+// young object's probe sequence finds (every object is young here), for runs of held IDs that wrap past the
 // range's end, runs with a gap, and objects placed anywhere.
 func TestGCFenceSweep(t *testing.T) {
 	s := &Store{cluster: gcCluster}
@@ -605,7 +606,7 @@ func TestGCFenceSweep(t *testing.T) {
 	check := func(name string, objs []gcObject) {
 		t.Helper()
 		slices.SortFunc(objs, func(a, b gcObject) int { return int(a.id) - int(b.id) })
-		got, want := s.fenced(objs), fencedByWalk(s, objs)
+		got, want := fenced(s.ids.rng, objs, time.Time{}), fencedByWalk(s, objs)
 		if len(got) != len(want) {
 			t.Errorf("%s: %d fenced, want %d", name, len(got), len(want))
 		}
@@ -645,14 +646,14 @@ func TestGCFenceSweep(t *testing.T) {
 		t.Fatalf("slot 5 is %d, slot 0 %d: not wrapped", p.Slot(5), p.Slot(0))
 	}
 	check("wrapping run", slices.Clone(objs))
-	if got := s.fenced(objs); len(got) < 5 || !got[hi] || !got[p.Slot(0)] {
+	if got := fenced(s.ids.rng, objs, time.Time{}); len(got) < 5 || !got[hi] || !got[p.Slot(0)] {
 		t.Fatalf("wrapping run: fenced %v", got)
 	}
 	// A gap before the object: it is not where the walk finds its label
 	// set, and fences nothing.
 	gapped := slices.Delete(slices.Clone(objs), 2, 3)
 	check("gap", gapped)
-	if got := s.fenced(gapped); got[p.Slot(0)] {
+	if got := fenced(s.ids.rng, gapped, time.Time{}); got[p.Slot(0)] {
 		t.Fatalf("gap: fenced %v", got)
 	}
 	// Many label sets, each at the first free slot of its sequence in a
@@ -681,6 +682,176 @@ func TestGCFenceSweep(t *testing.T) {
 		}
 	}
 	check("thinned crowd", thinned)
+}
+
+// TestGCFullRangeRecovers: a range filled by walks (each label set at
+// the first free slot of its sequence, so most objects sit far from their
+// sequence's start) and full for a while, a tenth of it released: the collection job frees
+// every released identity and the same number of new label sets get IDs
+// within two collection intervals plus the heartbeat timeout and the
+// window of a step announcement (and the reference write, and room for a
+// loaded machine). The range is narrowed
+// to 200 IDs (the store's test-only idRange) so that it fills in seconds.
+// With the fence of every object the released identities stay fenced and
+// no new set gets an ID (checked).
+func TestGCFullRangeRecovers(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval, cfg.HeartbeatTimeout = time.Second, 2*time.Second
+	const size, released = 200, 20
+	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	lo := gcCluster.MinID() + 1000
+	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
+	// A step over a marked slot defers its delete by maxWalkAge; the test
+	// shortens it as it shortens the timeout.
+	n.gc.stepWindow = time.Second
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(context.Background()) })
+
+	var ids []identity.NumericIdentity
+	for i := range size {
+		ids = append(ids, n.allocate(t, mustLabels(t, fmt.Sprintf("k8s:app=fill-%d", i))))
+	}
+	if _, _, err := n.Allocate(t.Context(), mustLabels(t, "k8s:app=one-too-many"), n.refs.record); !errors.Is(err, globalstore.ErrSpaceExhausted) {
+		t.Fatalf("allocation in the full range: %v, want ErrSpaceExhausted", err)
+	}
+	// The range has been full for a while: the fill's last objects are
+	// older than the fence's window.
+	time.Sleep(fenceWindow(cfg) + time.Second)
+	for _, id := range ids[:released] {
+		n.release(t, id)
+	}
+	start := time.Now()
+	bound := 2*cfg.Interval + cfg.HeartbeatTimeout + n.gc.stepWindow
+	// The reference write (coalesced over 500 ms), creationTimestamp's
+	// whole second, and a loaded machine.
+	const slack = 6 * time.Second
+	got := map[identity.NumericIdentity]bool{}
+	for i := 0; len(got) < released; {
+		if time.Since(start) > bound+slack+20*time.Second {
+			t.Fatalf("%d of %d new label sets got an ID in %s (collection: %+v)", len(got), released, time.Since(start), n.GCStats())
+		}
+		id, _, err := n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=new-%d", i)), n.refs.record)
+		switch {
+		case errors.Is(err, globalstore.ErrSpaceExhausted):
+			time.Sleep(100 * time.Millisecond)
+			continue
+		case err != nil:
+			t.Fatal(err)
+		}
+		if !n.ids.rng.contains(id) || got[id] {
+			t.Fatalf("new label set %d got %d: outside the range or given twice", i, id)
+		}
+		got[id] = true
+		i++
+	}
+	elapsed := time.Since(start)
+	t.Logf("%d new label sets got IDs %s after the release (two intervals, the timeout and the step window: %s)", released, elapsed, bound)
+	if elapsed > bound+slack {
+		t.Fatalf("the new label sets got IDs %s after the release, want within %s plus %s", elapsed, bound, slack)
+	}
+	if st := n.GCStats(); st.Deleted < released {
+		t.Fatalf("collection %+v: fewer than %d deleted", st, released)
+	}
+}
+
+// TestGCFenceYoungOnly: the fence decision on a full range. Only an
+// object that may have been created after the run's start minus the
+// heartbeat timeout fences the slots before it; an old one, however far
+// along a crowded run of held IDs, fences nothing, so the released
+// identities of a full range can be collected. With the rule that fenced
+// for every object (the youngSince argument ignored) the cases of old
+// objects fail (checked).
+func TestGCFenceYoungOnly(t *testing.T) {
+	rng := idRange{lo: 1000, hi: 1099}
+	ids := newIdentityCache(hivetest.Logger(t), gcCluster, cacheHooks{})
+	ids.rng = rng
+	now := time.Date(2026, 12, 2, 1, 0, 0, 0, time.UTC)
+	old, fresh := now.Add(-time.Hour), now.Add(-time.Second)
+	object := func(id identity.NumericIdentity, lbls labels.Labels, created time.Time) gcObject {
+		obj := CiliumIdentity{
+			ObjectMeta:     metav1.ObjectMeta{Name: id.String(), CreationTimestamp: metav1.NewTime(created)},
+			SecurityLabels: securityLabels(lbls),
+		}
+		e, err := ids.parse(&obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return gcObject{id: id, e: e, obj: obj}
+	}
+	// The range filled the way the walks fill it: each label set at the
+	// first free slot of its sequence.
+	var full []gcObject
+	held := map[identity.NumericIdentity]bool{}
+	var displaced int // index of the object farthest from its sequence's start
+	var farthest uint64
+	for i := 0; uint64(len(full)) < rng.size(); i++ {
+		l := mustLabels(t, fmt.Sprintf("k8s:app=fill-%d", i))
+		p := rng.probe(l.Canonical())
+		for k := uint64(0); ; k++ {
+			if id := p.Slot(k); !held[id] {
+				held[id] = true
+				if k > farthest {
+					farthest, displaced = k, len(full)
+				}
+				full = append(full, object(id, l, old))
+				break
+			}
+		}
+	}
+	if farthest < 10 {
+		t.Fatalf("the farthest object sits at position %d: the range is not crowded", farthest)
+	}
+	withAge := func(objs []gcObject, i int, created time.Time) []gcObject {
+		out := slices.Clone(objs)
+		out[i].obj.CreationTimestamp = metav1.NewTime(created)
+		return out
+	}
+	before := func(objs []gcObject, i int) map[identity.NumericIdentity]bool {
+		p := rng.probe(objs[i].e.key)
+		k, _ := p.Position(objs[i].id)
+		out := map[identity.NumericIdentity]bool{}
+		for j := uint64(0); j < k; j++ {
+			out[p.Slot(j)] = true
+		}
+		return out
+	}
+	var gapped []gcObject
+	for _, o := range full {
+		if p := rng.probe(full[displaced].e.key); o.id != p.Slot(0) {
+			gapped = append(gapped, o)
+		}
+	}
+	gappedIdx := slices.IndexFunc(gapped, func(o gcObject) bool { return o.id == full[displaced].id })
+	youngSince := now.Add(-30 * time.Minute)
+	for _, c := range []struct {
+		name       string
+		objs       []gcObject
+		youngSince time.Time
+		want       map[identity.NumericIdentity]bool
+	}{
+		{"full range, every object old", full, youngSince, map[identity.NumericIdentity]bool{}},
+		{"full range, the farthest object young", withAge(full, displaced, fresh), youngSince, before(full, displaced)},
+		{"young object with a free slot before it", withAge(gapped, gappedIdx, fresh), youngSince, map[identity.NumericIdentity]bool{}},
+		// creationTimestamp counts whole seconds: an object stamped
+		// with youngSince's second may have been created after it.
+		{"created in youngSince's second", withAge(full, displaced, youngSince.Truncate(time.Second)), youngSince.Add(900 * time.Millisecond), before(full, displaced)},
+		{"created the second before youngSince's", withAge(full, displaced, youngSince.Add(-time.Second)), youngSince, map[identity.NumericIdentity]bool{}},
+	} {
+		got := fenced(rng, c.objs, c.youngSince)
+		if len(got) != len(c.want) {
+			t.Errorf("%s: %d fenced, want %d", c.name, len(got), len(c.want))
+		}
+		for id := range c.want {
+			if !got[id] {
+				t.Errorf("%s: %d not fenced", c.name, id)
+			}
+		}
+	}
 }
 
 // TestGCLeavesForeignObjects: objects outside this cluster's range, and

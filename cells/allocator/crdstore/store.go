@@ -131,6 +131,8 @@ type allocStats struct {
 	// listings counts listings of a label set's objects; repicked the
 	// allocations that used another object than the one first found.
 	listings, repicked atomic.Uint64
+	// stepsAnnounced counts step annotations written (announceSteps).
+	stepsAnnounced atomic.Uint64
 }
 
 // New returns the store of the cluster's ID range on the API server of cfg,
@@ -479,6 +481,11 @@ type allocation struct {
 	waited bool
 	// adopted is the ID whose object find adopted (its mark removed).
 	adopted identity.NumericIdentity
+	// walkStart is when the current walk first looked at the cache;
+	// stepped holds the marked objects of other label sets it stepped
+	// over and has not announced yet (announceSteps).
+	walkStart time.Time
+	stepped   []*entry
 }
 
 // retry counts a failed request and waits before the next, or returns the
@@ -515,7 +522,7 @@ var errRestart = errors.New("walk again")
 // whose cache was behind may have found or created another.
 func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	a := &allocation{s: s, key: key, lbls: lbls}
-	p := idprobe.New(key, s.cluster)
+	p := s.ids.rng.probe(key)
 	for {
 		a.adopted = 0
 		id, created, err := a.find(ctx, p)
@@ -682,6 +689,7 @@ func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.Num
 // walk goes along the probe sequence from its start.
 func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	start := time.Now()
+	a.walkStart, a.stepped = start, nil
 	for i := uint64(0); i < p.Len(); i++ {
 		if time.Since(start) > maxWalkAge {
 			if err := a.conflict(); err != nil {
@@ -713,6 +721,17 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 					}
 					continue
 				}
+			}
+			if err := a.announceSteps(ctx); err != nil {
+				return false, false, err
+			}
+			if !a.walkStart.IsZero() && time.Since(a.walkStart) > maxWalkAge {
+				// The announcements and the collector's fence
+				// assume a create within maxWalkAge of the look.
+				if err := a.conflict(); err != nil {
+					return false, false, err
+				}
+				return false, false, errRestart
 			}
 			began := time.Now()
 			err := s.create(ctx, id, a.lbls)
@@ -757,21 +776,48 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 			return true, false, nil
 		}
 		if e.obj != nil && e.marked() {
-			// The new identity will depend on this slot staying held:
-			// take the mark off first, so that the collector's delete
-			// of it fails.
-			if err := a.unmark(ctx, e); err != nil {
-				if errors.Is(err, errRestart) {
-					if e, err = a.read(ctx, id); err != nil {
-						return false, false, err
-					}
-					continue
-				}
-				return false, false, err
-			}
+			// A new identity further on would depend on this slot
+			// staying held: announced before the create
+			// (announceSteps). Its mark stays, so that its
+			// timeout goes on.
+			a.stepped = append(a.stepped, e)
 		}
 		return false, false, nil
 	}
+}
+
+// announceSteps writes the step annotation on each marked object the walk
+// stepped over, with its resourceVersion as precondition, before the walk
+// creates an object that depends on those slots staying held: a collector
+// that listed the object before the write leaves it until the
+// announcement is older than maxWalkAge, by when the create is in its
+// listing and the fence keeps the slot; one that listed it after fails its
+// delete on the changed resourceVersion. A walk that finds no free slot,
+// or the label set's object, writes nothing: it depends on no slot.
+// errRestart: an object changed or went since the cache showed it.
+func (a *allocation) announceSteps(ctx context.Context) error {
+	for len(a.stepped) > 0 {
+		e := a.stepped[0]
+		patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:%q}}}`,
+			e.obj.ResourceVersion, stepAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
+		_, err := patchMetadataOnly(ctx, a.s.ciliumClient, "ciliumidentities", e.id.String(), patch)
+		switch {
+		case err == nil:
+			a.s.stats.stepsAnnounced.Add(1)
+			a.stepped = a.stepped[1:]
+			continue
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			a.stepped = nil
+			if err := a.conflict(); err != nil {
+				return err
+			}
+			return errRestart
+		}
+		if err := a.retry(ctx, err); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // adopt takes e, an object of the label set, removing its heartbeat mark

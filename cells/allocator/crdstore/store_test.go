@@ -495,8 +495,8 @@ func TestMalformedObjectsAreIgnored(t *testing.T) {
 }
 
 // TestHeartbeatMarks checks Cilium's protocol: a node removes the mark from
-// an identity it uses, from one it adopts, and from one whose slot its new
-// identity skips.
+// an identity it uses and from one it adopts; one whose slot its new
+// identity skips keeps its mark and gets the step annotation.
 func TestHeartbeatMarks(t *testing.T) {
 	t.Parallel()
 	srv := startServer(t)
@@ -545,8 +545,18 @@ func TestHeartbeatMarks(t *testing.T) {
 	if id, _ := a.allocate(t, lbls); id != p.Slot(1) {
 		t.Errorf("got %d, want %d", id, p.Slot(1))
 	}
-	if cli.marked(t, skipped) {
-		t.Error("skipping a marked slot left its mark")
+	// The slot keeps its mark, so that its timeout goes on, and carries
+	// the announcement of the step, which defers the collector's delete.
+	// Without the change the skip removed the mark (checked).
+	if !cli.marked(t, skipped) {
+		t.Error("stepping over a marked slot removed its mark")
+	}
+	obj, err := cli.identity(t, skipped)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if at, err := time.Parse(time.RFC3339Nano, obj.Annotations[stepAnnotation]); err != nil || time.Since(at) > time.Minute {
+		t.Errorf("the stepped-over slot's annotation %q: %v, want the time of the walk", obj.Annotations[stepAnnotation], err)
 	}
 }
 

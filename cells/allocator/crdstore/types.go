@@ -32,6 +32,12 @@ const (
 	// garbage collection) sets on an identity it is about to delete: an
 	// RFC 3339 time. A node that uses a marked identity removes it.
 	HeartbeatAnnotation = "io.cilium.heartbeat"
+	// stepAnnotation is the time (RFC 3339) a node last wrote, before
+	// creating an identity further along a probe sequence, on a marked
+	// identity its walk stepped over: the collection does not delete a
+	// marked identity whose step annotation is younger than maxWalkAge
+	// (docs/crd-store.md, "Garbage collection").
+	stepAnnotation = "identityd.io/stepped-over"
 )
 
 // The resources, for clients that address them by GroupVersionResource.
