@@ -98,7 +98,7 @@ func allocateCmd(a Allocator, sync LocalIdentitySyncer, timeout time.Duration) s
 				}
 			}
 			if allocated {
-				s.Logf("allocated new identity %d\n", id.ID)
+				shellfmt.Notef(s, "allocated new identity %d\n", id.ID)
 			}
 			return shellfmt.Output(s.Flags, []Entry{entryFor(a, id)})
 		},

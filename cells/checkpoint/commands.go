@@ -115,8 +115,8 @@ func showCmd(c *Checkpoint) script.Cmd {
 			}
 			if errors.Is(err, fs.ErrNotExist) {
 				if format != shellfmt.Table {
-					// An empty list keeps the output parseable.
-					s.Logf("no checkpoint at %s\n", path)
+					// An empty list keeps the output parseable,
+					// and nothing beside it.
 					out, err := shellfmt.Render(format, []showRow{})
 					return stdout(out), err
 				}

@@ -327,7 +327,7 @@ func mapDumpCmd(c *IPCache) script.Cmd {
 				rows[i] = mapRow(e)
 			}
 			if len(rows) == 0 {
-				s.Logf("map (%s) is empty\n", c.MapKind())
+				shellfmt.Notef(s, "map (%s) is empty\n", c.MapKind())
 			}
 			return shellfmt.Output(s.Flags, rows)
 		},

@@ -51,6 +51,18 @@ func NoArgsFormat(s *script.State, args []string) (string, error) {
 	return Format(s.Flags)
 }
 
+// Notef logs a note for the reader of a table: with -o json or yaml it
+// logs nothing, because the shell sends a command's log on the same
+// stream as its output, and a line before the document would make it
+// unreadable to a JSON or YAML decoder (`identityd shell -- ... -o json |
+// jq`).
+func Notef(s *script.State, format string, args ...any) {
+	if f, err := Format(s.Flags); err == nil && f != Table {
+		return
+	}
+	s.Logf(format, args...)
+}
+
 // Tabular is an object that can print itself as table rows.
 type Tabular interface {
 	TableHeader() []string
