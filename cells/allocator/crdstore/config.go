@@ -39,7 +39,9 @@ type Config struct {
 	// cluster's CiliumIdentity objects: the garbage collection's heartbeat
 	// timeout must then be at least MinHeartbeatTimeoutBesideCilium.
 	// False, where only identityd nodes allocate, lowers the bound to
-	// MinHeartbeatTimeout.
+	// MinHeartbeatTimeout, and the collector then deletes an identity no
+	// IdentityNode lists after a grace of half its interval (at least
+	// MinHeartbeatTimeout) rather than after the timeout.
 	IdentityGCCiliumAgents bool
 }
 
@@ -54,7 +56,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Duration("identity-node-lease-ttl", def.IdentityNodeLeaseTTL,
 		"How long this node's IdentityNode record of the global identities it uses counts after its last renewal (renewed every third of it; at least 25s)")
 	flags.Bool("identity-gc-cilium-agents", def.IdentityGCCiliumAgents,
-		"Whether Cilium agents may use this cluster's CiliumIdentity objects (crd mode): --identity-heartbeat-timeout must then be at least 10m, as a Cilium agent removes the heartbeat mark of an identity it uses only when it allocates it or at its periodic sync (every 5m); false, only where no Cilium agent allocates, allows 2m")
+		"Whether Cilium agents may use this cluster's CiliumIdentity objects (crd mode): --identity-heartbeat-timeout must then be at least 10m, as a Cilium agent removes the heartbeat mark of an identity it uses only when it allocates it or at its periodic sync (every 5m); false, only where no Cilium agent allocates, allows 2m and deletes a released identity half an --identity-gc-interval after its mark (at least 2m), whatever the timeout")
 }
 
 // Validate checks the configuration.

@@ -111,12 +111,15 @@ type gcState struct {
 	// stepWindow is how long a step annotation defers a delete
 	// (maxWalkAge; tests make it short).
 	stepWindow time.Duration
+	// minGrace is the shortest grace without Cilium agents
+	// (MinHeartbeatTimeout; tests make it short).
+	minGrace time.Duration
 }
 
 func newGCState(cfg GCConfig) *gcState {
 	perDeletion := cfg.RateInterval / time.Duration(max(cfg.RateLimit, 1))
 	// A burst of one keeps every window of the interval within the limit.
-	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: maxWalkAge}
+	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: maxWalkAge, minGrace: MinHeartbeatTimeout}
 }
 
 // SetGCConfig replaces the garbage collection's configuration; it takes
@@ -269,6 +272,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 	for _, id := range s.heldIDs() {
 		used[identity.NumericIdentity(id)] = struct{}{}
 	}
+	timeout := s.gcTimeout()
 	fence := fenced(s.ids.rng, objs, now.Add(-fenceWindow(gc.cfg)))
 
 	var keptUsed, keptFenced int
@@ -323,7 +327,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 			}
 			continue
 		}
-		if now.Sub(at) < gc.cfg.HeartbeatTimeout {
+		if now.Sub(at) < timeout {
 			continue
 		}
 		if stepped(&o.obj, now.Add(-gc.stepWindow)) {
@@ -476,6 +480,24 @@ func fenced(rng idRange, objs []gcObject, youngSince time.Time) map[identity.Num
 func stepped(obj *CiliumIdentity, since time.Time) bool {
 	at, err := time.Parse(time.RFC3339Nano, obj.Annotations[stepAnnotation])
 	return err == nil && at.After(since)
+}
+
+// gcTimeout is how long a mark must be old before its identity is
+// deleted. Beside Cilium agents it is the heartbeat timeout: an agent
+// records no use, and removes a mark only at its periodic sync. Without
+// them (--identity-gc-cilium-agents=false) every use is in an IdentityNode
+// record, which the collector reads, and the mark only has to outlast the
+// walks and caches the fence assumes: the grace is half a collection
+// interval, at least MinHeartbeatTimeout and at most the heartbeat
+// timeout, so that an identity marked in one run is deleted in the next
+// one (its mark is written after the run's start, so a whole interval
+// would often wait for a third run).
+func (s *Store) gcTimeout() time.Duration {
+	gc := s.gc
+	if s.cfg.IdentityGCCiliumAgents || gc.cfg.Interval <= 0 {
+		return gc.cfg.HeartbeatTimeout
+	}
+	return min(gc.cfg.HeartbeatTimeout, max(gc.cfg.Interval/2, gc.minGrace))
 }
 
 // fenceWindow is how long after its creation an object fences the slots

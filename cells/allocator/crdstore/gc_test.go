@@ -481,6 +481,48 @@ func TestGCFence(t *testing.T) {
 	}
 }
 
+// TestGCGraceWithoutCilium: without Cilium agents, a released identity
+// that no IdentityNode lists is deleted after the grace (half an interval,
+// at least MinHeartbeatTimeout, which the test shortens), though the
+// heartbeat timeout is an hour; beside Cilium agents it waits for the
+// timeout. Without the grace the first part fails (checked).
+func TestGCGraceWithoutCilium(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval, cfg.HeartbeatTimeout = time.Second, time.Hour
+	for _, cilium := range []bool{false, true} {
+		node := fmt.Sprintf("node-cilium-%v", cilium)
+		n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), node, cfg), refs: newTestRefs()}
+		n.cfg.IdentityGCCiliumAgents = cilium
+		n.gc.minGrace = 2 * time.Second
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		id := n.allocate(t, mustLabels(t, fmt.Sprintf("k8s:app=grace-%v", cilium)))
+		n.release(t, id)
+		start := time.Now()
+		if !cilium {
+			eventually.True(t, "the released identity is deleted after the grace", func() bool { return readIdentity(t, n.Store, id) == nil })
+			// Marked in one run, deleted in a later one a grace
+			// after: within two intervals and the grace, plus the
+			// reference write and a loaded machine.
+			if d := time.Since(start); d < n.gc.minGrace || d > 2*cfg.Interval+n.gc.minGrace+5*time.Second {
+				t.Fatalf("deleted %s after the release, want after the grace of %s and within two intervals more", d, n.gc.minGrace)
+			}
+			n.Stop(context.Background())
+			continue
+		}
+		eventually.True(t, "the released identity is marked", func() bool { _, ok := markOf(t, n.Store, id); return ok })
+		time.Sleep(3*cfg.Interval + n.gc.minGrace)
+		if _, ok := markOf(t, n.Store, id); !ok {
+			t.Fatal("the mark went")
+		}
+		n.Stop(context.Background())
+	}
+}
+
 // TestGCRateLimit: deletions are paced at --identity-gc-rate-limit per
 // --identity-gc-rate-interval.
 func TestGCRateLimit(t *testing.T) {
