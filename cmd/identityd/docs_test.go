@@ -91,8 +91,10 @@ package readme
 `
 
 // TestReadmeComposition: the composition README.md shows has every cell of
-// the agent's own (but the shell, which it says is optional) and its
-// provider of the automatic grace period, and behaves as documented: its
+// the agent's own (shell.Cell included: without it `identityd shell`
+// against the composed agent finds no agent), no cell the agent lacks,
+// and its provider of the automatic grace period, and behaves as
+// documented: its
 // code, in a module of its own (docs/examples/readme) that imports
 // identityd as another agent does, passes that module's tests, which run
 // it on the embedded etcd, on an external etcd and in crd mode against
@@ -115,10 +117,24 @@ func TestReadmeComposition(t *testing.T) {
 	src := string(agent)
 	cells := src[strings.Index(src, "var agentCells"):]
 	cells = cells[:strings.Index(cells, "\n}\n")]
-	optional := map[string]bool{"cell.Cell": true, "shell.Cell": true}
-	for _, m := range regexp.MustCompile(`\b[a-z]+\.Cell\b`).FindAllString(cells, -1) {
-		if !optional[m] && !strings.Contains(block, m) {
-			t.Errorf("README.md's composition lacks %s", m)
+	cellRef := regexp.MustCompile(`\b[a-z]+\.Cell\b`)
+	// cell.Cell is the type of the list, not a cell.
+	composed := map[string]bool{}
+	for _, m := range cellRef.FindAllString(cells, -1) {
+		composed[m] = m != "cell.Cell"
+	}
+	shown := map[string]bool{}
+	for _, m := range cellRef.FindAllString(block, -1) {
+		shown[m] = m != "cell.Cell"
+	}
+	for m, isCell := range composed {
+		if isCell && !shown[m] {
+			t.Errorf("README.md's composition lacks %s, which the binary composes (agent.go)", m)
+		}
+	}
+	for m, isCell := range shown {
+		if isCell && !composed[m] {
+			t.Errorf("README.md's composition has %s, which the binary does not compose (agent.go)", m)
 		}
 	}
 	if strings.Contains(cells, "restoration.AutomaticGracePeriod") && !strings.Contains(block, "restoration.AutomaticGracePeriodFor(") {

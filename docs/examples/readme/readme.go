@@ -27,6 +27,7 @@ import (
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/cells/restoration"
+	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 )
@@ -40,6 +41,9 @@ func newHive(flags *pflag.FlagSet, myAgentCell cell.Cell) *hive.Hive {
 	opts.LogThreshold = 100 * time.Millisecond      // slower hooks are logged at info level
 	h := hive.NewWithOptions(opts,
 		health.Cell, metrics.Cell, job.Cell, statedb.Cell, statedir.Cell,
+		// The socket `identityd shell --state-dir DIR` talks to
+		// (<state-dir>/identityd.sock): without it the shell finds no agent.
+		shell.Cell,
 		kvstore.Cell, allocator.Cell, etcdstore.Cell, clustermesh.Cell,
 		// The CRD store: with --identity-allocation-mode=crd, global
 		// identities are CiliumIdentity objects in the API server of
