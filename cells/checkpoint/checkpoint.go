@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -274,7 +275,7 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 			retry = 0
 			return
 		}
-		retry = min(max(2*retry, time.Second), 30*time.Second)
+		retry = min(max(2*retry, time.Second), maxRetry)
 		if timerC == nil {
 			timer = time.NewTimer(retry)
 			timerC = timer.C
@@ -312,6 +313,12 @@ func (c *Checkpoint) run(ctx context.Context, health cell.Health) error {
 		}
 	}
 }
+
+// maxRetry bounds the pause between attempts of a failed triggered write:
+// a disk that had no room for minutes gets its checkpoint, and the agent
+// its readiness, within seconds of having room again. An attempt on a
+// full disk fails at its first write, so a short pause costs little.
+const maxRetry = 2 * time.Second
 
 func errOrEOF(err error) error {
 	if err == nil {
@@ -498,14 +505,23 @@ func (c *Checkpoint) writeSnapshot(capture func()) (Status, []*identity.Identity
 //
 // The journal of local identity changes beside the checkpoint
 // (JournalFileName) is replayed over the file's identities: the result is
-// what the agent held at its last durable answer. A journal whose tail is
-// torn or corrupt is replayed up to its last valid record, a copy of it is
-// kept as <journal>.corrupt-<unix time>, and it goes on from that record;
-// Report.Journal says so. A journal that follows another checkpoint than
-// the file read (the file was replaced since, by a backup or another
-// agent; or it was damaged) is not replayed at all: it is kept aside the
-// same way and started afresh.
-func (c *Checkpoint) Load() (LoadResult, error) {
+// what the agent held at its last durable answer. A damaged journal (a
+// torn, corrupt, cut or overwritten record, a damaged header) is replayed
+// up to its last valid record and then with the records after the damage
+// that still verify; a copy of it is kept as <journal>.corrupt-<unix
+// time>. A journal that follows another checkpoint than the file read is
+// replayed over it too, and reported the same way, unless the file holds
+// its records already (a crash between a checkpoint write and the
+// journal's reset, no damage). An empty journal is damage: its changes
+// are unknown. Report.Journal says what was found; LoadResult.Seen every
+// number the state files and their kept copies name. A journal that
+// cannot be opened fails Load with ErrJournalUnusable.
+func (c *Checkpoint) Load() (res LoadResult, err error) {
+	defer func() {
+		seen, files := seenInCopies(filepath.Dir(c.path))
+		res.Seen = append(res.Seen, seen...)
+		res.Report.CopiesRead = files
+	}()
 	res, base, err := Loader{Log: c.log}.loadBase(c.path)
 	c.loads.Add(1)
 	if res.Report.Corrupt != nil {

@@ -52,6 +52,13 @@ type LoadResult struct {
 	Identities []identity.Identity
 	// Report says how the file was read.
 	Report Report
+	// Seen holds every local number the state files name that Load
+	// could read: the checkpoint, every record of the journal, and the
+	// copies of both kept aside by this or an earlier start, with
+	// repeats (Checkpoint.Load only). Restoration withholds those it does
+	// not restore until its grace period ends: after damage, an answered
+	// number may be named nowhere else.
+	Seen []identity.NumericIdentity
 }
 
 // Report describes one load of the checkpoint.
@@ -78,6 +85,9 @@ type Report struct {
 	// Journal describes the journal replayed over the file (Checkpoint.Load
 	// only; Loader.Load reads the file alone).
 	Journal JournalReport
+	// CopiesRead is the number of set-aside copies whose numbers are in
+	// LoadResult.Seen (Checkpoint.Load only).
+	CopiesRead int
 }
 
 // Loader reads checkpoints. Its zero value is usable; set Log to have set

@@ -8,6 +8,9 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/identityd/identityd/cells/allocator"
@@ -148,44 +151,70 @@ func replay(ids []identity.Identity, records [][]byte) ([]identity.Identity, map
 type JournalReport struct {
 	// Path is the journal's file.
 	Path string
-	// Found is false when there was no journal, or an empty one.
+	// Found is false when there was no journal.
 	Found bool
-	// Records is the number of valid records replayed over the checkpoint.
+	// Records is the number of valid records replayed over the checkpoint,
+	// those salvaged after damage included.
 	Records int
+	// Salvaged is the number of those found after damage, LostBytes the
+	// number of damaged bytes in no record.
+	Salvaged  int
+	LostBytes int64
+	// Covered is the number of records of a journal over the previous
+	// checkpoint that the checkpoint read holds already: the trace of a
+	// crash between a checkpoint write and the journal's reset, no
+	// damage.
+	Covered int
 	// Invalid counts records with a valid checksum that describe no local
 	// identity (skipped).
 	Invalid int
-	// Damage is why the journal was not read to its end (a torn or
-	// corrupt record, a newer format), or nil.
+	// Damage is why the journal was not read as a whole continuation of
+	// the checkpoint (a torn or corrupt record, a damaged header, an empty
+	// file, a newer format, another checkpoint than the one loaded), or
+	// nil.
 	Damage error
 	// KeptAs is where a copy of a damaged journal was kept.
 	KeptAs string
 }
 
+// ErrJournalUnusable is wrapped by Load's error when the journal cannot
+// be opened or read (a directory in its place, an immutable file): the
+// agent could answer no local identity durably, so restoration refuses
+// the start.
+var ErrJournalUnusable = errors.New("identity journal unusable")
+
 // loadJournal opens the journal for the loaded checkpoint, replays it over
 // res, and keeps the journal open for the changes that follow.
 func (c *Checkpoint) loadJournal(res *LoadResult, base journal.Base) error {
 	path := c.journalPath()
-	j, op, err := journal.Open(path, journalKind, base, time.Now())
+	j, op, err := journal.Open(path, journalKind, base, time.Now(), coveredBy(res.Identities))
 	rep := &res.Report.Journal
 	rep.Path, rep.Found, rep.Damage, rep.KeptAs = path, op.Found, op.Damage, op.KeptAs
+	rep.Salvaged, rep.LostBytes, rep.Covered = op.Salvaged, op.Lost, op.Covered
 	if err != nil {
-		return err
+		return fmt.Errorf("%w: %s: %w", ErrJournalUnusable, path, err)
 	}
 	switch {
 	case errors.Is(op.Damage, journal.ErrOtherSnapshot):
-		c.log.Warn("Identity journal follows another checkpoint than the one loaded (the checkpoint was replaced or damaged): "+
-			"none of its records is replayed, a copy of the file is kept",
-			"file", path, "checkpoint", c.path, "kept-as", op.KeptAs, "reason", op.Damage)
+		c.log.Warn("Identity journal follows another checkpoint than the one loaded (the checkpoint was replaced, lost or damaged): "+
+			"replaying its records over the checkpoint found, what changed between the two is unknown and its numbers withheld; a copy of the file is kept",
+			"file", path, "checkpoint", c.path, "kept-as", op.KeptAs, "records", len(op.Records), "reason", op.Damage)
+	case errors.Is(op.Damage, journal.ErrEmpty):
+		c.log.Error("Identity journal is empty: the changes since the last checkpoint write are unknown, the numbers the state files and the datapath map name are withheld",
+			"file", path)
 	case op.Damage != nil:
-		c.log.Warn("Identity journal damaged: replaying its valid records, a copy of the file is kept",
-			"file", path, "kept-as", op.KeptAs, "valid-records", len(op.Records), "reason", op.Damage)
+		c.log.Warn("Identity journal damaged: replaying its valid records and those found intact after the damage, a copy of the file is kept",
+			"file", path, "kept-as", op.KeptAs, "records", len(op.Records), "salvaged", op.Salvaged, "lost-bytes", op.Lost, "reason", op.Damage)
+	case op.Covered > 0:
+		c.log.Info("Identity journal follows the previous checkpoint, whose successor holds its records: nothing to replay",
+			"file", path, "records", op.Covered)
 	}
 	ids, state, invalid := replay(res.Identities, op.Records)
 	rep.Records, rep.Invalid = len(op.Records), invalid
 	if invalid > 0 {
 		c.log.Warn("Identity journal records skipped", "file", path, "invalid", invalid)
 	}
+	res.Seen = appendSeen(res.Seen, res.Identities, op.Records)
 	res.Identities = ids
 	res.Report.Valid = len(ids)
 	if len(op.Records) > 0 {
@@ -193,6 +222,96 @@ func (c *Checkpoint) loadJournal(res *LoadResult, base journal.Base) error {
 	}
 	c.setJournal(j, state)
 	return nil
+}
+
+// coveredBy tells whether the identities of a checkpoint hold the net
+// change of a journal's records: each ID the records name has, in ids,
+// what its last record gives it.
+func coveredBy(ids []identity.Identity) func([][]byte) bool {
+	return func(records [][]byte) bool {
+		last := map[identity.NumericIdentity]labels.Labels{}
+		for _, r := range records {
+			id, lbls, _, err := decodeRecord(r)
+			if err != nil {
+				return false
+			}
+			last[id] = lbls // nil: deleted
+		}
+		in := make(map[identity.NumericIdentity]labels.Labels, len(ids))
+		for _, id := range ids {
+			in[id.ID] = id.Labels
+		}
+		for id, lbls := range last {
+			cur, ok := in[id]
+			if ok != (lbls != nil) || (ok && !cur.Equal(lbls)) {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+// appendSeen adds to seen the local numbers of ids and of the records.
+func appendSeen(seen []identity.NumericIdentity, ids []identity.Identity, records [][]byte) []identity.NumericIdentity {
+	for _, id := range ids {
+		if id.ID.HasLocalScope() {
+			seen = append(seen, id.ID)
+		}
+	}
+	for _, r := range records {
+		if id, _, _, err := decodeRecord(r); err == nil {
+			seen = append(seen, id)
+		}
+	}
+	return seen
+}
+
+// maxCopiesRead bounds the set-aside copies whose numbers Load reads,
+// newest first.
+const maxCopiesRead = 64
+
+// seenInCopies returns the local numbers named by the copies of the
+// checkpoint and of the journal kept aside in dir (by this or an earlier
+// start: .corrupt-, .invalid-, .unrestored-), whatever of them still
+// decodes: an answered number may be nowhere else once a file was
+// damaged, and restoration withholds it for its grace period.
+func seenInCopies(dir string) (seen []identity.NumericIdentity, files int) {
+	var paths []string
+	for _, pattern := range []string{FileName + ".*-*", JournalFileName + ".*-*"} {
+		m, _ := filepath.Glob(filepath.Join(dir, pattern))
+		paths = append(paths, m...)
+	}
+	// Newest first: the names end in the Unix time they were kept.
+	slices.SortFunc(paths, func(a, b string) int { return strings.Compare(copyTime(b), copyTime(a)) })
+	for _, p := range paths[:min(len(paths), maxCopiesRead)] {
+		data, _, err := readBounded(p, MaxFileSize)
+		if err != nil || len(data) == 0 {
+			continue
+		}
+		files++
+		if strings.HasPrefix(filepath.Base(p), JournalFileName) {
+			jc := journal.Decode(data, journalKind)
+			seen = appendSeen(seen, nil, append(slices.Clip(jc.Records), jc.Salvaged...))
+			continue
+		}
+		ids, _, err := Decode(data)
+		if err == nil {
+			seen = appendSeen(seen, ids, nil)
+		}
+	}
+	return seen, files
+}
+
+// copyTime is the Unix time in a kept copy's name, zero-padded so that
+// names compare by time.
+func copyTime(path string) string {
+	s := path[strings.LastIndexByte(path, '-')+1:]
+	if _, err := strconv.ParseUint(s, 10, 64); err != nil {
+		// A -n suffix of a second copy in the same second.
+		rest := strings.TrimSuffix(path, "-"+s)
+		s = rest[strings.LastIndexByte(rest, '-')+1:]
+	}
+	return fmt.Sprintf("%020s", s)
 }
 
 func (c *Checkpoint) journalPath() string {
@@ -260,7 +379,7 @@ func (c *Checkpoint) openJournal() (*journal.Journal, error) {
 	}
 	base := journal.BaseOf(data)
 	path := c.journalPath()
-	j, op, err := journal.Open(path, journalKind, base, time.Now())
+	j, op, err := journal.Open(path, journalKind, base, time.Now(), nil)
 	if err != nil {
 		return nil, err
 	}
@@ -561,9 +680,10 @@ func (c *Checkpoint) journalRecords(base journal.Base) [][]byte {
 
 // LoadJournaled is Load followed by a replay of the journal beside path
 // (JournalFileName in its directory), which it reads without changing: the
-// identities a restart would restore, for tools and tests. Records after a
-// damaged one are left out, and a journal that follows another snapshot
-// than the file is not replayed, as at restoration.
+// identities a restart would restore, for tools and tests: the records
+// after a damaged one that still verify are replayed too, and so is a
+// journal that follows another snapshot than the file, unless the file
+// holds its records already, as at restoration.
 func (l Loader) LoadJournaled(path string) (LoadResult, error) {
 	res, base, err := l.loadBase(path)
 	if err != nil {
@@ -575,13 +695,19 @@ func (l Loader) LoadJournaled(path string) (LoadResult, error) {
 		return res, nil
 	}
 	c := journal.Decode(data, journalKind)
-	if c.Valid >= journal.HeaderSize && c.Base != base && len(c.Records) > 0 {
-		c.Records = nil
+	records := append(slices.Clip(c.Records), c.Salvaged...)
+	switch {
+	case len(data) == 0:
+		c.Damage = journal.ErrEmpty
+	case c.Valid >= journal.HeaderSize && c.Base != base && len(records) > 0 && c.Damage == nil && coveredBy(res.Identities)(records):
+		records = nil
+	case c.Valid >= journal.HeaderSize && c.Base != base && len(records) > 0:
 		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the file has %v", journal.ErrOtherSnapshot, c.Base, base)
 	}
 	rep := &res.Report.Journal
-	rep.Path, rep.Found, rep.Damage, rep.Records = jpath, len(data) > 0, c.Damage, len(c.Records)
-	res.Identities, _, rep.Invalid = replay(res.Identities, c.Records)
+	rep.Path, rep.Found, rep.Damage, rep.Records = jpath, true, c.Damage, len(records)
+	rep.Salvaged, rep.LostBytes = len(c.Salvaged), c.Lost
+	res.Identities, _, rep.Invalid = replay(res.Identities, records)
 	res.Report.Valid = len(res.Identities)
 	return res, nil
 }

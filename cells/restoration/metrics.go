@@ -22,6 +22,16 @@ const (
 	skippedOtherLabels = "other_labels"
 )
 
+// labelWhat is the label of identityd_identity_restoration_damage, and
+// its values.
+const (
+	labelWhat       = "what"
+	damageJournal   = "journal_damaged"
+	damageSalvaged  = "journal_salvaged_records"
+	damageLostBytes = "journal_lost_bytes"
+	damageWithheld  = "withheld_ids"
+)
+
 // newRestorationMetrics contributes the restorer's collector.
 func newRestorationMetrics(r *Restorer) metrics.CollectorOut {
 	return metrics.NewCollector(newRestorationCollector(r))
@@ -42,6 +52,9 @@ func newRestorationCollector(r *Restorer) *metrics.ScrapeCollector {
 		skippedMapEntries = metrics.NewDesc("identity_restoration_skipped_map_entries_total",
 			"Number of old datapath map entries restoration skipped because the checkpoint gives their ID to another prefix's label set, by reason: shared_id, other_labels",
 			labelReason)
+		damage = metrics.NewDesc("identity_restoration_damage",
+			"What restoration found damaged in the state files at this start, by what: journal_damaged (1 when the identity journal was damaged, empty or of another checkpoint), journal_salvaged_records, journal_lost_bytes, and withheld_ids (numbers the state files name that were not given back, withheld until the grace period ends)",
+			labelWhat)
 	)
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
 		n := r.Counters()
@@ -54,5 +67,13 @@ func newRestorationCollector(r *Restorer) *metrics.ScrapeCollector {
 		// process, which Prometheus reads as a counter reset.
 		m.Counter(skippedMapEntries, float64(n.MapEntriesSharedID), skippedSharedID)
 		m.Counter(skippedMapEntries, float64(n.MapEntriesOtherLabels), skippedOtherLabels)
-	}, identities, prefixes, skippedMapEntries)
+		damaged := 0.0
+		if r.Status().JournalDamage != nil {
+			damaged = 1
+		}
+		m.Gauge(damage, damaged, damageJournal)
+		m.Gauge(damage, float64(n.JournalSalvaged), damageSalvaged)
+		m.Gauge(damage, float64(n.JournalLostBytes), damageLostBytes)
+		m.Gauge(damage, float64(n.SeenWithheld), damageWithheld)
+	}, identities, prefixes, skippedMapEntries, damage)
 }

@@ -79,6 +79,32 @@ type Counters struct {
 	// freed when the restorer let go of them, because nobody had taken them
 	// up during the grace period.
 	ReleasedAfterGrace uint64 `json:"released-after-grace"`
+	// SeenWithheld is the number of local numbers a state file or a
+	// kept copy names (see checkpoint.LoadResult.Seen) that restoration
+	// did not give back, withheld until the release.
+	SeenWithheld uint64 `json:"seen-withheld"`
+	// JournalSalvaged is the number of identity journal records found
+	// intact after damage and replayed; JournalLostBytes the number of
+	// its damaged bytes in no record.
+	JournalSalvaged  uint64 `json:"journal-salvaged"`
+	JournalLostBytes uint64 `json:"journal-lost-bytes"`
+}
+
+// Damage is what restoration found damaged in the identity journal, for
+// the restore-status command; nil when nothing was.
+type Damage struct {
+	// Journal is why the journal was not read as a whole continuation of
+	// the checkpoint: a damaged record or header, an empty file, another
+	// checkpoint than the one loaded.
+	Journal string `json:"journal"`
+	// KeptAs is the copy of the damaged journal.
+	KeptAs string `json:"kept-as,omitempty"`
+	// Records is the number of its records replayed, Salvaged those of
+	// them found after the damage, LostBytes its damaged bytes in no
+	// record.
+	Records   int   `json:"records"`
+	Salvaged  int   `json:"salvaged"`
+	LostBytes int64 `json:"lost-bytes"`
 }
 
 // Status is the state of restoration, for the restore-status command.
@@ -88,6 +114,11 @@ type Status struct {
 	CheckpointFound bool `json:"checkpoint-found"`
 	// CheckpointError is why the checkpoint was not (fully) usable.
 	CheckpointError string `json:"checkpoint-error,omitempty"`
+	// JournalDamage is what was damaged in the identity journal.
+	JournalDamage *Damage `json:"journal-damage,omitempty"`
+	// CopiesRead is the number of kept copies of the checkpoint and the
+	// journal whose numbers are withheld with the others seen.
+	CopiesRead int `json:"copies-read"`
 	// OldMapEntries is the number of entries of the old datapath map.
 	OldMapEntries int `json:"old-map-entries"`
 	// HeldIdentities is the number of identity references the restorer
@@ -142,10 +173,15 @@ type Restorer struct {
 
 	// mu guards the fields below. The start hook, the bulk job and the
 	// release never overlap: each waits for the one before.
-	mu              sync.Mutex
-	state           State
-	held            []*identity.Identity
-	withheld        []identity.NumericIdentity
+	mu       sync.Mutex
+	state    State
+	held     []*identity.Identity
+	withheld []identity.NumericIdentity
+	// seen holds the numbers of the state files withheld until the
+	// release (Counters.SeenWithheld).
+	seen            []identity.NumericIdentity
+	journalDamage   *Damage
+	copiesRead      int
 	heldPrefixes    int
 	oldMapEntries   int
 	found           bool
@@ -162,6 +198,7 @@ type Restorer struct {
 
 	restored, skipped, renumbered, prefixesRestored, prefixesFailed, releasedAfterGrace atomic.Uint64
 	mapSharedID, mapOtherLabels                                                         atomic.Uint64
+	seenWithheld, journalSalvaged, journalLostBytes                                     atomic.Uint64
 }
 
 type params struct {
@@ -244,6 +281,9 @@ func (r *Restorer) Counters() Counters {
 		MapEntriesSharedID:    r.mapSharedID.Load(),
 		MapEntriesOtherLabels: r.mapOtherLabels.Load(),
 		ReleasedAfterGrace:    r.releasedAfterGrace.Load(),
+		SeenWithheld:          r.seenWithheld.Load(),
+		JournalSalvaged:       r.journalSalvaged.Load(),
+		JournalLostBytes:      r.journalLostBytes.Load(),
 	}
 }
 
@@ -255,6 +295,8 @@ func (r *Restorer) Status() Status {
 		State:                     r.state,
 		CheckpointFound:           r.found,
 		CheckpointError:           r.checkpointErr,
+		JournalDamage:             r.journalDamage,
+		CopiesRead:                r.copiesRead,
 		OldMapEntries:             r.oldMapEntries,
 		HeldIdentities:            len(r.held),
 		WithheldIDs:               len(r.withheld),
@@ -284,9 +326,11 @@ func (r *Restorer) Held() []identity.Identity {
 }
 
 // Start restores the identities and protects the old numbers (see the
-// package documentation); the bulk of the prefixes follows in a job. It
-// never fails: whatever cannot be restored is logged and counted, and the
-// agent starts with the rest. Done is closed however it ends, as every
+// package documentation); the bulk of the prefixes follows in a job.
+// Whatever cannot be restored is logged and counted, and the agent starts
+// with the rest; it fails only when the identity journal cannot be opened
+// (checkpoint.ErrJournalUnusable): no local identity could be answered
+// durably. Done is closed however it ends, as every
 // other local allocation waits for it. Its own allocations, through the
 // ipcache too, are marked allocator.Restoring: they must not wait for it.
 func (r *Restorer) Start(hctx cell.HookContext) error {
@@ -294,7 +338,9 @@ func (r *Restorer) Start(hctx cell.HookContext) error {
 	defer close(r.done)
 	ctx := allocator.Restoring(hctx)
 	start := time.Now()
-	r.restoreCheckpoint(ctx)
+	if err := r.restoreCheckpoint(ctx); err != nil {
+		return err
+	}
 	mid := time.Now()
 	r.bulk = r.restorePrefixes(ctx)
 	d := time.Since(start)
@@ -355,9 +401,13 @@ func (r *Restorer) restoreBulk(ctx context.Context, health cell.Health) error {
 }
 
 // restoreCheckpoint re-allocates the checkpoint's identities with their old
-// numbers.
-func (r *Restorer) restoreCheckpoint(ctx context.Context) {
+// numbers, and withholds every other number the state files name.
+func (r *Restorer) restoreCheckpoint(ctx context.Context) error {
 	res, err := r.cp.Load()
+	if errors.Is(err, checkpoint.ErrJournalUnusable) {
+		return fmt.Errorf("restoration: %w; move it away or make it writable", err)
+	}
+	defer r.withholdSeen(res)
 	r.mu.Lock()
 	r.found = res.Report.Found
 	switch {
@@ -382,7 +432,7 @@ func (r *Restorer) restoreCheckpoint(ctx context.Context) {
 			"invalid", n, "kept-as", res.Report.SetAside)
 	}
 	if len(res.Identities) == 0 {
-		return
+		return nil
 	}
 
 	reqs := make([]allocator.Request, 0, len(res.Identities))
@@ -446,6 +496,51 @@ func (r *Restorer) restoreCheckpoint(ctx context.Context) {
 	r.mu.Lock()
 	r.held = held
 	r.mu.Unlock()
+	return nil
+}
+
+// withholdSeen withholds, until the release, the numbers the state files
+// and their kept copies name that no restored identity holds: after
+// damage, or with a checkpoint older than the journal, some of them were
+// answered for label sets restoration could not restore, and giving them
+// to another label set while a datapath entry or a peer may still hold
+// the old meaning is what restoration exists to prevent. It also reports
+// the journal's damage.
+func (r *Restorer) withholdSeen(res checkpoint.LoadResult) {
+	jr := res.Report.Journal
+	var damage *Damage
+	if jr.Damage != nil {
+		damage = &Damage{Journal: jr.Damage.Error(), KeptAs: jr.KeptAs, Records: jr.Records, Salvaged: jr.Salvaged, LostBytes: jr.LostBytes}
+		r.journalSalvaged.Add(uint64(jr.Salvaged))
+		r.journalLostBytes.Add(uint64(jr.LostBytes))
+	}
+	r.mu.Lock()
+	held := make(map[identity.NumericIdentity]bool, len(r.held))
+	for _, id := range r.held {
+		held[id.ID] = true
+	}
+	r.mu.Unlock()
+	var seen []identity.NumericIdentity
+	for _, id := range res.Seen {
+		if id.HasLocalScope() && !held[id] {
+			seen = append(seen, id)
+		}
+	}
+	slices.Sort(seen)
+	seen = slices.Compact(seen)
+	r.alloc.Withhold(seen)
+	r.seenWithheld.Store(uint64(len(seen)))
+	r.mu.Lock()
+	r.seen = seen
+	r.journalDamage = damage
+	r.copiesRead = res.Report.CopiesRead
+	r.mu.Unlock()
+	if damage != nil || len(seen) > 0 {
+		r.log.Warn("State files name numbers restoration did not give back: withholding them until the grace period ends",
+			"withheld", len(seen), "journal-damage", jr.Damage, "journal-records", jr.Records,
+			"journal-salvaged", jr.Salvaged, "journal-lost-bytes", jr.LostBytes, "kept-copies-read", res.Report.CopiesRead,
+			"grace-period", r.grace)
+	}
 }
 
 // restorePrefixes re-creates ipcache metadata for the prefixes of the old
@@ -750,8 +845,8 @@ func (r *Restorer) Release(ctx context.Context) error {
 		return nil
 	}
 	r.releasing = true
-	held, withheld := r.held, r.withheld
-	r.held, r.withheld, r.heldPrefixes = nil, nil, 0
+	held, withheld := r.held, append(r.withheld, r.seen...)
+	r.held, r.withheld, r.seen, r.heldPrefixes = nil, nil, nil, 0
 	r.mu.Unlock()
 
 	var errs []error

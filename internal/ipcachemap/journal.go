@@ -25,11 +25,16 @@ const (
 func (f *fileMap) journalPath() string { return f.path + JournalSuffix }
 
 // openJournal opens the journal and replays it over the entries read from
-// the file, whose bytes have the journal.Base base; info reports a damaged
-// journal, and one that follows another file (replaced since), which is
-// not replayed. Called before the map is shared.
+// the file, whose bytes have the journal.Base base. A damaged journal is
+// replayed up to its last valid record and then with the records after
+// the damage that still verify (each is the last durable state of its key
+// when no later record names it: an answered delete stays deleted, an
+// answered upsert is kept); one that follows another file is replayed
+// over the file found, unless the file holds its records already (a crash
+// between a snapshot and the journal's reset). info reports the damage.
+// Called before the map is shared.
 func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
-	j, op, err := journal.Open(f.journalPath(), journalKind, base, time.Now())
+	j, op, err := journal.Open(f.journalPath(), journalKind, base, time.Now(), f.covers)
 	if err != nil {
 		return fmt.Errorf("ipcache map journal: %w", err)
 	}
@@ -43,13 +48,17 @@ func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
 	switch {
 	case errors.Is(op.Damage, journal.ErrOtherSnapshot):
 		info.Warnings = append(info.Warnings, fmt.Sprintf(
-			"map journal %s follows another map file than %s (replaced or damaged since): none of its records is replayed, a copy of the file is kept as %s (%v)",
-			f.journalPath(), f.path, op.KeptAs, op.Damage))
+			"map journal %s follows another map file than %s (replaced, lost or damaged since): replayed its %d records over the file found, what changed between the two is unknown; a copy of the file is kept as %s (%v)",
+			f.journalPath(), f.path, len(op.Records), op.KeptAs, op.Damage))
 		info.JournalKeptAs = op.KeptAs
+	case errors.Is(op.Damage, journal.ErrEmpty):
+		info.Warnings = append(info.Warnings, fmt.Sprintf(
+			"map journal %s damaged (%v): the changes since the map file was written are unknown",
+			f.journalPath(), op.Damage))
 	case op.Damage != nil:
 		info.Warnings = append(info.Warnings, fmt.Sprintf(
-			"map journal %s damaged (%v): replayed its %d valid records, a copy of the file is kept as %s",
-			f.journalPath(), op.Damage, len(op.Records), op.KeptAs))
+			"map journal %s damaged (%v): replayed its %d valid records, %d of them found intact after the damage (%d bytes lost), a copy of the file is kept as %s",
+			f.journalPath(), op.Damage, len(op.Records), op.Salvaged, op.Lost, op.KeptAs))
 		info.JournalKeptAs = op.KeptAs
 	}
 	if invalid > 0 {
@@ -65,6 +74,35 @@ func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
 	f.jrn = j
 	f.pending = map[rawKey]uint64{}
 	return nil
+}
+
+// covers tells whether the entries read from the file hold the net change
+// of a journal's records: each key they name has the value of its last
+// record (none after a delete).
+func (f *fileMap) covers(records [][]byte) bool {
+	last := map[rawKey]*rawValue{}
+	for _, r := range records {
+		var rk rawKey
+		switch {
+		case len(r) == 1+KeySize && r[0] == recDelete:
+			copy(rk[:], r[1:])
+			last[rk] = nil
+		case len(r) == 1+KeySize+ValueSize && r[0] == recUpdate:
+			var rv rawValue
+			copy(rk[:], r[1:])
+			copy(rv[:], r[1+KeySize:])
+			last[rk] = &rv
+		default:
+			return false
+		}
+	}
+	for rk, rv := range last {
+		cur, ok := f.entries[rk]
+		if ok != (rv != nil) || (ok && cur != *rv) {
+			return false
+		}
+	}
+	return true
 }
 
 // replay applies one record to the entries; false for a record that is
