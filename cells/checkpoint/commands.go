@@ -67,10 +67,10 @@ type showRow struct {
 	Invalid string                   `json:"invalid,omitempty"`
 }
 
-// TableHeader implements shellfmt.Tabular.
+// TableHeader names the columns of checkpoint/show's table.
 func (showRow) TableHeader() []string { return []string{"ID", "Scope", "Labels"} }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is one checkpointed identity's row of that table.
 func (r showRow) TableRow() []string {
 	return []string{r.ID.String(), r.Scope, strings.Join(r.Labels, ",")}
 }

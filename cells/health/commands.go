@@ -27,11 +27,11 @@ type statusRow struct {
 	Updated  *time.Time `json:"updated,omitempty"`
 }
 
-// TableHeader implements shellfmt.Tabular; the table itself is Format's
+// TableHeader names a health row's columns; the table itself is Format's
 // one line per scope, which scripts and /healthz share.
 func (statusRow) TableHeader() []string { return []string{"Name", "Level", "Message", "Error"} }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is one scope's row.
 func (r statusRow) TableRow() []string { return []string{r.Name, r.Level, r.Message, r.Error} }
 
 func rowOf(st Status) statusRow {

@@ -59,12 +59,13 @@ func viewOf(st Status) statusView {
 	}
 }
 
-// TableHeader implements shellfmt.Tabular; the table itself is FormatStatus.
+// TableHeader lets the shell render statusView; k8s/status prints
+// FormatStatus as its table, not these columns.
 func (statusView) TableHeader() []string {
 	return []string{"Server", "Connected", "Version", "QPS", "Burst"}
 }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is the status's values in the order of TableHeader.
 func (v statusView) TableRow() []string {
 	return []string{v.Server, strconv.FormatBool(v.Connected), v.Version,
 		strconv.FormatFloat(v.QPS, 'g', -1, 64), strconv.Itoa(v.Burst)}

@@ -83,12 +83,13 @@ func viewOf(st Status) statusView {
 	return v
 }
 
-// TableHeader implements shellfmt.Tabular; the table itself is FormatStatus.
+// TableHeader lets the shell render statusView; kvstore/status prints
+// FormatStatus as its table, not these columns.
 func (statusView) TableHeader() []string {
 	return []string{"Mode", "Node", "Connected", "Leader", "Revision", "Lease"}
 }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is the status's values in the order of TableHeader.
 func (v statusView) TableRow() []string {
 	return []string{v.Mode, v.Node, fmt.Sprintf("%d/%d", v.Connected, len(v.Endpoints)), v.Leader,
 		strconv.FormatInt(v.Revision, 10), v.Lease}

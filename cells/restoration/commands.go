@@ -47,10 +47,11 @@ type heldRow struct {
 	Labels []string                 `json:"labels"`
 }
 
-// TableHeader implements shellfmt.Tabular.
+// TableHeader names the columns of identity/restore-status's table of
+// held identities.
 func (heldRow) TableHeader() []string { return []string{"ID", "LABELS"} }
 
-// TableRow implements shellfmt.Tabular.
+// TableRow is one held identity's row of that table.
 func (h heldRow) TableRow() []string {
 	s := ""
 	for i, l := range h.Labels {

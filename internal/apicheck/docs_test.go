@@ -62,6 +62,24 @@ func exportedDocs(t *testing.T, dir string) map[string]string {
 		t.Fatal(err)
 	}
 	docs := map[string]string{"package " + p.Name: p.Doc}
+	// The table methods of the unexported types the cells' shell commands
+	// print too: every cell has such rows, and their docs were the ones
+	// to name the internal interface they satisfy. doc.New consumes the
+	// files it reads, so these come from a fresh parse.
+	all, err := doc.NewFromFiles(fset, parseAgain(t, fset, files), module+"/"+filepath.ToSlash(dir), doc.AllDecls)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, typ := range all.Types {
+		if ast.IsExported(typ.Name) {
+			continue
+		}
+		for _, m := range typ.Methods {
+			if m.Name == "TableHeader" || m.Name == "TableRow" {
+				docs[typ.Name+"."+m.Name] = m.Doc
+			}
+		}
+	}
 	values := func(vs []*doc.Value) {
 		for _, v := range vs {
 			docs[strings.Join(v.Names, ", ")] = v.Doc
@@ -101,9 +119,25 @@ func exportedDocs(t *testing.T, dir string) map[string]string {
 	return docs
 }
 
+// parseAgain parses the files of files once more, for a second
+// doc.NewFromFiles.
+func parseAgain(t *testing.T, fset *token.FileSet, files []*ast.File) []*ast.File {
+	t.Helper()
+	var out []*ast.File
+	for _, f := range files {
+		g, err := parser.ParseFile(fset, fset.File(f.Pos()).Name(), nil, parser.ParseComments)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, g)
+	}
+	return out
+}
+
 // TestPublicDocsNameNoInternalType: the doc comments go doc shows for the
-// public packages name no type of an internal package, which a reader
-// outside the module can neither look up nor use.
+// public packages (and those of the table methods of the unexported rows
+// their shell commands print) name no type of an internal package, which a
+// reader outside the module can neither look up nor use.
 func TestPublicDocsNameNoInternalType(t *testing.T) {
 	re := internalNameRE(t)
 	for _, root := range publicDirs {
