@@ -985,3 +985,106 @@ func TestDeployPortsNotCilium(t *testing.T) {
 		t.Fatal("no DaemonSet of deploy/ listens on a port of the node: nothing was checked")
 	}
 }
+
+// kubectlMinimum is the oldest kubectl whose `kubectl apply -k` reads
+// every kustomization of deploy/, as docs/operations.md states it. Up to
+// 1.20 kubectl embeds kustomize v2.0.3, which knows no `patches:` and
+// takes only files as `resources:` (directories were `bases:`); 1.21
+// embeds kustomize v4.0.5, which reads both.
+const kubectlMinimum = "1.21"
+
+// kustomizeDeprecated are the Kustomization fields current kustomize
+// deprecates, with what replaces each.
+var kustomizeDeprecated = map[string]string{
+	"bases":                 "resources",
+	"patchesStrategicMerge": "patches",
+	"patchesJson6902":       "patches",
+	"commonLabels":          "labels",
+	"vars":                  "replacements",
+	"imageTags":             "images",
+}
+
+// kubectlReads returns the first kubectl minor release (1.N) whose
+// embedded kustomize reads field as deploy/'s kustomization in dir uses
+// it, or 0 for a field this table does not know.
+func kubectlReads(field string, value any, dir string) int {
+	switch field {
+	case "apiVersion", "kind":
+		return 14 // kubectl's first kustomize
+	case "patches":
+		return 21
+	case "resources":
+		list, _ := value.([]any)
+		for _, r := range list {
+			s, _ := r.(string)
+			if fi, err := os.Stat(filepath.Join(deployDir, dir, s)); err == nil && fi.IsDir() {
+				return 21
+			}
+		}
+		return 14
+	}
+	return 0
+}
+
+// TestDeployKubectlMinimum: every kustomization of deploy/ uses no field
+// current kustomize deprecates, the oldest kubectl that reads them all is
+// the minimum docs/operations.md states, and, with kubectl on the PATH,
+// `kubectl kustomize` builds each with no warning.
+func TestDeployKubectlMinimum(t *testing.T) {
+	need := 0
+	for _, root := range deployRoots(t) {
+		data, err := os.ReadFile(filepath.Join(deployDir, root, "kustomization.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var fields map[string]any
+		if err := yaml.Unmarshal(data, &fields); err != nil {
+			t.Fatalf("deploy/%s/kustomization.yaml: %v", root, err)
+		}
+		for f, v := range fields {
+			if repl, ok := kustomizeDeprecated[f]; ok {
+				t.Errorf("deploy/%s/kustomization.yaml: %s is deprecated; use %s", root, f, repl)
+				continue
+			}
+			minor := kubectlReads(f, v, root)
+			if minor == 0 {
+				t.Errorf("deploy/%s/kustomization.yaml: field %s: which kubectl reads it is not known to this test", root, f)
+			}
+			need = max(need, minor)
+		}
+	}
+	if got := fmt.Sprintf("1.%d", need); got != kubectlMinimum {
+		t.Errorf("the kustomizations of deploy/ need kubectl %s or later, kubectlMinimum says %s", got, kubectlMinimum)
+	}
+	doc, err := os.ReadFile(operationsDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stated := regexp.MustCompile(`kubectl (1\.\d+) or later`).FindAllStringSubmatch(string(doc), -1)
+	if len(stated) == 0 {
+		t.Errorf("%s states no minimum kubectl (\"kubectl 1.N or later\"); deploy/ needs %s", operationsDoc, kubectlMinimum)
+	}
+	for _, m := range stated {
+		if m[1] != kubectlMinimum {
+			t.Errorf("%s says kubectl %s or later; deploy/ needs %s", operationsDoc, m[1], kubectlMinimum)
+		}
+	}
+
+	kubectl, err := exec.LookPath("kubectl")
+	if err != nil {
+		t.Log("kubectl is not on the PATH: its warnings on deploy/ not checked")
+		return
+	}
+	for _, root := range deployRoots(t) {
+		var stderr bytes.Buffer
+		cmd := exec.Command(kubectl, "kustomize", filepath.Join(deployDir, root))
+		cmd.Stderr = &stderr
+		if _, err := cmd.Output(); err != nil {
+			t.Errorf("kubectl kustomize deploy/%s: %v\n%s", root, err, stderr.String())
+			continue
+		}
+		if stderr.Len() > 0 {
+			t.Errorf("kubectl kustomize deploy/%s warns:\n%s", root, stderr.String())
+		}
+	}
+}
