@@ -172,6 +172,8 @@ func openPinned(cfg Config, info *OpenInfo) (*bpfMap, error) {
 		info.Reason = fmt.Sprintf("created and pinned BPF LPM trie %s (max %d entries)", cfg.PinPath, cfg.MaxEntries)
 		return m, nil
 
+	case errors.Is(err, unix.EPERM):
+		return nil, fmt.Errorf("cannot open pinned map %s: %s: %w", cfg.PinPath, bpfRefusal(), err)
 	case err != nil:
 		return nil, fmt.Errorf("cannot open pinned map %s (is something other than a map pinned there?): %w", cfg.PinPath, err)
 	}
@@ -222,6 +224,9 @@ func openPinned(cfg Config, info *OpenInfo) (*bpfMap, error) {
 
 func createPinned(spec *ebpf.MapSpec, path string) (*bpfMap, error) {
 	m, err := ebpf.NewMap(spec)
+	if errors.Is(err, unix.EPERM) {
+		return nil, fmt.Errorf("cannot create BPF LPM trie: %s: %w", bpfRefusal(), err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("cannot create BPF LPM trie: %w", err)
 	}
@@ -230,6 +235,52 @@ func createPinned(spec *ebpf.MapSpec, path string) (*bpfMap, error) {
 		return nil, fmt.Errorf("cannot pin map at %s: %w", path, err)
 	}
 	return &bpfMap{m: m, path: path}, nil
+}
+
+// Capability bits of /proc/<pid>/status's CapEff.
+const (
+	capSysAdmin = 21
+	capBPF      = 39
+)
+
+// bpfRefusal says why the kernel answered a bpf(2) call with EPERM, which
+// is about the caller, never about what is pinned: the thread lacks both
+// CAP_BPF and CAP_SYS_ADMIN, or a seccomp filter refuses the call (the
+// default profiles of some container runtimes allow bpf(2) only with
+// CAP_SYS_ADMIN), or, with neither, a Linux security module refused it.
+// It reads the calling thread's status, as both are per thread.
+func bpfRefusal() string {
+	data, err := os.ReadFile("/proc/thread-self/status")
+	if err != nil {
+		data, err = os.ReadFile("/proc/self/status")
+	}
+	if err != nil {
+		return "bpf(2) refused: this process lacks CAP_BPF (CAP_SYS_ADMIN before Linux 5.8), or a seccomp filter refuses bpf(2)"
+	}
+	var capEff uint64
+	seccomp := ""
+	for line := range strings.Lines(string(data)) {
+		k, v, _ := strings.Cut(line, ":")
+		v = strings.TrimSpace(v)
+		switch k {
+		case "CapEff":
+			capEff, _ = strconv.ParseUint(v, 16, 64)
+		case "Seccomp":
+			seccomp = v
+		}
+	}
+	var causes []string
+	if capEff&(1<<capBPF|1<<capSysAdmin) == 0 {
+		causes = append(causes, "this process has neither CAP_BPF nor CAP_SYS_ADMIN: grant CAP_BPF (Linux 5.8 and later; CAP_SYS_ADMIN before)")
+	}
+	// 2 is SECCOMP_MODE_FILTER; 1 (strict) allows no bpf(2) at all.
+	if seccomp == "1" || seccomp == "2" {
+		causes = append(causes, "a seccomp filter is in force and may refuse bpf(2) (the default profiles of some container runtimes allow it only with CAP_SYS_ADMIN): run with a profile that allows bpf(2), or none (seccompProfile Unconfined)")
+	}
+	if len(causes) == 0 {
+		causes = append(causes, "this process has CAP_BPF or CAP_SYS_ADMIN and no seccomp filter, so a Linux security module (SELinux, AppArmor) refused it")
+	}
+	return "bpf(2) refused: " + strings.Join(causes, "; ")
 }
 
 // bpfMap is the bpf backend.

@@ -1,0 +1,116 @@
+//go:build linux
+
+package ipcachemap
+
+import (
+	"runtime"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// onRestrictedThread runs fn on an OS thread of its own that restrict has
+// changed (a seccomp filter, capabilities: both are per thread), which
+// ends with fn: no other goroutine ever runs on it.
+func onRestrictedThread(t *testing.T, restrict func() error, fn func()) {
+	t.Helper()
+	done := make(chan error)
+	go func() {
+		// Never unlocked: the thread exits with the goroutine.
+		runtime.LockOSThread()
+		if err := restrict(); err != nil {
+			done <- err
+			return
+		}
+		fn()
+		done <- nil
+	}()
+	if err := <-done; err != nil {
+		t.Skipf("cannot restrict a thread here: %v", err)
+	}
+}
+
+// refuseBPF installs, on the calling thread, the seccomp filter of a
+// container runtime's default profile that allows bpf(2) only with
+// CAP_SYS_ADMIN, for a caller without it: bpf(2) fails with EPERM.
+func refuseBPF() error {
+	filter := []unix.SockFilter{
+		{Code: unix.BPF_LD | unix.BPF_W | unix.BPF_ABS, K: 0}, // seccomp_data.nr
+		{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 1, K: unix.SYS_BPF},
+		{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ERRNO | uint32(unix.EPERM)},
+		{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ALLOW},
+	}
+	prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
+	if _, _, errno := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, 0, uintptr(unsafe.Pointer(&prog))); errno != 0 {
+		return errno
+	}
+	return nil
+}
+
+// dropBPFCaps takes CAP_BPF and CAP_SYS_ADMIN from the calling thread's
+// effective set, as a container that does not add them runs.
+func dropBPFCaps() error {
+	const capSysAdmin, capBPF = unix.CAP_SYS_ADMIN, unix.CAP_BPF
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return err
+	}
+	data[capSysAdmin/32].Effective &^= 1 << (capSysAdmin % 32)
+	data[capBPF/32].Effective &^= 1 << (capBPF % 32)
+	return unix.Capset(&hdr, &data[0])
+}
+
+// TestBPFRefusedErrorNamesCause: when the kernel refuses bpf(2) itself
+// (EPERM), opening the map fails with an error that names the cause on
+// this thread, a seccomp filter or the missing capability, and not the
+// pinned object, whether a map is pinned already (open) or not (create;
+// without a capability only the creation is refused).
+func TestBPFRefusedErrorNamesCause(t *testing.T) {
+	requireBPF(t)
+	for _, tc := range []struct {
+		name     string
+		restrict func() error
+		want     string
+	}{
+		{"seccomp", refuseBPF, "a seccomp filter is in force"},
+		{"no-capability", dropBPFCaps, "neither CAP_BPF nor CAP_SYS_ADMIN"},
+	} {
+		for _, pinned := range []bool{true, false} {
+			if tc.name == "no-capability" && pinned {
+				// Since Linux 6.5 opening a pinned map needs no
+				// capability, only the pin's file permissions.
+				continue
+			}
+			name := tc.name + map[bool]string{true: "/open", false: "/create"}[pinned]
+			t.Run(name, func(t *testing.T) {
+				pin := testPinPath(t)
+				if pinned {
+					m, _ := openTestBPF(t, Config{PinPath: pin, MaxEntries: 10})
+					m.Close()
+				}
+				var err error
+				onRestrictedThread(t, tc.restrict, func() {
+					var m Map
+					if m, _, err = Open(Config{Kind: KindBPF, PinPath: pin, MaxEntries: 10}); err == nil {
+						m.Close()
+					}
+				})
+				switch {
+				case err == nil:
+					t.Fatal("Open succeeded with bpf(2) refused")
+				case !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "bpf(2) refused"):
+					t.Errorf("Open with bpf(2) refused: %v\nwant the cause named: %q", err, tc.want)
+				case strings.Contains(err.Error(), "something other than a map"):
+					t.Errorf("Open with bpf(2) refused blames the pinned object: %v", err)
+				}
+				// The refusal left the pin and its lock as they were: an
+				// unrestricted open works.
+				m, _ := openTestBPF(t, Config{PinPath: pin, MaxEntries: 10})
+				m.Close()
+			})
+		}
+	}
+}
