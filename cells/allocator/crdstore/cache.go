@@ -479,6 +479,34 @@ func (c *identityCache) isSynced() bool {
 	}
 }
 
+// full reports whether the cache shows every ID of the range held: a walk
+// would find no free slot.
+func (c *identityCache) full() bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return uint64(len(c.byID)) >= c.rng.size()
+}
+
+// scan goes along p from position from, under one lock, to the first slot
+// the cache shows free or held by key's object, and returns its position
+// and object (nil: free), appending to stepped the marked objects of other
+// label sets it passes. ok is false when every slot from there on is
+// held by other label sets.
+func (c *identityCache) scan(p idprobe.Sequence, from uint64, key string, stepped []*entry) (pos uint64, e *entry, _ []*entry, ok bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for i := from; i < p.Len(); i++ {
+		e := c.byID[p.Slot(i)]
+		if e == nil || e.key == key {
+			return i, e, stepped, true
+		}
+		if e.obj != nil && e.marked() {
+			stepped = append(stepped, e)
+		}
+	}
+	return 0, nil, stepped, false
+}
+
 func (c *identityCache) get(id identity.NumericIdentity) *entry {
 	c.mu.RLock()
 	defer c.mu.RUnlock()

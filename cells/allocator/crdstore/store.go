@@ -690,18 +690,31 @@ func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.Num
 func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	start := time.Now()
 	a.walkStart, a.stepped = start, nil
-	for i := uint64(0); i < p.Len(); i++ {
+	if a.s.ids.full() {
+		// Refused at once, however large the range, rather than
+		// after a walk past every slot.
+		return 0, false, globalstore.ErrSpaceExhausted
+	}
+	for i := uint64(0); i < p.Len(); {
 		if time.Since(start) > maxWalkAge {
 			if err := a.conflict(); err != nil {
 				return 0, false, err
 			}
 			return 0, false, errRestart
 		}
-		id := p.Slot(i)
-		done, created, err := a.trySlot(ctx, id, a.s.ids.get(id))
+		// The slots the cache shows held by other label sets are
+		// passed under one lock.
+		pos, e, stepped, ok := a.s.ids.scan(p, i, a.key, a.stepped)
+		a.stepped = stepped
+		if !ok {
+			break
+		}
+		id := p.Slot(pos)
+		done, created, err := a.trySlot(ctx, id, e)
 		if err != nil || done {
 			return id, created, err
 		}
+		i = pos + 1
 	}
 	return 0, false, globalstore.ErrSpaceExhausted
 }
