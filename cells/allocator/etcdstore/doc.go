@@ -58,5 +58,7 @@
 // (kvstore.StopBudget), which also ends callers' requests still in flight,
 // and releases made once the stop began send no delete: with etcd gone the
 // stop takes seconds, warns that the revoke failed, and the references
-// expire with the lease's TTL.
+// expire with the lease's TTL. The collector election's campaign, ended by
+// the stop, deletes nothing on its way out (its key goes with the lease),
+// so no job waits on an etcd that is gone.
 package etcdstore

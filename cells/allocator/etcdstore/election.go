@@ -116,13 +116,14 @@ func (b *Store) campaignOnce(ctx context.Context, h cell.Health) error {
 	}
 	election := concurrency.NewElection(sess, CollectorKeyPrefix)
 	b.noteCollector(cctx, election, h)
-	if err := election.Campaign(cctx, b.node); err != nil {
+	key, rev, err := b.campaign(cctx, cli, lease)
+	if err != nil {
 		if cctx.Err() != nil {
 			return nil
 		}
 		return fmt.Errorf("campaigning: %w", err)
 	}
-	term := &leadership{ctx: cctx, key: election.Key(), rev: election.Rev()}
+	term := &leadership{ctx: cctx, key: key, rev: rev}
 	b.collector.term.Store(term)
 	b.collector.holder.Store(&b.node)
 	b.log.Info("This node collects unused global identities", "node", b.node, "key", term.key)
@@ -134,6 +135,75 @@ func (b *Store) campaignOnce(ctx context.Context, h cell.Health) error {
 		b.log.Warn("This node no longer collects unused global identities", "node", b.node, "reason", why)
 	}
 	return nil
+}
+
+// campaign puts this node's election key on lease, named and valued as
+// concurrency.Election.Campaign names and values it, and waits until every
+// older key is gone; it returns the key and its create revision. It is
+// Campaign without Campaign's clean-up: when ctx ends while it waits,
+// Campaign resigns on the client's own context, a delete that nothing
+// bounds, so that with etcd gone a stop waited for it until hive's stop
+// timeout. Nothing needs deleting then: the stop revokes the lease, or its
+// TTL ends it, and a lost lease took the key with it. Each request is
+// bounded by the request timeout (and the stop path's deadline).
+func (b *Store) campaign(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID) (string, int64, error) {
+	key := fmt.Sprintf("%s/%x", CollectorKeyPrefix, int64(lease))
+	rctx, cancel := b.requestContext(ctx)
+	resp, err := cli.Txn(rctx).
+		If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+		Then(clientv3.OpPut(key, b.node, clientv3.WithLease(lease))).
+		Else(clientv3.OpGet(key)).
+		Commit()
+	cancel()
+	if err != nil {
+		return "", 0, err
+	}
+	rev := resp.Header.GetRevision()
+	if !resp.Succeeded {
+		kvs := resp.Responses[0].GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			return "", 0, errors.New("the election key vanished while it was written")
+		}
+		rev = kvs[0].CreateRevision
+	}
+	// Wait for the key just older than this node's to go, then look for
+	// an older one again, until none is left.
+	older := append(clientv3.WithLastCreate(), clientv3.WithMaxCreateRev(rev-1))
+	for {
+		rctx, cancel := b.requestContext(ctx)
+		got, err := cli.Get(rctx, CollectorKeyPrefix+"/", older...)
+		cancel()
+		if err != nil {
+			return "", 0, err
+		}
+		if len(got.Kvs) == 0 {
+			return key, rev, nil
+		}
+		if err := waitDeleted(ctx, cli, string(got.Kvs[0].Key), got.Header.GetRevision()); err != nil {
+			return "", 0, err
+		}
+	}
+}
+
+// waitDeleted watches key from revision rev until it is deleted or ctx
+// ends.
+func waitDeleted(ctx context.Context, cli *clientv3.Client, key string, rev int64) error {
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for wr := range cli.Watch(wctx, key, clientv3.WithRev(rev)) {
+		if err := wr.Err(); err != nil {
+			return err
+		}
+		for _, ev := range wr.Events {
+			if ev.Type == mvccpb.Event_DELETE {
+				return nil
+			}
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return errors.New("the watch of the older candidate's key ended")
 }
 
 // holdTerm returns when the term ends: the lease was lost, the store
