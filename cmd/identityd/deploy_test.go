@@ -482,7 +482,9 @@ func containerSettings(t *testing.T, c corev1.Container, flags *pflag.FlagSet, h
 // the agent accepts (`identityd hive` with them), its variables name flags
 // of the hive, the probes ask /healthz and /readyz on the address of
 // --prometheus-serve-addr, the state directory and the pin path are on the
-// host, the grace period covers the stop, and a rolling update never runs
+// host (the pin's directory alone of the host's bpffs), AppArmor, SELinux
+// and seccomp leave bpf(2) and the bpffs to the agent, the grace period
+// covers the stop, and a rolling update never runs
 // two agents on a node. The base runs in crd mode as its ServiceAccount,
 // bound to the ClusterRole; the etcd overlay in kvstore mode with the TLS
 // files of a mounted secret.
@@ -526,6 +528,7 @@ func TestDeployDaemonSet(t *testing.T) {
 
 			checkProbes(t, s, spec, c)
 			checkHostPaths(t, s, spec, c)
+			checkConfinement(t, ds.Spec.Template, c)
 
 			// The grace period covers hive's stop timeout, within which the
 			// final checkpoint is written, with room for the exit.
@@ -692,12 +695,47 @@ func checkHostPaths(t *testing.T, s agentSettings, spec corev1.PodSpec, c corev1
 		return
 	}
 	pin, _ := s.value("ipcache-map-pin-path")
-	v, m = mountOf(spec, c, path.Dir(pin))
+	pinDir := path.Dir(pin)
+	v, m = mountOf(spec, c, pinDir)
 	switch {
-	case v == nil || v.HostPath == nil || v.HostPath.Path != "/sys/fs/bpf":
-		t.Errorf("--ipcache-map-pin-path=%s is not on the host's bpffs (hostPath /sys/fs/bpf): the map would not outlive the pod", pin)
+	case v == nil || v.HostPath == nil || !strings.HasPrefix(path.Clean(v.HostPath.Path)+"/", hostBPFFS+"/"):
+		t.Errorf("--ipcache-map-pin-path=%s is not on the host's bpffs (a hostPath under %s): the map would not outlive the pod", pin, hostBPFFS)
+	case path.Clean(v.HostPath.Path) != pinDir || path.Clean(m.MountPath) != pinDir:
+		t.Errorf("the pin's directory is the host's %s mounted at %s: mount the pin's own directory %s at the same path, so that the pin has one name on the node and in the pod", v.HostPath.Path, m.MountPath, pinDir)
+	case v.HostPath.Type == nil || *v.HostPath.Type != corev1.HostPathDirectoryOrCreate:
+		t.Errorf("the pin's hostPath %s: want type DirectoryOrCreate (the kubelet makes identityd's directory on the bpffs)", v.HostPath.Path)
 	case m.ReadOnly:
-		t.Errorf("the bpffs is mounted read-only")
+		t.Errorf("the pin's directory is mounted read-only")
+	}
+	for _, vol := range spec.Volumes {
+		if hp := vol.HostPath; hp != nil && strings.HasPrefix(hostBPFFS+"/", strings.TrimSuffix(path.Clean(hp.Path), "/")+"/") {
+			t.Errorf("volume %s mounts the host's %s, the whole bpffs: the container could open every map pinned on the node, Cilium's included; mount identityd's own directory %s", vol.Name, hp.Path, pinDir)
+		}
+	}
+}
+
+// hostBPFFS is where hosts mount their bpffs, Cilium's maps included.
+const hostBPFFS = "/sys/fs/bpf"
+
+// checkConfinement: the agent runs unconfined by AppArmor and as spc_t
+// under SELinux, as Cilium's agent does, since it pins on the host's
+// bpffs, and without a seccomp filter.
+func checkConfinement(t *testing.T, tmpl corev1.PodTemplateSpec, c corev1.Container) {
+	t.Helper()
+	key := corev1.DeprecatedAppArmorBetaContainerAnnotationKeyPrefix + c.Name
+	if got := tmpl.Annotations[key]; got != corev1.DeprecatedAppArmorBetaProfileNameUnconfined {
+		t.Errorf("pod template annotation %s=%q, want %q", key, got, corev1.DeprecatedAppArmorBetaProfileNameUnconfined)
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.SELinuxOptions == nil || sc.SELinuxOptions.Type != "spc_t" {
+		var opts *corev1.SELinuxOptions
+		if sc != nil {
+			opts = sc.SELinuxOptions
+		}
+		t.Errorf("the container's seLinuxOptions %+v: want type spc_t", opts)
+	}
+	if sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeUnconfined {
+		t.Errorf("the container's seccompProfile: want Unconfined (runtimes' default profiles may allow bpf(2) only with CAP_SYS_ADMIN)")
 	}
 }
 

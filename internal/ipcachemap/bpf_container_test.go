@@ -3,11 +3,14 @@
 package ipcachemap
 
 import (
+	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
 	"unsafe"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 )
 
@@ -113,4 +116,46 @@ func TestBPFRefusedErrorNamesCause(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestBPFPinInBindMountedDirectory opens the map in a directory of the
+// bpffs bind-mounted elsewhere, as a pod that mounts only identityd's own
+// directory of the host's bpffs sees it: no bpffs is mounted (the bind
+// mount is one), and the map is pinned in the host's directory.
+func TestBPFPinInBindMountedDirectory(t *testing.T) {
+	requireBPF(t)
+	hostDir := filepath.Dir(testPinPath(t))
+	if err := os.MkdirAll(hostDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	podDir := t.TempDir()
+	var info OpenInfo
+	var err error
+	onRestrictedThread(t, func() error {
+		// A mount namespace of this thread's own, as the pod's.
+		if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+			return err
+		}
+		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+			return err
+		}
+		return unix.Mount(hostDir, podDir, "", unix.MS_BIND, "")
+	}, func() {
+		var m Map
+		if m, info, err = Open(Config{Kind: KindBPF, PinPath: filepath.Join(podDir, "ipcache"), MaxEntries: 10}); err == nil {
+			err = m.Close()
+		}
+	})
+	if err != nil {
+		t.Fatalf("Open in a bind-mounted directory of the bpffs: %v", err)
+	}
+	if info.MountedBPFFS != "" || !info.Created {
+		t.Errorf("Open: %+v, want the map created without a bpffs mounted", info)
+	}
+	// The pod's pin is the host's.
+	m, err := ebpf.LoadPinnedMap(filepath.Join(hostDir, "ipcache"), nil)
+	if err != nil {
+		t.Fatalf("the map is not pinned in the host's directory: %v", err)
+	}
+	m.Close()
 }
