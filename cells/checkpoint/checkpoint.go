@@ -424,19 +424,19 @@ func (c *Checkpoint) write() (Status, error) {
 		c.log.Warn("Identity journal unavailable", "file", c.journalPath(), "error", err)
 	}
 	if j == nil {
-		st, _, err := c.writeSnapshot(nil)
+		st, _, err := c.writeSnapshot(nil, nil)
 		return st, err
 	}
 	var (
 		st  Status
 		ids []*identity.Identity
 	)
-	cerr := j.Compact(func() (uint64, journal.Base, error) {
+	cerr := j.Compact(func(flush func(uint64, journal.Base)) (uint64, journal.Base, error) {
 		var (
 			upTo uint64
 			err  error
 		)
-		st, ids, err = c.writeSnapshot(func() { upTo = c.beginCapture(j) })
+		st, ids, err = c.writeSnapshot(func() { upTo = c.beginCapture(j) }, func() { flush(upTo, journal.BaseOf(c.buf)) })
 		c.endCapture(ids, err == nil)
 		// The journal's header names the file just written: its records
 		// are replayed over it, and over no other.
@@ -455,8 +455,9 @@ func (c *Checkpoint) write() (Status, error) {
 }
 
 // writeSnapshot takes the allocator's local identities and writes them;
-// capture, when not nil, runs right before they are taken. mu held.
-func (c *Checkpoint) writeSnapshot(capture func()) (Status, []*identity.Identity, error) {
+// capture, when not nil, runs right before they are taken, and flush
+// right before the file is written. mu held.
+func (c *Checkpoint) writeSnapshot(capture, flush func()) (Status, []*identity.Identity, error) {
 	// Cleared before the snapshot, so that a change racing with it asks
 	// for another write.
 	c.dirty.Store(false)
@@ -470,6 +471,9 @@ func (c *Checkpoint) writeSnapshot(capture func()) (Status, []*identity.Identity
 		ids = keepReleasedAtStop(ids, c.atStop)
 	}
 	c.buf = AppendJSON(c.buf[:0], ids)
+	if flush != nil {
+		flush()
+	}
 	err := writeFile(c.path, c.buf, c.fault)
 	d := time.Since(t0)
 	if err != nil {

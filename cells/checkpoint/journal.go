@@ -187,7 +187,7 @@ var ErrJournalUnusable = errors.New("identity journal unusable")
 // res, and keeps the journal open for the changes that follow.
 func (c *Checkpoint) loadJournal(res *LoadResult, base journal.Base) error {
 	path := c.journalPath()
-	j, op, err := journal.Open(path, journalKind, base, time.Now(), coveredBy(res.Identities))
+	j, op, err := journal.Open(path, journalKind, base, time.Now())
 	rep := &res.Report.Journal
 	rep.Path, rep.Found, rep.Damage, rep.KeptAs = path, op.Found, op.Damage, op.KeptAs
 	rep.Salvaged, rep.LostBytes, rep.Covered = op.Salvaged, op.Lost, op.Covered
@@ -222,33 +222,6 @@ func (c *Checkpoint) loadJournal(res *LoadResult, base journal.Base) error {
 	}
 	c.setJournal(j, state)
 	return nil
-}
-
-// coveredBy tells whether the identities of a checkpoint hold the net
-// change of a journal's records: each ID the records name has, in ids,
-// what its last record gives it.
-func coveredBy(ids []identity.Identity) func([][]byte) bool {
-	return func(records [][]byte) bool {
-		last := map[identity.NumericIdentity]labels.Labels{}
-		for _, r := range records {
-			id, lbls, _, err := decodeRecord(r)
-			if err != nil {
-				return false
-			}
-			last[id] = lbls // nil: deleted
-		}
-		in := make(map[identity.NumericIdentity]labels.Labels, len(ids))
-		for _, id := range ids {
-			in[id.ID] = id.Labels
-		}
-		for id, lbls := range last {
-			cur, ok := in[id]
-			if ok != (lbls != nil) || (ok && !cur.Equal(lbls)) {
-				return false
-			}
-		}
-		return true
-	}
 }
 
 // appendSeen adds to seen the local numbers of ids and of the records.
@@ -379,7 +352,7 @@ func (c *Checkpoint) openJournal() (*journal.Journal, error) {
 	}
 	base := journal.BaseOf(data)
 	path := c.journalPath()
-	j, op, err := journal.Open(path, journalKind, base, time.Now(), nil)
+	j, op, err := journal.Open(path, journalKind, base, time.Now())
 	if err != nil {
 		return nil, err
 	}
@@ -392,7 +365,7 @@ func (c *Checkpoint) openJournal() (*journal.Journal, error) {
 			j.Close()
 			return nil, fmt.Errorf("identity journal %s was not restored and cannot be kept aside: %w", path, err)
 		}
-		if err := j.Compact(func() (uint64, journal.Base, error) { return 0, base, nil }); err != nil {
+		if err := j.Compact(func(func(uint64, journal.Base)) (uint64, journal.Base, error) { return 0, base, nil }); err != nil {
 			j.Close()
 			return nil, err
 		}
@@ -699,7 +672,7 @@ func (l Loader) LoadJournaled(path string) (LoadResult, error) {
 	switch {
 	case len(data) == 0:
 		c.Damage = journal.ErrEmpty
-	case c.Valid >= journal.HeaderSize && c.Base != base && len(records) > 0 && c.Damage == nil && coveredBy(res.Identities)(records):
+	case c.Valid >= journal.HeaderSize && c.Base != base && c.Damage == nil && c.Successor != nil && *c.Successor == base:
 		records = nil
 	case c.Valid >= journal.HeaderSize && c.Base != base && len(records) > 0:
 		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the file has %v", journal.ErrOtherSnapshot, c.Base, base)

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"hash/crc32"
 	"log/slog"
 	"maps"
 	"os"
@@ -203,27 +205,42 @@ func damagedJournalDir(t *testing.T, damage func([]byte) []byte) string {
 }
 
 // TestDamagedJournal: a torn last record, a flipped byte in the middle, a
-// zero-length file and a journal of a newer format: the load works with
-// the checkpoint and the journal's valid records, a copy of the damaged
-// journal is kept, the log says so, and the journal goes on.
+// cut and an overwritten range, a damaged header, a zero-length file and a
+// journal of a newer format: the load works with the checkpoint, the
+// journal's valid records and those found intact after the damage, every
+// number any of them names is in Seen, a copy of the damaged journal is
+// kept, the log says so, and the journal goes on.
 func TestDamagedJournal(t *testing.T) {
 	recLen := journal.RecordOverhead + len(encodeRecord(nil, allocator.Change{ID: cidrIdentities(10)[9].ID, Labels: cidrIdentities(10)[9].Labels}))
+	rec := func(i int) int { return journal.HeaderSize + i*recLen }
 	cases := []struct {
-		name   string
-		damage func([]byte) []byte
-		want   int  // identities restored
-		kept   bool // a copy is kept
+		name     string
+		damage   func([]byte) []byte
+		want     int   // identities restored
+		salvaged int   // journal records found after the damage
+		err      error // the damage reported
+		kept     bool  // a copy is kept
+		log      string
 	}{
-		{"torn last record", func(d []byte) []byte { return d[:len(d)-3] }, 9, true},
+		{"torn last record", func(d []byte) []byte { return d[:len(d)-3] }, 9, 0, journal.ErrTorn, true, "Identity journal damaged"},
 		{"flipped byte in the middle", func(d []byte) []byte {
-			d[journal.HeaderSize+2*recLen+journal.RecordOverhead+3] ^= 0x10
+			d[rec(2)+journal.RecordOverhead+3] ^= 0x10
 			return d
-		}, 7, true},
-		{"zero-length file", func([]byte) []byte { return nil }, 5, false},
+		}, 9, 2, journal.ErrChecksum, true, "Identity journal damaged"},
+		{"cut in the middle", func(d []byte) []byte { return append(d[:rec(1)+5], d[rec(2)+9:]...) }, 8, 2, journal.ErrChecksum, true, "Identity journal damaged"},
+		{"garbage in the middle", func(d []byte) []byte {
+			for i := rec(1) + 2; i < rec(3)-1; i++ {
+				d[i] = byte(i*31 + 7)
+			}
+			return d
+		}, 8, 2, nil, true, "Identity journal damaged"},
+		{"damaged header", func(d []byte) []byte { d[20] ^= 0x08; return d }, 10, 5, journal.ErrChecksum, true, "Identity journal damaged"},
+		{"zero-length file", func([]byte) []byte { return nil }, 5, 0, journal.ErrEmpty, false, "Identity journal is empty"},
 		{"newer format", func(d []byte) []byte {
 			binary.LittleEndian.PutUint32(d[8:], journal.Version+1)
+			binary.LittleEndian.PutUint32(d[28:], crc32.Checksum(d[:28], crc32.MakeTable(crc32.Castagnoli)))
 			return d
-		}, 5, true},
+		}, 5, 0, journal.ErrNewerVersion, true, "Identity journal damaged"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -239,19 +256,29 @@ func TestDamagedJournal(t *testing.T) {
 				t.Fatalf("%d identities loaded, want %d", len(res.Identities), tc.want)
 			}
 			rep := res.Report.Journal
+			if rep.Damage == nil || (tc.err != nil && !errors.Is(rep.Damage, tc.err)) || rep.Salvaged != tc.salvaged {
+				t.Fatalf("journal report %+v, want damage %v and %d records salvaged", rep, tc.err, tc.salvaged)
+			}
+			if !strings.Contains(logs.String(), tc.log) {
+				t.Fatalf("no clear log line for the damaged journal:\n%s", logs.String())
+			}
 			if tc.kept {
-				if rep.Damage == nil || rep.KeptAs == "" {
-					t.Fatalf("journal report %+v, want damage and a copy", rep)
-				}
 				kept, err := os.ReadFile(rep.KeptAs)
 				if err != nil || !bytes.Equal(kept, damaged) {
-					t.Fatalf("copy %s differs from the damaged journal (%v)", rep.KeptAs, err)
+					t.Fatalf("copy %q differs from the damaged journal (%v)", rep.KeptAs, err)
 				}
-				if !strings.Contains(logs.String(), "Identity journal damaged") || !strings.Contains(logs.String(), rep.KeptAs) {
-					t.Fatalf("no clear log line for the damaged journal:\n%s", logs.String())
+				if !strings.Contains(logs.String(), rep.KeptAs) {
+					t.Fatalf("the log does not name the copy:\n%s", logs.String())
 				}
-			} else if rep.Damage != nil || rep.KeptAs != "" {
-				t.Fatalf("journal report %+v, want no damage", rep)
+			}
+			seen := map[identity.NumericIdentity]bool{}
+			for _, id := range res.Seen {
+				seen[id] = true
+			}
+			for _, id := range res.Identities {
+				if !seen[id.ID] {
+					t.Fatalf("restored identity %d not in Seen %v", id.ID, res.Seen)
+				}
 			}
 			// The journal goes on after its valid records.
 			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)

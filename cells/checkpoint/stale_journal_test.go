@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -19,8 +20,10 @@ import (
 // replaced (an operator restores an older copy, another agent writes its
 // own) while the journal of the changes made after the last checkpoint
 // write lies beside it. Those records follow another state than the file
-// now there: none is replayed, the journal is kept aside, the log says so,
-// and the journal goes on over the file as found.
+// now there, but each is the last durable state of its identity: they are
+// replayed over the file found, every number they and the file name is
+// in Seen, a copy of the journal is kept, the log says so, and the
+// journal goes on over the file as found.
 func TestJournalOverReplacedCheckpoint(t *testing.T) {
 	dir := t.TempDir()
 	_, cp, alloc := syncHive(t, dir)
@@ -69,12 +72,17 @@ func TestJournalOverReplacedCheckpoint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(res.Identities) != 1 || res.Identities[0].ID != a.ID {
-		t.Fatalf("restored %s, want only %d of the replaced checkpoint", describe(res.Identities), a.ID)
+	// a is released by the journal, c added; b was only in the
+	// checkpoint replaced.
+	if len(res.Identities) != 1 || res.Identities[0].ID != c.ID {
+		t.Fatalf("restored %s, want only %d of the journal", describe(res.Identities), c.ID)
+	}
+	if !slices.Contains(res.Seen, a.ID) || !slices.Contains(res.Seen, c.ID) {
+		t.Fatalf("numbers seen %v, want %d and %d", res.Seen, a.ID, c.ID)
 	}
 	rep := res.Report.Journal
-	if !errors.Is(rep.Damage, journal.ErrOtherSnapshot) || rep.Records != 0 {
-		t.Fatalf("journal report %+v, want another snapshot's journal, no record replayed", rep)
+	if !errors.Is(rep.Damage, journal.ErrOtherSnapshot) || rep.Records != 2 {
+		t.Fatalf("journal report %+v, want another snapshot's journal, 2 records replayed", rep)
 	}
 	if kept, err := os.ReadFile(rep.KeptAs); err != nil || !bytes.Equal(kept, stale) {
 		t.Fatalf("copy %q of the stale journal: %v", rep.KeptAs, err)
@@ -87,9 +95,9 @@ func TestJournalOverReplacedCheckpoint(t *testing.T) {
 		t.Fatalf("LoadJournaled after the load: %v, %s", err, describe(res.Identities))
 	}
 
-	// The journal goes on over the checkpoint as found. (This hive
-	// restores nothing into its allocator: the new identity may take the
-	// old number of a.)
+	// The journal goes on over the checkpoint as found, with the records
+	// replayed. (This hive restores nothing into its allocator: the new
+	// identity may take an old number.)
 	ctx2, cancel2 := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel2()
 	d, _, err := alloc2.Allocate(ctx2, cidr("10.64.0.0/16"))
@@ -100,14 +108,14 @@ func TestJournalOverReplacedCheckpoint(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, res3 := loadState(t, copyState(t, crashed))
-	if res3.Report.Journal.Damage != nil || res3.Report.Journal.Records != 1 || got[d.ID] != d.Labels.String() {
+	if res3.Report.Journal.Damage != nil || res3.Report.Journal.Records != 3 || got[d.ID] != d.Labels.String() {
 		t.Fatalf("after going on: %+v, restored %v", res3.Report.Journal, got)
 	}
 }
 
 // TestLoadJournaledOverReplacedCheckpoint: LoadJournaled, which reads the
-// files without changing them, does not replay a journal over a checkpoint
-// it does not follow either.
+// files without changing them, replays a journal over a checkpoint it does
+// not follow and reports it, as Load does.
 func TestLoadJournaledOverReplacedCheckpoint(t *testing.T) {
 	dir := damagedJournalDir(t, func(d []byte) []byte { return d })
 	path := filepath.Join(dir, FileName)
@@ -121,7 +129,7 @@ func TestLoadJournaledOverReplacedCheckpoint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(res.Identities) != 3 || !errors.Is(res.Report.Journal.Damage, journal.ErrOtherSnapshot) {
+	if len(res.Identities) != 8 || !errors.Is(res.Report.Journal.Damage, journal.ErrOtherSnapshot) {
 		t.Fatalf("journal over a replaced checkpoint: %s, report %+v", describe(res.Identities), res.Report.Journal)
 	}
 }
@@ -191,8 +199,9 @@ func TestJournalNotEmptiedAfterWrite(t *testing.T) {
 }
 
 // TestJournalOverCorruptCheckpoint: a checkpoint found corrupt is not the
-// file the journal followed either: both are kept aside, and no record is
-// replayed over the empty state the agent starts with.
+// file the journal followed either: both are kept aside, the journal's
+// records are replayed over the empty state the agent starts with, and
+// the numbers of the corrupt file are not known.
 func TestJournalOverCorruptCheckpoint(t *testing.T) {
 	dir := damagedJournalDir(t, func(d []byte) []byte { return d })
 	path := filepath.Join(dir, FileName)
@@ -210,10 +219,66 @@ func TestJournalOverCorruptCheckpoint(t *testing.T) {
 		t.Fatalf("checkpoint report %+v, want corrupt and set aside", res.Report)
 	}
 	rep := res.Report.Journal
-	if len(res.Identities) != 0 || !errors.Is(rep.Damage, journal.ErrOtherSnapshot) || rep.KeptAs == "" {
-		t.Fatalf("restored %s, journal report %+v; want nothing, the journal kept aside", describe(res.Identities), rep)
+	if len(res.Identities) != 5 || !errors.Is(rep.Damage, journal.ErrOtherSnapshot) || rep.KeptAs == "" {
+		t.Fatalf("restored %s, journal report %+v; want the journal's 5, the journal kept aside", describe(res.Identities), rep)
 	}
 	if !strings.Contains(logs.String(), "Identity journal follows another checkpoint") {
 		t.Fatalf("no log line for the journal:\n%s", logs.String())
+	}
+}
+
+// TestCrashBetweenWriteAndReset: a crash after a checkpoint write but
+// before the journal was emptied (the reset fails here, as a SIGKILL at
+// that moment leaves it) leaves a journal over the previous checkpoint
+// whose records the new one holds: the restart restores everything, with
+// no damage reported, no copy kept and no warning.
+func TestCrashBetweenWriteAndReset(t *testing.T) {
+	dir := t.TempDir()
+	_, cp, alloc := syncHive(t, dir)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	var ids []*identity.Identity
+	for _, p := range []string{"10.81.0.0/16", "10.82.0.0/16", "10.83.0.0/16"} {
+		id, _, err := alloc.Allocate(ctx, cidr(p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cp.SyncIdentities(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if _, err := alloc.Release(ctx, ids[1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.SyncIdentities(ctx, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	f := func(step string) error {
+		if step == "truncate" {
+			return errors.New("killed")
+		}
+		return nil
+	}
+	cp.jfault.Store(&f)
+	if _, err := cp.Write(); err != nil {
+		t.Fatal(err)
+	}
+	crashed := copyState(t, dir)
+	var logs lockedLog
+	cp2, _ := syncHiveLogs(t, crashed, &logs)
+	res, err := cp2.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := res.Report.Journal
+	if rep.Damage != nil || rep.KeptAs != "" || rep.Covered == 0 || len(res.Identities) != 2 {
+		t.Fatalf("journal report %+v, restored %s; want no damage, records covered, 2 identities", rep, describe(res.Identities))
+	}
+	if kept, _ := filepath.Glob(filepath.Join(crashed, JournalFileName+".corrupt-*")); len(kept) != 0 {
+		t.Fatalf("copies kept: %v", kept)
+	}
+	if l := logs.String(); strings.Contains(l, "level=WARN") || strings.Contains(l, "level=ERROR") {
+		t.Fatalf("warnings for a benign crash:\n%s", l)
 	}
 }

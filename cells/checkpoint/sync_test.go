@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -472,4 +473,47 @@ func TestTriggeredWriteRetried(t *testing.T) {
 	eventually.True(t, "the checkpoint holds the identity", func() bool {
 		return fileIDs(t, filepath.Join(dir, FileName))[id.ID]
 	})
+}
+
+// TestTriggeredWriteRetriedPromptly: however long the disk stayed full, the
+// next attempt is at most maxRetry away, so the checkpoint (and readiness,
+// which its failure took away) comes back within a few seconds of the disk
+// having room again, not after a doubled pause of 16 s or more.
+func TestTriggeredWriteRetriedPromptly(t *testing.T) {
+	dir := t.TempDir()
+	_, cp, alloc := syncHiveEvery(t, dir, 50*time.Millisecond)
+	var failures atomic.Int32
+	cp.mu.Lock()
+	cp.fault = func(step string) error {
+		if step == "write" {
+			failures.Add(1)
+			return syscall.ENOSPC
+		}
+		return nil
+	}
+	cp.mu.Unlock()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	id, _, err := alloc.Allocate(ctx, cidr("10.7.0.0/16"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Four failed attempts: the pauses between them have grown to their
+	// bound.
+	eventually.Within(t, time.Minute, "four triggered writes failed", func() bool { return failures.Load() >= 4 })
+	cp.mu.Lock()
+	cp.fault = nil
+	cp.mu.Unlock()
+	freed := time.Now()
+	// The file itself, not the journal, which holds the identity since
+	// the first attempt.
+	eventually.Within(t, time.Minute, "the checkpoint file holds the identity", func() bool {
+		res, err := Loader{}.Load(filepath.Join(dir, FileName))
+		return err == nil && slices.ContainsFunc(res.Identities, func(i identity.Identity) bool { return i.ID == id.ID })
+	})
+	took := time.Since(freed)
+	t.Logf("written %v after the disk had room again", took.Round(time.Millisecond))
+	if took > 5*time.Second {
+		t.Fatalf("written %v after the disk had room again, want a few seconds at most", took)
+	}
 }

@@ -34,7 +34,7 @@ func (f *fileMap) journalPath() string { return f.path + JournalSuffix }
 // between a snapshot and the journal's reset). info reports the damage.
 // Called before the map is shared.
 func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
-	j, op, err := journal.Open(f.journalPath(), journalKind, base, time.Now(), f.covers)
+	j, op, err := journal.Open(f.journalPath(), journalKind, base, time.Now())
 	if err != nil {
 		return fmt.Errorf("ipcache map journal: %w", err)
 	}
@@ -74,35 +74,6 @@ func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
 	f.jrn = j
 	f.pending = map[rawKey]uint64{}
 	return nil
-}
-
-// covers tells whether the entries read from the file hold the net change
-// of a journal's records: each key they name has the value of its last
-// record (none after a delete).
-func (f *fileMap) covers(records [][]byte) bool {
-	last := map[rawKey]*rawValue{}
-	for _, r := range records {
-		var rk rawKey
-		switch {
-		case len(r) == 1+KeySize && r[0] == recDelete:
-			copy(rk[:], r[1:])
-			last[rk] = nil
-		case len(r) == 1+KeySize+ValueSize && r[0] == recUpdate:
-			var rv rawValue
-			copy(rk[:], r[1:])
-			copy(rv[:], r[1+KeySize:])
-			last[rk] = &rv
-		default:
-			return false
-		}
-	}
-	for rk, rv := range last {
-		cur, ok := f.entries[rk]
-		if ok != (rv != nil) || (ok && cur != *rv) {
-			return false
-		}
-	}
-	return true
 }
 
 // replay applies one record to the entries; false for a record that is
@@ -208,7 +179,7 @@ func (f *fileMap) Compact() error {
 		// The file holds every entry: nothing to compact.
 		return nil
 	}
-	err := f.jrn.Compact(func() (uint64, journal.Base, error) {
+	err := f.jrn.Compact(func(flush func(uint64, journal.Base)) (uint64, journal.Base, error) {
 		// Encoding and the journal's count under one lock: every record
 		// up to upTo is in the bytes written.
 		f.mu.Lock()
@@ -216,6 +187,8 @@ func (f *fileMap) Compact() error {
 		upTo := f.jrn.Appended()
 		f.dirty = false
 		f.mu.Unlock()
+		// The journal then holds exactly the records the file does.
+		flush(upTo, journal.BaseOf(f.buf))
 		if err := writeFileAtomic(f.path, f.buf, f.fault); err != nil {
 			f.mu.Lock()
 			f.dirty = true

@@ -12,7 +12,7 @@ import (
 
 func openOver(t *testing.T, path string, base Base) (*Journal, Opened) {
 	t.Helper()
-	j, op, err := Open(path, testKind, base, time.Unix(2000, 0), nil)
+	j, op, err := Open(path, testKind, base, time.Unix(2000, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,33 +61,42 @@ func TestOtherSnapshot(t *testing.T) {
 	checkRecords(t, op.Records, 4)
 }
 
-// TestCoveredBySnapshot: a journal over the previous snapshot whose
-// records the snapshot read holds (a crash between a snapshot write and
-// the journal's reset) is no damage: no copy, nothing to replay, and the
-// journal goes on over the snapshot read. The same journal over a
-// snapshot that does not hold them is damage.
+// TestCoveredBySnapshot: a crash after Compact wrote its snapshot but
+// before the journal was emptied (the reset fails here, as a kill at that
+// moment leaves it) leaves a journal over the previous snapshot that ends
+// with a successor record naming the new one: over the new snapshot it is
+// no damage (no copy, nothing to replay); over the previous one its
+// records are replayed as usual; over any other it is damage.
 func TestCoveredBySnapshot(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "j")
 	prev, next := BaseOf([]byte("previous")), BaseOf([]byte("next"))
 	j, _ := openOver(t, path, prev)
-	for i := range 3 {
-		j.Append(payload(i))
-	}
-	if err := j.Sync(3); err != nil {
+	j.Append(payload(0))
+	if err := j.Sync(1); err != nil {
 		t.Fatal(err)
+	}
+	// Records 1 and 2 are pending when the snapshot is taken: the flush
+	// writes them before the successor record.
+	j.Append(payload(1))
+	j.Append(payload(2))
+	j.Fault = func(step string) error {
+		if step == "truncate" {
+			return errors.New("killed")
+		}
+		return nil
+	}
+	err := j.Compact(func(flush func(uint64, Base)) (uint64, Base, error) {
+		flush(3, next)
+		return 3, next, nil
+	})
+	if err == nil {
+		t.Fatal("Compact hid the failed reset")
 	}
 	j.Close()
-	saved, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var asked [][]byte
-	j, op, err := Open(path, testKind, next, time.Unix(2000, 0), func(r [][]byte) bool { asked = r; return true })
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkRecords(t, asked, 3)
+	saved := mustReadFile(t, path)
+
+	j, op := openOver(t, path, next)
 	if op.Damage != nil || op.KeptAs != "" || len(op.Records) != 0 || op.Covered != 3 {
 		t.Fatalf("journal covered by the snapshot: %+v", op)
 	}
@@ -99,16 +108,24 @@ func TestCoveredBySnapshot(t *testing.T) {
 		t.Fatalf("copies kept: %v", kept)
 	}
 
+	// Over the previous snapshot (the snapshot's rename did not happen):
+	// the records, without the successor record.
 	if err := os.WriteFile(path, saved, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	j, op, err = Open(path, testKind, next, time.Unix(2000, 0), func([][]byte) bool { return false })
-	if err != nil {
+	j, op = openOver(t, path, prev)
+	if op.Damage != nil {
+		t.Fatal(op.Damage)
+	}
+	checkRecords(t, op.Records, 3)
+	j.Close()
+
+	if err := os.WriteFile(path, saved, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	j.Close()
+	_, op = openOver(t, path, BaseOf([]byte("other")))
 	if !errors.Is(op.Damage, ErrOtherSnapshot) || op.KeptAs == "" || op.Covered != 0 {
-		t.Fatalf("journal not covered by the snapshot: %+v", op)
+		t.Fatalf("journal over another snapshot: %+v", op)
 	}
 	checkRecords(t, op.Records, 3)
 }
@@ -149,7 +166,7 @@ func TestCompactNamesSnapshot(t *testing.T) {
 	first, second := BaseOf([]byte("first")), BaseOf([]byte("second"))
 	j, _ := openOver(t, path, first)
 	j.Append(payload(100))
-	if err := j.Compact(func() (uint64, Base, error) { return 1, second, nil }); err != nil {
+	if err := j.Compact(func(func(uint64, Base)) (uint64, Base, error) { return 1, second, nil }); err != nil {
 		t.Fatal(err)
 	}
 	j.Append(payload(0))
@@ -191,7 +208,7 @@ func TestResetFailureBreaksJournal(t *testing.T) {
 		}
 		return nil
 	}
-	if err := j.Compact(func() (uint64, Base, error) { return 1, second, nil }); err == nil {
+	if err := j.Compact(func(func(uint64, Base)) (uint64, Base, error) { return 1, second, nil }); err == nil {
 		t.Fatal("Compact hid the failed reset")
 	}
 	j.Append(payload(0))
@@ -199,7 +216,7 @@ func TestResetFailureBreaksJournal(t *testing.T) {
 		t.Fatalf("Sync of a journal not emptied after a snapshot: %v, want ErrBroken", err)
 	}
 	fail = false
-	if err := j.Compact(func() (uint64, Base, error) { return 1, third, nil }); err != nil {
+	if err := j.Compact(func(func(uint64, Base)) (uint64, Base, error) { return 1, third, nil }); err != nil {
 		t.Fatal(err)
 	}
 	if err := j.Sync(2); err != nil {
@@ -265,7 +282,7 @@ func TestCrashBetweenCutAndHeader(t *testing.T) {
 		}
 		return nil
 	}
-	if err := j.Compact(func() (uint64, Base, error) { return 1, next, nil }); err == nil {
+	if err := j.Compact(func(func(uint64, Base)) (uint64, Base, error) { return 1, next, nil }); err == nil {
 		t.Fatal("Compact hid the failed header write")
 	}
 	data, err := os.ReadFile(path)

@@ -30,7 +30,7 @@
 // A journal is replayed over the snapshot its header names. When the
 // snapshot read is another one, either the crash came between a
 // snapshot's write and the journal's reset, and the snapshot holds every
-// record already (the caller tells, see Open), or the snapshot's file was
+// record already (Compact's successor record names it), or the snapshot's file was
 // replaced (a backup restored, another agent's file) or lost: the records
 // are still the last durable states of what they describe, and are
 // replayed over the snapshot found, the journal reported as damaged.
@@ -136,6 +136,31 @@ var (
 	ErrBroken = errors.New("journal unusable until the next snapshot")
 )
 
+// successorTag starts the payload of a successor record, which Compact
+// writes right before its snapshot and which names that snapshot. Its
+// first byte is zero, which no caller's payload may start with.
+var successorTag = [4]byte{0, 's', 'n', 'p'}
+
+// successorSize is the payload size of a successor record: the tag, the
+// snapshot's size and CRC-32C.
+const successorSize = 4 + 8 + 4
+
+func successorPayload(b Base) []byte {
+	p := make([]byte, successorSize)
+	copy(p, successorTag[:])
+	binary.LittleEndian.PutUint64(p[4:], b.Size)
+	binary.LittleEndian.PutUint32(p[12:], b.CRC)
+	return p
+}
+
+// successorOf returns the snapshot a successor record names.
+func successorOf(p []byte) (Base, bool) {
+	if len(p) != successorSize || string(p[:4]) != string(successorTag[:]) {
+		return Base{}, false
+	}
+	return Base{Size: binary.LittleEndian.Uint64(p[4:]), CRC: binary.LittleEndian.Uint32(p[12:])}, true
+}
+
 // Header returns the header of a journal of kind that follows base.
 func Header(kind uint32, base Base) []byte {
 	h := make([]byte, HeaderSize)
@@ -181,6 +206,10 @@ type Contents struct {
 	// HeaderDamaged says the header failed its checksum: the records
 	// were all salvaged, and the snapshot they follow is unknown.
 	HeaderDamaged bool
+	// Successor is the snapshot a successor record names when that
+	// record ends the file: the snapshot written after the records,
+	// which holds every one of them.
+	Successor *Base
 }
 
 // Decode reads a journal of kind from data. It never panics: whatever the
@@ -282,9 +311,14 @@ func decodeRecords(data []byte, c Contents, size uint64, crc uint32) Contents {
 			c.Salvaged, c.Lost = salvage(data, off)
 			return c
 		}
-		c.Records = append(c.Records, payload)
 		off += n
 		c.Valid = int64(off)
+		if b, ok := successorOf(payload); ok {
+			c.Successor = &b
+			continue
+		}
+		c.Successor = nil
+		c.Records = append(c.Records, payload)
 	}
 	return c
 }
@@ -351,7 +385,9 @@ func salvage(data []byte, off int) (records [][]byte, lost int64) {
 		if n > 0 && n <= MaxRecord && len(data)-off-RecordOverhead >= int(n) {
 			budget -= int(n)
 			if payload, size, err := frameAt(data, off); err == nil {
-				records = append(records, payload)
+				if _, ok := successorOf(payload); !ok {
+					records = append(records, payload)
+				}
 				off += size
 				continue
 			}
@@ -446,11 +482,11 @@ type Journal struct {
 // salvaged, rewritten to hold exactly the records returned, so that new
 // records follow them.
 //
-// A journal whose header names another snapshot than base is, when
-// covered says the snapshot already holds the net change of all its
-// records, the trace of a crash between a snapshot write and the
-// journal's reset: it is started afresh over base with nothing to replay
-// and no damage (Opened.Covered). Otherwise the snapshot was replaced
+// A journal whose header names another snapshot than base is, when it
+// ends with a successor record naming base (see Compact), the trace of a
+// crash between a snapshot write and the journal's reset: base holds
+// every record, and the journal is started afresh over it with nothing to
+// replay and no damage (Opened.Covered). Otherwise the snapshot was replaced
 // (an older copy, another agent's file) or lost: a copy is kept, Damage
 // wraps ErrOtherSnapshot, its records are returned to be replayed over
 // the snapshot found and the file rewritten to hold them over base. The
@@ -458,7 +494,7 @@ type Journal struct {
 //
 // Only an error that leaves the file untouched is returned: the caller
 // must then not write it.
-func Open(path string, kind uint32, base Base, now time.Time, covered func(records [][]byte) bool) (*Journal, Opened, error) {
+func Open(path string, kind uint32, base Base, now time.Time) (*Journal, Opened, error) {
 	var op Opened
 	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NONBLOCK, 0)
 	created := false
@@ -507,7 +543,7 @@ func Open(path string, kind uint32, base Base, now time.Time, covered func(recor
 	case !other:
 	case len(records) == 0 && c.Damage == nil:
 		// Nothing to replay: only the header is out of date.
-	case c.Damage == nil && covered != nil && covered(records):
+	case c.Damage == nil && c.Successor != nil && *c.Successor == base:
 		// The snapshot holds every record: the crash came between its
 		// write and the journal's reset.
 		op.Covered = len(records)
@@ -657,6 +693,8 @@ func keepCopy(path string, data []byte, now time.Time) (string, error) {
 func (j *Journal) Path() string { return j.path }
 
 // Append buffers one record and returns its sequence number (1, 2, …).
+// A payload must not start with a zero byte: the journal's own successor
+// records do.
 // The record is durable once Sync with that number (or a later one)
 // returns nil.
 func (j *Journal) Append(payload []byte) uint64 {
@@ -716,6 +754,13 @@ func (j *Journal) Sync(seq uint64) error {
 
 // flushLocked writes every pending record; fmu held.
 func (j *Journal) flushLocked() error {
+	return j.flushUpToLocked(0, nil)
+}
+
+// flushUpToLocked writes the pending records numbered up to seq (every
+// one when seq is 0), followed by the framed records of tail, with one
+// write and one fsync; fmu held.
+func (j *Journal) flushUpToLocked(seq uint64, tail []byte) error {
 	if j.closed {
 		return ErrClosed
 	}
@@ -724,8 +769,20 @@ func (j *Journal) flushLocked() error {
 	}
 	j.mu.Lock()
 	data, upTo, n := j.buf, j.appended, len(j.ends)
+	if seq > 0 && seq < upTo {
+		upTo = seq
+		n = int(max(seq+1, j.first) - j.first)
+		if n > 0 {
+			data = j.buf[:j.ends[n-1]]
+		} else {
+			data = nil
+		}
+	}
 	j.mu.Unlock()
-	if n == 0 {
+	if len(tail) > 0 {
+		data = append(slices.Clip(data), tail...)
+	}
+	if len(data) == 0 {
 		j.raiseDurable(upTo)
 		return nil
 	}
@@ -793,22 +850,29 @@ func (j *Journal) raiseDurable(seq uint64) {
 }
 
 // Compact replaces the journal by a snapshot. snapshot runs with the
-// journal's writes held off; it captures the state, writes it durably (an
-// atomic file write) and returns the number of the last record the
-// snapshot holds (Appended at its capture) and the BaseOf the bytes it
-// wrote. When it succeeds, the file is emptied to a header naming that
+// journal's writes held off; it captures the state, encodes it, calls
+// flush with the number of the last record the capture holds (Appended at
+// its capture) and the BaseOf the encoded bytes, writes them durably (an
+// atomic file write) and returns that number and that Base. flush writes
+// the records up to that number that were still pending and then a
+// successor record naming the new snapshot: the journal then holds
+// exactly the records the snapshot holds, and says so, and a crash before
+// it is emptied leaves a journal Open tells from damage. (A failed flush
+// is no failure of the snapshot: the records are then in it alone.) When it succeeds, the file is emptied to a header naming that
 // base and the pending records up to that number are dropped, as the
 // snapshot holds them; the later ones stay pending. When it fails, nothing
 // changes. When the journal cannot be emptied, it is broken until a later
 // Compact succeeds: its header names the old snapshot, and records
 // appended after it would not be replayed over the new one.
-func (j *Journal) Compact(snapshot func() (uint64, Base, error)) error {
+func (j *Journal) Compact(snapshot func(flush func(upTo uint64, next Base)) (uint64, Base, error)) error {
 	j.fmu.Lock()
 	defer j.fmu.Unlock()
 	if j.closed {
 		return ErrClosed
 	}
-	upTo, base, err := snapshot()
+	upTo, base, err := snapshot(func(upTo uint64, next Base) {
+		_ = j.flushUpToLocked(upTo, AppendRecord(nil, successorPayload(next)))
+	})
 	if err != nil {
 		return err
 	}

@@ -17,7 +17,7 @@ const testKind = 7
 
 func open(t *testing.T, path string) (*Journal, Opened) {
 	t.Helper()
-	j, op, err := Open(path, testKind, Base{}, time.Unix(1000, 0), nil)
+	j, op, err := Open(path, testKind, Base{}, time.Unix(1000, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,7 +196,7 @@ func TestCompact(t *testing.T) {
 	j.Append(payload(5)) // seq 6, pending
 	j.Append(payload(6)) // seq 7, pending
 	// A snapshot that holds records 1..6: record 7 must stay.
-	if err := j.Compact(func() (uint64, Base, error) { return 6, Base{}, nil }); err != nil {
+	if err := j.Compact(func(func(uint64, Base)) (uint64, Base, error) { return 6, Base{}, nil }); err != nil {
 		t.Fatal(err)
 	}
 	if j.Durable() < 6 {
@@ -213,7 +213,7 @@ func TestCompact(t *testing.T) {
 	}
 	// A failed snapshot changes nothing.
 	j.Append(payload(7))
-	if err := j.Compact(func() (uint64, Base, error) { return 0, Base{}, errors.New("no space") }); err == nil {
+	if err := j.Compact(func(func(uint64, Base)) (uint64, Base, error) { return 0, Base{}, errors.New("no space") }); err == nil {
 		t.Fatal("failed snapshot compacted")
 	}
 	if err := j.Sync(8); err != nil {
@@ -412,7 +412,7 @@ func TestNotRegular(t *testing.T) {
 	if err := os.Mkdir(path, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := Open(path, testKind, Base{}, time.Now(), nil); err == nil {
+	if _, _, err := Open(path, testKind, Base{}, time.Now()); err == nil {
 		t.Fatal("opened a directory as a journal")
 	}
 }
