@@ -92,8 +92,11 @@ type identityAllocator struct {
 	mesh    globalstore.Remote
 	metrics *identitymetrics.Allocation
 	health  cell.Health // nil outside a hive with a health provider
-	synced  chan struct{}
-	once    sync.Once
+	// space follows the fill of this cluster's global range; nil
+	// without a global store.
+	space  *spaceWatch
+	synced chan struct{}
+	once   sync.Once
 
 	// contracts orders local allocations after restoration and runs the
 	// finalizers at stop (restoration.go).
@@ -116,6 +119,14 @@ func newAllocator(p params) (allocatorOut, error) {
 		a.mesh = p.Remote
 	}
 	a.health = p.Health
+	if backend != nil {
+		var h cell.Health
+		if p.Health != nil {
+			h = p.Health.NewScope("identity-space")
+		}
+		a.space = newSpaceWatch(p.Config.ClusterInfo(), p.Log, h)
+		a.global.space = a.space
+	}
 	// Added before the allocator's hook, the jobs start before it and
 	// stop after it: every change up to the end of the allocator's stop
 	// reaches observers, handlers and the table.
@@ -256,11 +267,13 @@ func (a *identityAllocator) Stop(ctx cell.HookContext) error {
 
 // Upsert implements globalstore.Events.
 func (a *identityAllocator) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
+	a.space.set(id, true)
 	a.queue.pushEvent(event{kind: ChangeUpsert, ident: &identity.Identity{ID: id, Labels: lbls}, ref: a.global.lookupByID(id), source: SourceGlobal})
 }
 
 // Delete implements globalstore.Events.
 func (a *identityAllocator) Delete(id identity.NumericIdentity, lbls labels.Labels) {
+	a.space.set(id, false)
 	a.queue.pushEvent(event{kind: ChangeDelete, ident: &identity.Identity{ID: id, Labels: lbls}, source: SourceGlobal})
 }
 

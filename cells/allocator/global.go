@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -34,6 +35,9 @@ type globalRefs struct {
 	byKey    map[string]*globalEntry
 	byID     map[identity.NumericIdentity]*globalEntry
 	inflight map[string]chan struct{}
+	// space counts the store's refusals for want of an ID; nil without
+	// one.
+	space *spaceWatch
 }
 
 // globalEntry is a refEntry with the backend's reference. The reference
@@ -126,6 +130,9 @@ func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels,
 		g.mu.Unlock()
 	}
 	id, allocated, err := g.backend.Allocate(ctx, lbls, record)
+	if errors.Is(err, globalstore.ErrSpaceExhausted) {
+		g.space.refusedAllocation()
+	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	// A release of more references than were taken may have begun the
