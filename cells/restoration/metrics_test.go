@@ -34,6 +34,7 @@ type restoringAgent struct {
 	ipc     *ipcache.IPCache
 	r       *restoration.Restorer
 	srv     *metrics.Server
+	alloc   allocator.Allocator
 }
 
 func startRestoringAgent(t *testing.T, dir string, grace time.Duration) *restoringAgent {
@@ -45,8 +46,8 @@ func startRestoringAgent(t *testing.T, dir string, grace time.Duration) *restori
 		health.Cell, metrics.Cell,
 		job.Cell, statedb.Cell, statedir.Cell,
 		allocator.Cell, checkpoint.Cell, ipcache.Cell, restoration.Cell,
-		cell.Invoke(func(ipc *ipcache.IPCache, r *restoration.Restorer, s *metrics.Server) {
-			a.ipc, a.r, a.srv = ipc, r, s
+		cell.Invoke(func(ipc *ipcache.IPCache, r *restoration.Restorer, s *metrics.Server, al allocator.Allocator) {
+			a.ipc, a.r, a.srv, a.alloc = ipc, r, s, al
 		}),
 	)
 	hive.AddConfigOverride(a.h, func(c *statedir.Config) { c.StateDir = dir })
