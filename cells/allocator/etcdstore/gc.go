@@ -31,6 +31,9 @@ type gcCounters struct {
 	runs, failed, deleted, skipped atomic.Uint64
 	// lastSkipped is the last run's skipped count, for its log line.
 	lastSkipped atomic.Int64
+	// afterListing, when set (by tests), runs between the listing of
+	// reference keys and the choice of candidates.
+	afterListing func()
 }
 
 // GCStats returns the garbage collection's counters, for metrics.
@@ -99,7 +102,8 @@ func (b *Store) logGCRun(deleted, skipped int) {
 }
 
 // RunGC deletes master keys that no node references. Candidates come from
-// the cache and one listing of reference keys; each is deleted by a
+// the cache and one listing of reference keys, less the master keys written
+// after that listing; each is deleted by a
 // transaction that proves at that instant that no reference key and no
 // Cilium lock exists for its label set and that the master key has not
 // changed since it was cached. A node that allocates the label set at the
@@ -140,9 +144,20 @@ func (b *Store) runGC(ctx context.Context, term *leadership) (deleted, skipped i
 		key    string
 		modRev int64
 	}
+	if b.gc.afterListing != nil {
+		b.gc.afterListing()
+	}
 	var candidates []candidate
 	b.cacheMu.RLock()
 	for id, e := range b.byID {
+		if e.modRev > listRev {
+			// Written after the listing, which cannot show its
+			// references (a new identity's reference is written in
+			// its master key's transaction): its delete would fail
+			// and spend a deletion of the rate limit for nothing.
+			// The next run decides.
+			continue
+		}
 		if _, ok := referenced[referenceBase(e.key)]; !ok {
 			candidates = append(candidates, candidate{id, e.key, e.modRev})
 		}
