@@ -53,10 +53,13 @@ image:
 	$(if $(CONTAINER_BUILDER),,$(error make image needs podman or docker; set CONTAINER_BUILDER))
 	$(CONTAINER_BUILDER) build --build-arg VERSION=$(VERSION) $(if $(GO_IMAGE),--build-arg GO_IMAGE=$(GO_IMAGE)) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
 
-# Runs the agent on the embedded etcd with its state under $(STATE_DIR);
-# needs no root and no external service. Ctrl-C stops it.
+# Runs the agent on the embedded etcd with everything it writes under
+# $(STATE_DIR); needs no root and no external service. Ctrl-C stops it.
+# The datapath map is the file in $(STATE_DIR), also as root: the BPF map
+# would be pinned on the host's bpffs, one for every state directory
+# (RUN_FLAGS=--ipcache-map=bpf asks for it).
 run: build
-	exec ./$(BIN) --state-dir $(STATE_DIR) $(RUN_FLAGS)
+	exec ./$(BIN) --state-dir $(STATE_DIR) --ipcache-map=file $(RUN_FLAGS)
 
 # Opens a shell into the agent started by `make run` (CMD="identity/list"
 # runs one command).
