@@ -155,10 +155,12 @@ func (e *gcElection) run(ctx context.Context, h cell.Health) {
 		e.debug("became leader")
 		term, endTerm := context.WithCancel(ctx)
 		e.startLeading(term)
-		e.renew(term)
+		lost := e.renew(term)
 		endTerm()
 		e.stopLeading()
-		e.release()
+		if !lost {
+			e.release()
+		}
 		e.debug("stopped leading")
 	}
 }
@@ -179,25 +181,41 @@ func (e *gcElection) acquire(ctx context.Context) bool {
 // electionJitter is client-go's JitterFactor.
 const electionJitter = 1.2
 
-// renew renews the lock once per retry period until ctx ends or no try
-// succeeded for the renew deadline (retrying every retry period).
-func (e *gcElection) renew(ctx context.Context) {
+// renew renews the lock once per retry period until ctx ends, no try
+// succeeded for the renew deadline (retrying every retry period), or the
+// term was lost: a read or write of the lock showed another holder, none,
+// or no lock at all (deleted or rewritten by hand). A lost term returns
+// true at once, even when the try that found it re-created or re-took the
+// lock: the term then starts again through acquire and startLeading, as
+// the first one did, rather than renewing a lock that no term collects
+// under, and the lock is not released, since this node may hold it again.
+func (e *gcElection) renew(ctx context.Context) (lost bool) {
 	for {
 		deadline := time.Now().Add(e.timings.renewDeadline)
 		for !e.tryAcquireOrRenew(ctx) {
 			if ctx.Err() != nil {
-				return
+				return false
+			}
+			if e.leading() == nil {
+				return true
 			}
 			if time.Until(deadline) < e.timings.retry {
 				e.s.log.Info("Failed to renew the collector lock", "lock", e.name, "renewDeadline", e.timings.renewDeadline)
-				return
+				return false
 			}
 			if !sleepCtx(ctx, e.timings.retry) {
-				return
+				return false
 			}
 		}
+		if e.leading() == nil {
+			if ctx.Err() != nil {
+				return false
+			}
+			e.s.log.Info("The collector lock changed under this node's term; campaigning again", "lock", e.name)
+			return true
+		}
 		if !sleepCtx(ctx, e.timings.retry) {
-			return
+			return false
 		}
 	}
 }

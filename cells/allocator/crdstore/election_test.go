@@ -558,3 +558,73 @@ func TestGCElectionTimings(t *testing.T) {
 		}
 	}
 }
+
+// TestGCLockDeletedOrEdited: the collector's lock deleted by hand (kubectl
+// delete identitylease) or rewritten without a holder under a running
+// cluster of three nodes: within one lock lease (and the others' reads)
+// one node collects again, its runs advance, it deletes an identity
+// marked long ago, and the gauge and health say so. Before, the holder
+// re-created or re-took the lock and kept renewing it without a term: no
+// node collected again, and no other node could take the lock.
+func TestGCLockDeletedOrEdited(t *testing.T) {
+	srv := serialServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	cfg := gcTestConfig
+	cfg.Interval = 100 * time.Millisecond
+	var ns []*electionNode
+	for _, name := range []string{"node-a", "node-b", "node-c"} {
+		ns = append(ns, startElectionNode(t, srv.RESTConfig(), name, cfg, testElection))
+	}
+	collector(t, ns, 10*time.Second)
+	lockName := fmt.Sprintf("identity-gc-%d", gcCluster.ID)
+	longAgo := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
+	// A collector is back within the lock's lease and 4.4 retry periods
+	// (the others' jittered reads), with 2 s for a loaded machine.
+	bound := testElection.lease + 44*testElection.retry/10 + 2*time.Second
+
+	tamper := map[string]func() error{
+		"deleted": func() error {
+			return cli.nodes.Delete().Resource("identityleases").Name(lockName).Do(t.Context()).Error()
+		},
+		"rewritten without a holder": func() error {
+			// The holder renews every retry period: a write that meets
+			// a renewal reads the lock again.
+			return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+				lock, err := cli.lease(t, lockName)
+				if err != nil {
+					return err
+				}
+				none := ""
+				lock.Spec.HolderIdentity = &none
+				return cli.nodes.Put().Resource("identityleases").Name(lockName).Body(lock).Do(t.Context()).Error()
+			})
+		},
+	}
+	for i, what := range []string{"deleted", "rewritten without a holder"} {
+		if err := tamper[what](); err != nil {
+			t.Fatalf("lock %s: %v", what, err)
+		}
+		tampered := time.Now()
+		// The holder notices at its next renewal: look after it.
+		time.Sleep(2 * testElection.retry)
+		next := ns[collector(t, ns, bound)]
+		if took := time.Since(tampered); took > bound {
+			t.Errorf("lock %s: %s collects %s later, more than %s", what, next.name, took, bound)
+		}
+		if g := next.leaderGauge(t); g != 1 {
+			t.Errorf("lock %s: %s collects, its identityd_crd_identity_gc_leader is %v", what, next.name, g)
+		}
+		runs := next.GCStats().Runs
+		eventually.True(t, "the collector's runs advance", func() bool { return next.GCStats().Runs > runs+1 })
+		gone := identity.NumericIdentity(9200 + i)
+		createIdentity(t, next.Store, gone, mustLabels(t, fmt.Sprintf("k8s:app=gone-%d", i)), longAgo)
+		eventually.True(t, "the collector deletes the identity marked long ago", func() bool {
+			return readIdentity(t, next.Store, gone) == nil
+		})
+		took := time.Since(tampered)
+		t.Logf("lock %s: %s collects, and deleted an unused identity, %s later", what, next.name, took.Round(10*time.Millisecond))
+		if took > MinIdentityNodeLeaseTTL {
+			t.Errorf("lock %s: the unused identity was deleted %s later, more than one IdentityNode lease (%s)", what, took, MinIdentityNodeLeaseTTL)
+		}
+	}
+}
