@@ -31,9 +31,10 @@ func upsertRecord(id identity.NumericIdentity, lbls labels.Labels) []byte {
 // TestDamagedStateWithheld: a checkpoint, a journal damaged in the middle
 // and the copy of an earlier damaged journal. Restoration restores the
 // checkpoint, the journal's record before the damage and the one found
-// intact after it; the number only the old copy names is withheld until
-// the release, so that new label sets get neither it nor any restored
-// number; restore-status and the metric report the damage.
+// intact after it; the number only the old copy names, and after damage
+// every number not known to be free, are withheld until the release, so
+// that new label sets get none of them; restore-status and the metric
+// report the damage.
 func TestDamagedStateWithheld(t *testing.T) {
 	dir := t.TempDir()
 	const first = identity.NumericIdentity(16777217)
@@ -66,6 +67,13 @@ func TestDamagedStateWithheld(t *testing.T) {
 	if st.Counters.Restored != 3 || st.Counters.SeenWithheld != 1 || st.CopiesRead != 2 {
 		t.Fatalf("status %+v", st)
 	}
+	// The damaged record's number, and those of any record lost with
+	// it, are among the numbers withheld for being unknown: from the
+	// first of each local scope to well above the highest seen.
+	unknown := st.Counters.UnknownWithheld
+	if unknown < 2*(1<<16) || !slices.Contains(a.alloc.Withheld(), first+2) {
+		t.Fatalf("%d numbers withheld as unknown, %d among them: %v", unknown, first+2, slices.Contains(a.alloc.Withheld(), first+2))
+	}
 	for _, want := range []identity.NumericIdentity{first, first + 1, first + 3} {
 		if id := a.alloc.LookupByID(want); id == nil {
 			t.Fatalf("identity %d not restored", want)
@@ -75,7 +83,7 @@ func TestDamagedStateWithheld(t *testing.T) {
 		t.Fatalf("number %d of the kept copy not withheld: %v", first+4, a.alloc.Withheld())
 	}
 	// New label sets get none of the numbers the files name.
-	named := []identity.NumericIdentity{first, first + 1, first + 3, first + 4}
+	named := []identity.NumericIdentity{first, first + 1, first + 2, first + 3, first + 4}
 	for i := range 8 {
 		id, _, err := a.alloc.Allocate(t.Context(), cidrSet(10+i))
 		if err != nil {
@@ -89,6 +97,7 @@ func TestDamagedStateWithheld(t *testing.T) {
 		`identityd_identity_restoration_damage{what="journal_damaged"}`:          1,
 		`identityd_identity_restoration_damage{what="journal_salvaged_records"}`: 1,
 		`identityd_identity_restoration_damage{what="withheld_ids"}`:             1,
+		`identityd_identity_restoration_damage{what="withheld_unknown_ids"}`:     float64(unknown),
 	})
 	if err := a.r.Release(t.Context()); err != nil {
 		t.Fatal(err)

@@ -30,6 +30,7 @@ const (
 	damageSalvaged  = "journal_salvaged_records"
 	damageLostBytes = "journal_lost_bytes"
 	damageWithheld  = "withheld_ids"
+	damageUnknown   = "withheld_unknown_ids"
 )
 
 // newRestorationMetrics contributes the restorer's collector.
@@ -53,7 +54,7 @@ func newRestorationCollector(r *Restorer) *metrics.ScrapeCollector {
 			"Number of old datapath map entries restoration skipped because the checkpoint gives their ID to another prefix's label set, by reason: shared_id, other_labels",
 			labelReason)
 		damage = metrics.NewDesc("identity_restoration_damage",
-			"What restoration found damaged in the state files at this start, by what: journal_damaged (1 when the identity journal was damaged, empty or of another checkpoint), journal_salvaged_records, journal_lost_bytes, and withheld_ids (numbers the state files name that were not given back, withheld until the grace period ends)",
+			"What restoration found damaged in the state files at this start, by what: journal_damaged (1 when the identity journal was damaged, empty or of another checkpoint), journal_salvaged_records, journal_lost_bytes, withheld_ids (numbers the state files name that were not given back) and withheld_unknown_ids (numbers withheld because damage hid which were answered), both withheld until the grace period ends",
 			labelWhat)
 	)
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
@@ -75,5 +76,6 @@ func newRestorationCollector(r *Restorer) *metrics.ScrapeCollector {
 		m.Gauge(damage, float64(n.JournalSalvaged), damageSalvaged)
 		m.Gauge(damage, float64(n.JournalLostBytes), damageLostBytes)
 		m.Gauge(damage, float64(n.SeenWithheld), damageWithheld)
+		m.Gauge(damage, float64(n.UnknownWithheld), damageUnknown)
 	}, identities, prefixes, skippedMapEntries, damage)
 }

@@ -88,6 +88,11 @@ type Counters struct {
 	// its damaged bytes in no record.
 	JournalSalvaged  uint64 `json:"journal-salvaged"`
 	JournalLostBytes uint64 `json:"journal-lost-bytes"`
+	// UnknownWithheld is the number of local numbers withheld until the
+	// release because damage hid which of them were answered: every one
+	// of each local scope up to unknownMargin above the highest number
+	// seen that no restored identity holds.
+	UnknownWithheld uint64 `json:"unknown-withheld"`
 }
 
 // Damage is what restoration found damaged in the identity journal, for
@@ -198,7 +203,7 @@ type Restorer struct {
 
 	restored, skipped, renumbered, prefixesRestored, prefixesFailed, releasedAfterGrace atomic.Uint64
 	mapSharedID, mapOtherLabels                                                         atomic.Uint64
-	seenWithheld, journalSalvaged, journalLostBytes                                     atomic.Uint64
+	seenWithheld, journalSalvaged, journalLostBytes, unknownWithheld                    atomic.Uint64
 }
 
 type params struct {
@@ -284,6 +289,7 @@ func (r *Restorer) Counters() Counters {
 		SeenWithheld:          r.seenWithheld.Load(),
 		JournalSalvaged:       r.journalSalvaged.Load(),
 		JournalLostBytes:      r.journalLostBytes.Load(),
+		UnknownWithheld:       r.unknownWithheld.Load(),
 	}
 }
 
@@ -528,16 +534,21 @@ func (r *Restorer) withholdSeen(res checkpoint.LoadResult) {
 	}
 	slices.Sort(seen)
 	seen = slices.Compact(seen)
-	r.alloc.Withhold(seen)
 	r.seenWithheld.Store(uint64(len(seen)))
+	if jr.Damage != nil || res.Report.Corrupt != nil {
+		unknown := unknownNumbers(res.Seen, held)
+		r.unknownWithheld.Store(uint64(len(unknown)))
+		seen = append(seen, unknown...)
+	}
+	r.alloc.Withhold(seen)
 	r.mu.Lock()
 	r.seen = seen
 	r.journalDamage = damage
 	r.copiesRead = res.Report.CopiesRead
 	r.mu.Unlock()
 	if damage != nil || len(seen) > 0 {
-		r.log.Warn("State files name numbers restoration did not give back: withholding them until the grace period ends",
-			"withheld", len(seen), "journal-damage", jr.Damage, "journal-records", jr.Records,
+		r.log.Warn("State files name numbers restoration did not give back, or damage hid which numbers were answered: withholding them until the grace period ends",
+			"withheld-named", r.seenWithheld.Load(), "withheld-unknown", r.unknownWithheld.Load(), "journal-damage", jr.Damage, "journal-records", jr.Records,
 			"journal-salvaged", jr.Salvaged, "journal-lost-bytes", jr.LostBytes, "kept-copies-read", res.Report.CopiesRead,
 			"grace-period", r.grace)
 	}
@@ -685,6 +696,35 @@ func (r *Restorer) skipContradicting(entries []ipcache.MapEntry, owned map[ident
 	}
 	r.mapSharedID.Add(sharedID)
 	r.mapOtherLabels.Add(otherLabels)
+}
+
+// unknownMargin is how far above the highest number the state files name
+// restoration withholds numbers after damage: local numbers are handed out
+// upwards from a cursor, so the answers whose records were lost (an empty
+// journal, a cut or overwritten range) took numbers in the gaps below the
+// highest one seen or just above it.
+const unknownMargin = 1 << 16
+
+// unknownNumbers returns, for each local scope, every number from the
+// scope's first up to unknownMargin above the highest one seen, except
+// those held: after damage, any of them may have been answered.
+func unknownNumbers(seen []identity.NumericIdentity, held map[identity.NumericIdentity]bool) []identity.NumericIdentity {
+	var out []identity.NumericIdentity
+	for _, scope := range []identity.Scope{identity.ScopeLocal, identity.ScopeRemoteNode} {
+		top := identity.MinLocalIdentity
+		for _, id := range seen {
+			if id.Scope() == scope {
+				top = max(top, id&^identity.ScopeMask)
+			}
+		}
+		hi := identity.NumericIdentity(min(uint64(top)+unknownMargin, uint64(identity.MaxLocalIdentity)))
+		for c := identity.MinLocalIdentity; c <= hi; c++ {
+			if id := identity.NumericIdentity(scope) | c; !held[id] {
+				out = append(out, id)
+			}
+		}
+	}
+	return out
 }
 
 // cidrMatch says whether a label set's CIDR labels name a prefix.
