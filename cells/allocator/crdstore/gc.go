@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -275,7 +276,10 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 	timeout := s.gcTimeout()
 	fence := fenced(s.ids.rng, objs, now.Add(-fenceWindow(gc.cfg)))
 
+	// Decide, then act: what to mark, unmark and delete depends only on
+	// the listings.
 	var keptUsed, keptFenced int
+	var marks, unmarks, deletes []*gcObject
 	for i := range objs {
 		o := &objs[i]
 		if o.e == nil || o.id.IsReserved() {
@@ -303,12 +307,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 				// collectors are identityd's, which honour the fence:
 				// a fenced identity keeps its mark, and its timeout
 				// goes on while the fence lasts.
-				if err := s.gcUnmark(ctx, o); err == nil {
-					res.Unmarked++
-					gc.unmarked.Add(1)
-				} else if !apierrors.IsConflict(err) && !apierrors.IsNotFound(err) {
-					return res, fmt.Errorf("%w: removing the heartbeat mark of kept identity %d: %w", globalstore.ErrUnavailable, o.id, err)
-				}
+				unmarks = append(unmarks, o)
 			}
 			continue
 		}
@@ -316,15 +315,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		if !marked || perr != nil {
 			// Unmarked, or a mark this collector cannot date: marked
 			// now, deleted a timeout later.
-			switch err := s.markForGC(ctx, o); {
-			case err == nil:
-				res.Marked++
-				gc.marked.Add(1)
-			case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
-				// Changed since the listing: the next run looks again.
-			default:
-				return res, fmt.Errorf("%w: marking identity %d: %w", globalstore.ErrUnavailable, o.id, err)
-			}
+			marks = append(marks, o)
 			continue
 		}
 		if now.Sub(at) < timeout {
@@ -337,22 +328,39 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 			res.Deferred++
 			continue
 		}
-		if err := gc.limiter.Wait(ctx); err != nil {
-			return res, err
+		deletes = append(deletes, o)
+	}
+
+	// The marks and unmarks go in a loop of their own beside the paced
+	// deletes, so that their requests do not take the deletes' turns:
+	// the deletes keep the rate limit's pace however many marks a run
+	// writes.
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg                 sync.WaitGroup
+		marked, unmarked   int
+		markErr, deleteErr error
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		marked, unmarked, markErr = s.gcWriteMarks(actx, marks, unmarks)
+		if markErr != nil {
+			cancel()
 		}
-		if gc.beforeDelete != nil {
-			gc.beforeDelete(o)
-		}
-		switch err := s.deleteIdentity(ctx, o); {
-		case err == nil:
-			res.Deleted++
-			gc.deleted.Add(1)
-		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
-			res.Skipped++
-			gc.skipped.Add(1)
-		default:
-			return res, fmt.Errorf("%w: deleting identity %d: %w", globalstore.ErrUnavailable, o.id, err)
-		}
+	}()
+	deleteErr = s.gcDelete(actx, deletes, &res)
+	if deleteErr != nil {
+		cancel()
+	}
+	wg.Wait()
+	res.Marked, res.Unmarked = marked, unmarked
+	switch {
+	case markErr != nil:
+		return res, markErr
+	case deleteErr != nil:
+		return res, deleteErr
 	}
 	res.KeptUsed, res.KeptFenced = keptUsed, keptFenced
 	gc.keptUsed.Store(uint64(keptUsed))
@@ -374,6 +382,61 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		}
 	}
 	return res, nil
+}
+
+// gcWriteMarks marks the identities of marks and removes the mark of those
+// of unmarks, one request at a time, each with the listed resourceVersion
+// as precondition: an object changed since the listing is left to the
+// next run.
+func (s *Store) gcWriteMarks(ctx context.Context, marks, unmarks []*gcObject) (marked, unmarked int, _ error) {
+	gc := s.gc
+	for _, o := range unmarks {
+		switch err := s.gcUnmark(ctx, o); {
+		case err == nil:
+			unmarked++
+			gc.unmarked.Add(1)
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+		default:
+			return marked, unmarked, fmt.Errorf("%w: removing the heartbeat mark of kept identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+		}
+	}
+	for _, o := range marks {
+		switch err := s.markForGC(ctx, o); {
+		case err == nil:
+			marked++
+			gc.marked.Add(1)
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			// Changed since the listing: the next run looks again.
+		default:
+			return marked, unmarked, fmt.Errorf("%w: marking identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+		}
+	}
+	return marked, unmarked, nil
+}
+
+// gcDelete deletes the identities of deletes, paced by the rate limit,
+// each with its UID and listed resourceVersion as preconditions.
+func (s *Store) gcDelete(ctx context.Context, deletes []*gcObject, res *GCResult) error {
+	gc := s.gc
+	for _, o := range deletes {
+		if err := gc.limiter.Wait(ctx); err != nil {
+			return err
+		}
+		if gc.beforeDelete != nil {
+			gc.beforeDelete(o)
+		}
+		switch err := s.deleteIdentity(ctx, o); {
+		case err == nil:
+			res.Deleted++
+			gc.deleted.Add(1)
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			res.Skipped++
+			gc.skipped.Add(1)
+		default:
+			return fmt.Errorf("%w: deleting identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+		}
+	}
+	return nil
 }
 
 // nodeLease is a record's lease; a record that states none gets the

@@ -548,6 +548,50 @@ func TestGCRateLimit(t *testing.T) {
 	}
 }
 
+// TestGCMarksBesideDeletes: the marks a run writes do not take the paced
+// deletes' turns. A run with 50 identities to delete at 50 a second and
+// 600 to mark, their IDs interleaved, deletes at the rate limit's pace:
+// its deletes span no more than the limit's 49 intervals and some room,
+// whatever the marks cost. With the marks written in the deletes' loop,
+// the span grows by the time of the marks in between (checked).
+func TestGCMarksBesideDeletes(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.RateLimit, cfg.RateInterval = 50, time.Second
+	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
+	old := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
+	const deletable, markable = 50, 600
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for i := range deletable + markable {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			mark := ""
+			if i%13 == 0 && i/13 < deletable {
+				mark = old
+			}
+			// Every other ID, so that no object fences another.
+			createIdentity(t, a.Store, identity.NumericIdentity(20000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=paced-mark-%d", i)), mark)
+		}()
+	}
+	wg.Wait()
+	var times []time.Time
+	a.gc.beforeDelete = func(*gcObject) { times = append(times, time.Now()) }
+	start := time.Now()
+	res := runGC(t, a.Store)
+	if res.Deleted != deletable || res.Marked != markable {
+		t.Fatalf("run: %+v, want %d deleted and %d marked", res, deletable, markable)
+	}
+	span := times[len(times)-1].Sub(times[0])
+	pace := time.Duration(deletable-1) * cfg.RateInterval / time.Duration(cfg.RateLimit)
+	t.Logf("%d deletes spanned %s (the limit's pace: %s), the run %s", deletable, span, pace, time.Since(start))
+	if span > pace+400*time.Millisecond {
+		t.Fatalf("%d deletes spanned %s, want the limit's %s and at most 400ms more", deletable, span, pace)
+	}
+}
+
 // TestGCNotBeforeListing: a store whose caches have not listed the objects
 // yet does not collect: nothing is marked.
 func TestGCNotBeforeListing(t *testing.T) {
