@@ -37,6 +37,10 @@ type leadership struct {
 	// nothing even before this node learns of the end.
 	key string
 	rev int64
+	// lease is the node's lease the key was put on: a key rewritten
+	// without it (etcdctl put, which drops the lease) would outlive this
+	// node and block every other candidate for good.
+	lease clientv3.LeaseID
 }
 
 // collector is the election's state.
@@ -123,7 +127,7 @@ func (b *Store) campaignOnce(ctx context.Context, h cell.Health) error {
 		}
 		return fmt.Errorf("campaigning: %w", err)
 	}
-	term := &leadership{ctx: cctx, key: key, rev: rev}
+	term := &leadership{ctx: cctx, key: key, rev: rev, lease: lease}
 	b.collector.term.Store(term)
 	b.collector.holder.Store(&b.node)
 	b.log.Info("This node collects unused global identities", "node", b.node, "key", term.key)
@@ -148,23 +152,9 @@ func (b *Store) campaignOnce(ctx context.Context, h cell.Health) error {
 // bounded by the request timeout (and the stop path's deadline).
 func (b *Store) campaign(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID) (string, int64, error) {
 	key := fmt.Sprintf("%s/%x", CollectorKeyPrefix, int64(lease))
-	rctx, cancel := b.requestContext(ctx)
-	resp, err := cli.Txn(rctx).
-		If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-		Then(clientv3.OpPut(key, b.node, clientv3.WithLease(lease))).
-		Else(clientv3.OpGet(key)).
-		Commit()
-	cancel()
+	rev, err := b.putCandidacy(ctx, cli, key, lease)
 	if err != nil {
 		return "", 0, err
-	}
-	rev := resp.Header.GetRevision()
-	if !resp.Succeeded {
-		kvs := resp.Responses[0].GetResponseRange().GetKvs()
-		if len(kvs) == 0 {
-			return "", 0, errors.New("the election key vanished while it was written")
-		}
-		rev = kvs[0].CreateRevision
 	}
 	// Wait for the key just older than this node's to go, then look for
 	// an older one again, until none is left.
@@ -183,6 +173,49 @@ func (b *Store) campaign(ctx context.Context, cli *clientv3.Client, lease client
 			return "", 0, err
 		}
 	}
+}
+
+// putCandidacy puts this node's election key on lease unless it is there
+// already, and returns its create revision. A key of that name that is not
+// this node's on lease (rewritten by hand: etcdctl put drops the lease) is
+// deleted first, with its revision as precondition, and put again: kept,
+// it would stay after this node's lease ends and no candidate behind it
+// would ever collect.
+func (b *Store) putCandidacy(ctx context.Context, cli *clientv3.Client, key string, lease clientv3.LeaseID) (int64, error) {
+	for range 3 {
+		rctx, cancel := b.requestContext(ctx)
+		resp, err := cli.Txn(rctx).
+			If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+			Then(clientv3.OpPut(key, b.node, clientv3.WithLease(lease))).
+			Else(clientv3.OpGet(key)).
+			Commit()
+		cancel()
+		if err != nil {
+			return 0, err
+		}
+		if resp.Succeeded {
+			return resp.Header.GetRevision(), nil
+		}
+		kvs := resp.Responses[0].GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			continue // deleted meanwhile: put it
+		}
+		if kvs[0].Lease == int64(lease) && string(kvs[0].Value) == b.node {
+			return kvs[0].CreateRevision, nil
+		}
+		b.log.Warn("This node's collector election key was rewritten; putting it again on the node's lease",
+			"key", key, "lease", kvs[0].Lease, "value", string(kvs[0].Value))
+		rctx, cancel = b.requestContext(ctx)
+		_, err = cli.Txn(rctx).
+			If(clientv3.Compare(clientv3.ModRevision(key), "=", kvs[0].ModRevision)).
+			Then(clientv3.OpDelete(key)).
+			Commit()
+		cancel()
+		if err != nil {
+			return 0, err
+		}
+	}
+	return 0, errors.New("the election key kept changing while it was written")
 }
 
 // waitDeleted watches key from revision rev until it is deleted or ctx
@@ -207,9 +240,10 @@ func waitDeleted(ctx context.Context, cli *clientv3.Client, key string, rev int6
 }
 
 // holdTerm returns when the term ends: the lease was lost, the store
-// stops, or the election key went by other means (deleted by hand, say),
-// which the collector watches, one key, so that two nodes never both
-// believe they collect for long.
+// stops, or the election key went by other means (deleted by hand, say)
+// or was rewritten off this node's lease or name, which the collector
+// watches, one key, so that two nodes never both believe they collect for
+// long. The next campaign puts the key again, behind the other candidates.
 func (b *Store) holdTerm(ctx context.Context, cli *clientv3.Client, sess *concurrency.Session, term *leadership) string {
 	wch := cli.Watch(ctx, term.key, clientv3.WithRev(term.rev+1))
 	for {
@@ -234,6 +268,9 @@ func (b *Store) holdTerm(ctx context.Context, cli *clientv3.Client, sess *concur
 				if ev.Type == mvccpb.Event_DELETE {
 					return "its election key was deleted"
 				}
+				if ev.Kv.Lease != int64(term.lease) || string(ev.Kv.Value) != b.node {
+					return "its election key was rewritten"
+				}
 			}
 		}
 	}
@@ -249,7 +286,7 @@ func (b *Store) keyHolds(ctx context.Context, cli *clientv3.Client, term *leader
 	if err != nil {
 		return true
 	}
-	return len(resp.Kvs) == 1 && resp.Kvs[0].CreateRevision == term.rev
+	return len(resp.Kvs) == 1 && resp.Kvs[0].CreateRevision == term.rev && resp.Kvs[0].Lease == int64(term.lease)
 }
 
 // noteCollector reads who collects now (one request) and reports it.

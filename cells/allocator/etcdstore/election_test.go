@@ -200,3 +200,87 @@ func (r *levelRecorder) Handle(_ context.Context, rec slog.Record) error {
 }
 func (r *levelRecorder) WithAttrs([]slog.Attr) slog.Handler { return r }
 func (r *levelRecorder) WithGroup(string) slog.Handler      { return r }
+
+// TestEtcdCollectorKeysDeletedOrRewritten: under three running nodes, the
+// election's keys are deleted by hand (etcdctl del --prefix), then the
+// collector's key is rewritten off its lease (etcdctl put, which drops the
+// lease) and the collector stopped. Each time one node collects again
+// within one lease TTL, and its runs delete an unreferenced master key.
+// Before, the rewritten key stayed the oldest after its node was gone, and
+// no candidate behind it ever collected.
+func TestEtcdCollectorKeysDeletedOrRewritten(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	cli := c.Client(t)
+	withGC := func(kv *kvstore.Config, e *storeConfig) {
+		kv.KVStoreLeaseTTL = kvstore.MinLeaseTTL
+		e.IdentityGCInterval = 100 * time.Millisecond
+		e.IdentityGCRateLimit = 1_000_000
+	}
+	nodes := []*etcdNode{startEtcdNode(t, c, "node1", withGC), startEtcdNode(t, c, "node2", withGC), startEtcdNode(t, c, "node3", withGC)}
+	ctx := testCtx(t, 2*time.Minute)
+	// collects waits until exactly one of nodes collects and its runs
+	// delete an unreferenced master key written now, within one lease
+	// TTL from since.
+	orphans := identity.NumericIdentity(60000)
+	collects := func(what string, since time.Time) *etcdNode {
+		t.Helper()
+		orphans++
+		orphan := orphans
+		if _, err := cli.Put(ctx, masterKey(orphan), labels.MustParse(fmt.Sprintf("k8s:app=orphan-%d", orphan)).Canonical()); err != nil {
+			t.Fatal(err)
+		}
+		var leader *etcdNode
+		eventually.Within(t, kvstore.MinLeaseTTL, what+": one node collects and deletes an unreferenced master key", func() bool {
+			leader = nil
+			for _, n := range nodes {
+				if n.backend.Collecting() {
+					if leader != nil {
+						return false
+					}
+					leader = n
+				}
+			}
+			_, _, kept := getValue(t, cli, masterKey(orphan))
+			return leader != nil && !kept
+		})
+		t.Logf("%s: %s collects, and deleted an unreferenced master key %s later", what, leader.name, time.Since(since).Round(10*time.Millisecond))
+		return leader
+	}
+	collects("start", time.Now())
+
+	deleted := time.Now()
+	if _, err := cli.Delete(ctx, CollectorKeyPrefix+"/", clientv3.WithPrefix()); err != nil {
+		t.Fatal(err)
+	}
+	leader := collects("election keys deleted", deleted)
+	eventually.True(t, "every candidate has its key again", func() bool {
+		resp, err := cli.Get(ctx, CollectorKeyPrefix+"/", clientv3.WithPrefix())
+		return err == nil && len(resp.Kvs) == len(nodes)
+	})
+
+	term := leader.backend.collector.term.Load()
+	if term == nil {
+		t.Fatal("the collector has no term")
+	}
+	rewritten := time.Now()
+	if _, err := cli.Put(ctx, term.key, leader.name); err != nil {
+		t.Fatal(err)
+	}
+	// The rewritten collector hands over, or takes its key back on its
+	// lease: in both cases a clean stop of the collector then ends its
+	// key, and another node collects.
+	leader = collects("election key rewritten off its lease", rewritten)
+	stopped := time.Now()
+	leader.stop()
+	nodes = slices.DeleteFunc(nodes, func(n *etcdNode) bool { return n == leader })
+	collects("collector stopped", stopped)
+	resp, err := cli.Get(ctx, CollectorKeyPrefix+"/", clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		if kv.Lease == 0 {
+			t.Errorf("election key %s is on no lease", kv.Key)
+		}
+	}
+}
