@@ -34,6 +34,13 @@
 // authentication and authorization that need no core API server, so it
 // passes /readyz; StartAPIServer returns once it does.
 //
+// # Programs
+//
+// Start starts the same servers for a program instead of a test (a
+// development setup, a tool that runs an agent against them), on the ports
+// of its Config or free ones, and returns an error instead of failing a
+// test; Servers.Stop ends them.
+//
 // # Processes
 //
 // The servers run as processes, built with the go command from
@@ -43,7 +50,15 @@
 // the user cache directory (identityd-testbin), keyed by that source and
 // the Go toolchain: the first build of the API server is long (it compiles
 // the Kubernetes API server libraries), later tests only start the
-// processes. The environment variables
+// processes. Build them ahead, with no deadline, by running
+//
+//	go run github.com/identityd/identityd/testenv/prebuild
+//
+// in the module that uses this package. A test that has to build a server
+// itself stops the build, and every compiler it started, two minutes
+// before the test's deadline (go test's -timeout, default 10m) and fails
+// with one line that names that command; what was compiled by then stays
+// in the build cache. The environment variables
 // IDENTITYD_ETCD_BINARY and IDENTITYD_APISERVER_BINARY name binaries to use
 // instead. Every process is killed when the test ends (t.Cleanup, and by
 // the kernel if the test binary dies first on Linux); their logs are

@@ -94,11 +94,18 @@ func StartAPIServer(tb testing.TB, opts ...Option) *APIServer {
 	if o.etcd == nil {
 		o.etcd = StartEtcd(tb)
 	}
+	return startAPIServer(tb, o.etcd, o.noCRDs, k8stest.WithServerArgs(o.srvArgs...))
+}
+
+// startAPIServer starts an API server on e, with the CRD store's CRDs
+// unless noCRDs.
+func startAPIServer(tb testing.TB, e *Etcd, noCRDs bool, opts ...k8stest.Option) *APIServer {
+	tb.Helper()
 	s := &APIServer{
-		server: k8stest.Start(tb, k8stest.WithEtcd(o.etcd.Endpoints()...), k8stest.WithServerArgs(o.srvArgs...)),
-		etcd:   o.etcd,
+		server: k8stest.Start(tb, append([]k8stest.Option{k8stest.WithEtcd(e.Endpoints()...)}, opts...)...),
+		etcd:   e,
 	}
-	if !o.noCRDs {
+	if !noCRDs {
 		k8stest.InstallCRD(tb, s.server.RESTConfig(), crdstore.CRDs()...)
 	}
 	return s

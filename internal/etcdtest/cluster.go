@@ -40,7 +40,13 @@ type options struct {
 	logLevel     string
 	readyTimeout time.Duration
 	extraArgs    []string
+	ports        []int // client and peer port of each member; none: free ones
 }
+
+// WithPorts puts the members on these 127.0.0.1 ports instead of free
+// ones: the client port and the peer port of each member, in order. A
+// port in use fails the start; it is not retried on others.
+func WithPorts(ports ...int) Option { return func(o *options) { o.ports = ports } }
 
 // WithTLS serves clients over TLS and requires client certificates signed
 // by the CA of certs. With nil certs, a fresh set is generated in the
@@ -114,7 +120,7 @@ func StartCluster(tb testing.TB, n int, opts ...Option) *Cluster {
 	if n < 1 {
 		tb.Fatalf("etcdtest: cluster size %d < 1", n)
 	}
-	bin, err := Binary()
+	bin, err := Binary(testproc.Deadline(tb))
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -122,6 +128,9 @@ func StartCluster(tb testing.TB, n int, opts ...Option) *Cluster {
 	c.opts = options{logLevel: "warn", readyTimeout: DefaultReadyTimeout}
 	for _, o := range opts {
 		o(&c.opts)
+	}
+	if c.opts.ports != nil && len(c.opts.ports) != 2*n {
+		tb.Fatalf("etcdtest: %d ports for %d members, want a client and a peer port each", len(c.opts.ports), n)
 	}
 	if c.opts.tls && c.opts.certs == nil {
 		certs, err := GenerateCerts(filepath.Join(c.dir, "certs"))
@@ -138,16 +147,19 @@ func StartCluster(tb testing.TB, n int, opts ...Option) *Cluster {
 			return c
 		}
 		c.killAll()
-		if !errors.Is(err, errPortClash) || attempt == startAttempts {
+		if !errors.Is(err, errPortClash) || attempt == startAttempts || c.opts.ports != nil {
 			tb.Fatalf("etcdtest: starting %d-member cluster: %v", n, err)
 		}
 	}
 }
 
 func (c *Cluster) start(n, attempt int) error {
-	ports, err := testproc.FreePorts(2 * n)
-	if err != nil {
-		return err
+	ports := c.opts.ports
+	if ports == nil {
+		var err error
+		if ports, err = testproc.FreePorts(2 * n); err != nil {
+			return err
+		}
 	}
 	scheme := "http"
 	if c.opts.tls {

@@ -1,7 +1,8 @@
 // Package exampletb gives Example functions, which get no *testing.T, a
 // testing.TB for helpers that take one, such as the servers of package
 // testenv: an Example that runs against a real etcd or API server is
-// checked by go test like any other.
+// checked by go test like any other. testenv.Start uses it the same way
+// for programs, turning a fatal error's panic into its error.
 package exampletb
 
 import (

@@ -1,15 +1,20 @@
 package k8stest
 
-import "github.com/identityd/identityd/internal/testproc"
+import (
+	"time"
+
+	"github.com/identityd/identityd/internal/testproc"
+)
 
 // Binary returns the path of the API server binary (package
 // internal/k8stest/apiserver) built from this module's
 // k8s.io/apiextensions-apiserver version, once per version and cached (see
-// testproc.Binary), with ServerBuildFlags. IDENTITYD_APISERVER_BINARY,
-// when set, names the binary to use instead. The first build takes
-// minutes.
-func Binary() (string, error) {
-	return testproc.Binary("apiserver", ServerPackage, "IDENTITYD_APISERVER_BINARY", ServerBuildFlags...)
+// testproc.Binary), with ServerBuildFlags, stopping a build that would end
+// after deadline less testproc.DeadlineReserve (zero: none).
+// IDENTITYD_APISERVER_BINARY, when set, names the binary to use instead.
+// The first build takes minutes.
+func Binary(deadline time.Time) (string, error) {
+	return testproc.Binary(deadline, "apiserver", ServerPackage, "IDENTITYD_APISERVER_BINARY", ServerBuildFlags...)
 }
 
 // ServerPackage is the API server's main package, relative to the module

@@ -45,7 +45,12 @@ type options struct {
 	etcd         []string
 	extraArgs    []string
 	readyTimeout time.Duration
+	port         int
 }
+
+// WithPort serves on this 127.0.0.1 port instead of a free one. A port in
+// use fails the start; it is not retried on another.
+func WithPort(port int) Option { return func(o *options) { o.port = port } }
 
 // WithEtcd makes the server use the etcd at endpoints (plain HTTP) instead
 // of starting its own. Each server keeps its objects under its own prefix,
@@ -100,7 +105,7 @@ type clientCert struct{ certFile, keyFile string }
 // error. The processes are killed when the test ends.
 func Start(tb testing.TB, opts ...Option) *Server {
 	tb.Helper()
-	bin, err := Binary()
+	bin, err := Binary(testproc.Deadline(tb))
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -129,7 +134,7 @@ func Start(tb testing.TB, opts ...Option) *Server {
 			break
 		}
 		s.Kill(tb)
-		if !errors.Is(err, errPortClash) || attempt == startAttempts {
+		if !errors.Is(err, errPortClash) || attempt == startAttempts || s.opts.port != 0 {
 			tb.Fatalf("k8stest: starting the API server: %v", err)
 		}
 	}
@@ -203,11 +208,14 @@ func (s *Server) prepareFiles() error {
 }
 
 func (s *Server) startOnFreePort() error {
-	ports, err := testproc.FreePorts(1)
-	if err != nil {
-		return err
+	s.port = s.opts.port
+	if s.port == 0 {
+		ports, err := testproc.FreePorts(1)
+		if err != nil {
+			return err
+		}
+		s.port = ports[0]
 	}
-	s.port = ports[0]
 	s.url = "https://127.0.0.1:" + strconv.Itoa(s.port)
 	return s.spawnAndWait()
 }

@@ -36,7 +36,15 @@ var (
 // its value is the binary, an escape hatch for machines without a Go
 // toolchain at test time. buildFlags go to go build after buildMode's and
 // are part of the key.
-func Binary(name, pkg, env string, buildFlags ...string) (string, error) {
+//
+// A build that must be done before deadline (the test's, see Deadline;
+// zero for none) is stopped, its go command and compilers with it, when
+// it would leave the test less than DeadlineReserve, and Binary returns
+// ErrBuildTooLong; what it compiled stays in the build cache. A fresh
+// machine's first build of the API server takes minutes: the error says
+// to build first (PrebuildCommand), instead of a panic at go test's
+// -timeout with the go command left running.
+func Binary(deadline time.Time, name, pkg, env string, buildFlags ...string) (string, error) {
 	binariesMu.Lock()
 	defer binariesMu.Unlock()
 	if p, ok := binaries[pkg]; ok {
@@ -46,7 +54,7 @@ func Binary(name, pkg, env string, buildFlags ...string) (string, error) {
 		binaries[pkg] = p
 		return p, nil
 	}
-	p, err := build(name, pkg, buildFlags)
+	p, err := build(deadline, name, pkg, buildFlags)
 	if err != nil {
 		return "", err
 	}
@@ -54,7 +62,7 @@ func Binary(name, pkg, env string, buildFlags ...string) (string, error) {
 	return p, nil
 }
 
-func build(name, pkg string, buildFlags []string) (string, error) {
+func build(deadline time.Time, name, pkg string, buildFlags []string) (string, error) {
 	root, err := moduleDir()
 	if err != nil {
 		return "", fmt.Errorf("testproc: cannot build %s: %w", name, err)
@@ -72,12 +80,19 @@ func build(name, pkg string, buildFlags []string) (string, error) {
 	if isExecutable(bin) {
 		return bin, nil
 	}
-	err = WithBuildLock(func() error {
+	stopBy := time.Time{}
+	if !deadline.IsZero() {
+		stopBy = deadline.Add(-DeadlineReserve)
+		if time.Until(stopBy) <= 0 {
+			return "", buildTooLong(name, 0)
+		}
+	}
+	err = withBuildLockBy(stopBy, name, func() error {
 		// Another test binary may have built it while we waited for the lock.
 		if isExecutable(bin) {
 			return nil
 		}
-		return buildInto(bin, name, root, pkg, buildFlags)
+		return buildInto(stopBy, bin, name, root, pkg, buildFlags)
 	})
 	if err != nil {
 		return "", err
@@ -106,6 +121,12 @@ func cacheDir() (string, error) {
 // parallel on a fresh machine would otherwise each compile the agent's and
 // the servers' dependencies, several times the work of one build.
 func WithBuildLock(fn func() error) error {
+	return withBuildLockBy(time.Time{}, "", fn)
+}
+
+// withBuildLockBy is WithBuildLock that gives up waiting for the lock at
+// stopBy (unless zero), with ErrBuildTooLong for the binary name.
+func withBuildLockBy(stopBy time.Time, name string, fn func() error) error {
 	dir, err := cacheDir()
 	if err != nil {
 		return err
@@ -115,11 +136,54 @@ func WithBuildLock(fn func() error) error {
 		return fmt.Errorf("testproc: opening build lock: %w", err)
 	}
 	defer lock.Close()
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
-		return fmt.Errorf("testproc: taking build lock: %w", err)
+	start := time.Now()
+	for {
+		how := syscall.LOCK_EX
+		if !stopBy.IsZero() {
+			how |= syscall.LOCK_NB
+		}
+		err := syscall.Flock(int(lock.Fd()), how)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			return fmt.Errorf("testproc: taking build lock: %w", err)
+		}
+		if time.Now().After(stopBy) {
+			return buildTooLong(name, time.Since(start))
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 	defer syscall.Flock(int(lock.Fd()), syscall.LOCK_UN)
 	return fn()
+}
+
+// DeadlineReserve is the time a build leaves its test before the test's
+// deadline, to start the servers and run.
+const DeadlineReserve = 2 * time.Minute
+
+// ErrBuildTooLong: a test server's build would have run past its test's
+// deadline, less DeadlineReserve, and was stopped.
+var ErrBuildTooLong = errors.New("build stopped before the test's deadline")
+
+// PrebuildCommand builds the test servers into the cache ahead of the
+// tests, with no deadline.
+const PrebuildCommand = "go run " + ModulePath + "/testenv/prebuild"
+
+func buildTooLong(name string, after time.Duration) error {
+	return fmt.Errorf("testproc: %w: the %s server is not built yet (stopped after %s; what it compiled stays in the build cache); run `%s` once before the tests, or give go test a longer -timeout",
+		ErrBuildTooLong, name, after.Round(time.Second), PrebuildCommand)
+}
+
+// Deadline returns tb's deadline (go test's -timeout), or zero when it has
+// none or tb does not say.
+func Deadline(tb testing.TB) time.Time {
+	if d, ok := tb.(interface{ Deadline() (time.Time, bool) }); ok {
+		if t, ok := d.Deadline(); ok {
+			return t
+		}
+	}
+	return time.Time{}
 }
 
 // CombinedOutputLocked runs cmd under WithBuildLock and returns its
@@ -132,8 +196,9 @@ func CombinedOutputLocked(cmd *exec.Cmd) (out []byte, err error) {
 	return out, err
 }
 
-// buildInto builds the command in pkg into bin.
-func buildInto(bin, name, root, pkg string, buildFlags []string) error {
+// buildInto builds the command in pkg into bin, stopping the build at
+// stopBy (unless zero).
+func buildInto(stopBy time.Time, bin, name, root, pkg string, buildFlags []string) error {
 	tmp := fmt.Sprintf("%s.tmp%d", bin, os.Getpid())
 	cmd := goBuild(tmp, "./"+pkg, buildFlags...)
 	cmd.Dir = root
@@ -143,8 +208,11 @@ func buildInto(bin, name, root, pkg string, buildFlags []string) error {
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
-	if err := cmd.Run(); err != nil {
+	if err := runBy(cmd, stopBy); err != nil {
 		os.Remove(tmp)
+		if errors.Is(err, ErrBuildTooLong) {
+			return buildTooLong(name, time.Since(start))
+		}
 		return fmt.Errorf("testproc: building %s: %w\n%s", name, err, out.String())
 	}
 	// Rename is atomic, so other processes never see a partial binary.
@@ -154,6 +222,37 @@ func buildInto(bin, name, root, pkg string, buildFlags []string) error {
 	}
 	fmt.Fprintf(os.Stderr, "testproc: built %s in %s: %s\n", name, time.Since(start).Round(time.Second), bin)
 	return nil
+}
+
+// runBy runs cmd, which must not be started, and stops it with the
+// processes it started at stopBy (unless zero), returning
+// ErrBuildTooLong: the go command's compilers are its children, in its
+// process group, and would go on without it. The kernel stops the go
+// command if this process dies first (a test killed at its -timeout).
+func runBy(cmd *exec.Cmd, stopBy time.Time) error {
+	if stopBy.IsZero() {
+		return cmd.Run()
+	}
+	SetDeathSignal(cmd)
+	if cmd.SysProcAttr == nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
+	cmd.SysProcAttr.Setpgid = true
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	timer := time.NewTimer(time.Until(stopBy))
+	defer timer.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-timer.C:
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+		return ErrBuildTooLong
+	}
 }
 
 // sourceKey hashes what the binary is built from: the module's

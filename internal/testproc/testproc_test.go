@@ -86,7 +86,7 @@ func TestBinaryBuiltAsTheImage(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the test etcd server")
 	}
-	bin, err := Binary("etcd", "internal/etcdtest/etcdserver", "")
+	bin, err := Binary(time.Time{}, "etcd", "internal/etcdtest/etcdserver", "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -282,4 +282,90 @@ func TestCountFromEnv(t *testing.T) {
 			t.Errorf("%q: got %d, %q; want %d", c.value, n, fatal, c.want)
 		}
 	}
+}
+
+// TestBuildStoppedBeforeDeadline: a server's build that would run past its
+// test's deadline (less DeadlineReserve) is stopped with the processes it
+// started, and the error says what to run first; a deadline already
+// inside the reserve starts no build, and neither does one reached while
+// another holds the build lock.
+func TestBuildStoppedBeforeDeadline(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a build of the test etcd server")
+	}
+	t.Setenv("XDG_CACHE_HOME", t.TempDir()) // nothing built yet
+	// An empty build cache, so that the build compiles for longer than
+	// it is given.
+	gocache := t.TempDir()
+	t.Setenv("GOCACHE", gocache)
+	const pkg = "internal/etcdtest/etcdserver"
+
+	check := func(err error, within time.Duration, began time.Time) {
+		t.Helper()
+		if !errors.Is(err, ErrBuildTooLong) {
+			t.Fatalf("err = %v, want ErrBuildTooLong", err)
+		}
+		if !strings.Contains(err.Error(), PrebuildCommand) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("error %q is not one line naming %q", err, PrebuildCommand)
+		}
+		if d := time.Since(began); d > within {
+			t.Errorf("returned after %s, want within %s", d, within)
+		}
+	}
+
+	began := time.Now()
+	_, err := build(time.Now().Add(DeadlineReserve/2), "etcd", pkg, nil)
+	check(err, time.Second, began)
+	if n := processesWithEnv(t, "GOCACHE="+gocache); n != 0 {
+		t.Fatalf("%d processes of a build that should not have started", n)
+	}
+
+	// Long enough for the go command to start its compilers.
+	began = time.Now()
+	_, err = build(time.Now().Add(DeadlineReserve+4*time.Second), "etcd", pkg, nil)
+	check(err, 15*time.Second, began)
+	// The kernel delivers the group's SIGKILL to each compiler on its own;
+	// a compiler left running would go on for seconds.
+	deadline := time.Now().Add(time.Second)
+	for n := processesWithEnv(t, "GOCACHE="+gocache); n != 0; n = processesWithEnv(t, "GOCACHE="+gocache) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d processes of the stopped build still run", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if matches, _ := filepath.Glob(filepath.Join(os.Getenv("XDG_CACHE_HOME"), "identityd-testbin", "etcd-*")); len(matches) != 0 {
+		t.Errorf("the stopped build left %v", matches)
+	}
+
+	held, release := make(chan struct{}), make(chan struct{})
+	go WithBuildLock(func() error { close(held); <-release; return nil })
+	<-held
+	defer close(release)
+	began = time.Now()
+	_, err = build(time.Now().Add(DeadlineReserve+time.Second), "etcd", pkg, nil)
+	check(err, 10*time.Second, began)
+}
+
+// processesWithEnv counts this user's processes whose environment holds
+// the variable setting kv.
+func processesWithEnv(t *testing.T, kv string) int {
+	t.Helper()
+	dirs, err := filepath.Glob("/proc/[0-9]*/environ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, f := range dirs {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // gone, or another user's
+		}
+		for _, v := range strings.Split(string(b), "\x00") {
+			if v == kv {
+				n++
+				break
+			}
+		}
+	}
+	return n
 }

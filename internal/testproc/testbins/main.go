@@ -14,6 +14,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/internal/k8stest"
@@ -44,10 +45,10 @@ func vetServers() error {
 }
 
 func buildAll() error {
-	if _, err := etcdtest.Binary(); err != nil {
+	if _, err := etcdtest.Binary(time.Time{}); err != nil {
 		return err
 	}
-	if _, err := k8stest.Binary(); err != nil {
+	if _, err := k8stest.Binary(time.Time{}); err != nil {
 		return err
 	}
 	// The agent is built per test binary, from the sources of the moment
