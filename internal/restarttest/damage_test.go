@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -273,4 +274,69 @@ func testDamageNeverReassigns(t *testing.T, bin, backend string, flags []string)
 	}
 	p.stop(syscall.SIGTERM)
 	t.Logf("%s: %d rounds in %v", backend, series, time.Since(start).Round(time.Millisecond))
+}
+
+// TestUnusableJournalRefusesStart: an identity journal that cannot be
+// opened (a directory in its place; an immutable file, where chattr works)
+// refuses the start: the agent exits non-zero with one line naming the
+// journal, instead of turning ready and failing every durable answer.
+func TestUnusableJournalRefusesStart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	bin := agentBinary(t)
+	cases := []struct {
+		name    string
+		prepare func(t *testing.T, path string)
+	}{
+		{"directory", func(t *testing.T, path string) {
+			if err := os.Mkdir(path, 0o700); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"immutable", func(t *testing.T, path string) {
+			if err := os.WriteFile(path, journal.Header(1, journal.Base{}), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if out, err := exec.Command("chattr", "+i", path).CombinedOutput(); err != nil {
+				t.Skipf("chattr +i: %v %s", err, out)
+			}
+			t.Cleanup(func() { exec.Command("chattr", "-i", path).Run() })
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			path := filepath.Join(dir, checkpoint.JournalFileName)
+			tc.prepare(t, path)
+			cmd := exec.Command(bin, "--state-dir", dir, "--ipcache-map=file", "--prometheus-serve-addr=127.0.0.1:0")
+			var out lockedBuffer
+			cmd.Stdout, cmd.Stderr = &out, &out
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- cmd.Wait() }()
+			select {
+			case err := <-done:
+				if err == nil {
+					t.Fatalf("the agent exited 0\n%s", out.String())
+				}
+			case <-time.After(time.Minute):
+				cmd.Process.Kill()
+				<-done
+				t.Fatalf("the agent started with an unusable identity journal\n%s", out.String())
+			}
+			var lines []string
+			for _, l := range strings.Split(out.String(), "\n") {
+				if strings.Contains(l, "identity journal unusable") && strings.Contains(l, path) {
+					lines = append(lines, l)
+				}
+			}
+			t.Logf("%s: %q", tc.name, lines)
+			if len(lines) == 0 {
+				t.Fatalf("no line names the unusable journal:\n%s", out.String())
+			}
+		})
+	}
 }
