@@ -35,7 +35,9 @@
 //
 // Each loop is a hive job of the module, with its own health scope:
 // global-identities-watch (the cache), identity-node-writer (this node's
-// IdentityNode), identity-node-renew (a timer at a third of the lease),
+// IdentityNode), identity-node-watch (a watch of that one record, which
+// writes it again at once when it is deleted), identity-node-renew (a
+// timer at a third of the lease),
 // identity-unmark (removes the heartbeat mark from identities this node
 // uses), identity-splits (reports label sets this node holds under another
 // ID than the rule's), and, unless the collection's interval is 0, identity-gc-election
@@ -60,6 +62,7 @@
 //	identityd_crd_identities_taken_total          IDs this node uses found with another label set's object
 //	identityd_crd_heartbeat_marks_removed_total   marks removed by this node
 //	identityd_crd_identity_node_writes_total{outcome}
+//	identityd_crd_identity_node_recreated_total   own record found deleted and written again
 //	identityd_crd_identity_gc_entries{status}     marked, deleted, skipped, unmarked
 //	identityd_crd_identity_gc_runs{outcome}       success, failure
 //	identityd_crd_identity_gc_kept{reason}        used, fenced (last run)

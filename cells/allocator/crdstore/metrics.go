@@ -48,6 +48,8 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		nodeWrites = metrics.NewDesc("crd_identity_node_writes_total",
 			"Number of writes of this node's IdentityNode record, by outcome",
 			metrics.LabelOutcome)
+		nodeRecreated = metrics.NewDesc("crd_identity_node_recreated_total",
+			"Number of times this node's IdentityNode record was found deleted under the running node and written again at once")
 	)
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
 		m.Counter(ignored, float64(s.ids.ignoredTotal.Load()))
@@ -66,5 +68,6 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		failed := s.writer.failures.Load()
 		m.Counter(nodeWrites, float64(s.writer.writes.Load()-failed), metrics.OutcomeSuccess)
 		m.Counter(nodeWrites, float64(failed), metrics.OutcomeFailure)
-	}, ignored, splits, splitNow, heldSplit, heldSplitTotal, allocations, taken, unmarked, nodeWrites)
+		m.Counter(nodeRecreated, float64(s.writer.recreated.Load()))
+	}, ignored, splits, splitNow, heldSplit, heldSplitTotal, allocations, taken, unmarked, nodeWrites, nodeRecreated)
 }

@@ -14,10 +14,15 @@ import (
 	"github.com/identityd/identityd/internal/retry"
 
 	"github.com/cilium/hive/cell"
+	"github.com/go-logr/logr"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
@@ -35,6 +40,8 @@ type nodeWriter struct {
 	lastOK atomic.Int64
 	// writes and failures count the writes sent.
 	writes, failures atomic.Uint64
+	// recreated counts the times the watch found the record deleted.
+	recreated atomic.Uint64
 }
 
 // nodeWriteWindow is the time a write waits for more changes to carry.
@@ -321,6 +328,75 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord, ful
 		}
 	}
 	return err
+}
+
+// watchOwnRecord is the job that watches this node's own IdentityNode, one
+// object selected by its name, so that a record deleted under the running
+// node (kubectl delete identitynode, or a collector that judged its lease
+// over while this node was cut off) is written again at once rather than
+// at the next renewal, a third of a lease later: meanwhile the collector
+// sees none of this node's uses, and may mark and, past the grace, delete
+// identities this node's users hold. The watch brings this node's own
+// writes back to it, one event per write; it brings no other node's.
+func (s *Store) watchOwnRecord(ctx context.Context, h cell.Health) {
+	selector := fields.OneTermEqualSelector("metadata.name", s.node).String()
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			opts.FieldSelector = selector
+			out := &IdentityNodeList{}
+			if err := s.nodeClient.Get().Resource("identitynodes").VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(out); err != nil {
+				return nil, err
+			}
+			return out, nil
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			opts.FieldSelector, opts.Watch = selector, true
+			return s.nodeClient.Get().Resource("identitynodes").VersionedParams(&opts, metav1.ParameterCodec).Watch(ctx)
+		},
+	}
+	if h != nil {
+		// The API server's reachability is the CiliumIdentity watch's
+		// to report; this one only says what it watches.
+		h.OK("Watching IdentityNode " + s.node)
+	}
+	logger := logr.FromSlogHandler(s.log.Handler())
+	r := cache.NewReflectorWithOptions(lw, &IdentityNode{}, &ownRecordWatch{s: s},
+		cache.ReflectorOptions{Name: "identitynodes/" + s.node, Logger: &logger})
+	r.RunWithContext(ctx)
+}
+
+// ownRecordWatch receives the watch of this node's IdentityNode.
+type ownRecordWatch struct{ s *Store }
+
+func (w *ownRecordWatch) Add(any) error    { return nil }
+func (w *ownRecordWatch) Update(any) error { return nil }
+func (w *ownRecordWatch) Resync() error    { return nil }
+
+func (w *ownRecordWatch) Delete(any) error {
+	w.s.recordGone("deleted")
+	return nil
+}
+
+// Replace is a listing: a record that this node wrote before and that the
+// listing lacks was deleted while the watch was broken. Before the first
+// write, a missing record is the start's, which the writer writes anyway.
+func (w *ownRecordWatch) Replace(list []any, _ string) error {
+	if len(list) == 0 && w.s.writer.lastOK.Load() != 0 {
+		w.s.recordGone("missing from a listing")
+	}
+	return nil
+}
+
+// recordGone asks the writer to write this node's IdentityNode again now:
+// its write finds the record gone and creates it with every identity this
+// node holds. Logged once per deletion.
+func (s *Store) recordGone(how string) {
+	if s.stopped.Load() {
+		return
+	}
+	s.writer.recreated.Add(1)
+	s.log.Warn("This node's IdentityNode was deleted; writing it again now", "node", s.node, "how", how)
+	s.writer.request(true)
 }
 
 // metadataOnly asks the API server to answer with the object's metadata

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -393,4 +394,102 @@ func TestRenewalSendsOnlyItsTime(t *testing.T) {
 		}
 		return errors.New("the write after a release did not send the identities")
 	})
+}
+
+// levelLog records the messages logged at or above a level, and passes
+// every record on.
+type levelLog struct {
+	min  slog.Level
+	msgs *errorMsgs
+	next slog.Handler
+}
+
+func newLevelLog(min slog.Level, next slog.Handler) levelLog {
+	return levelLog{min: min, msgs: &errorMsgs{}, next: next}
+}
+
+func (l levelLog) Enabled(ctx context.Context, lvl slog.Level) bool {
+	return lvl >= l.min || l.next.Enabled(ctx, lvl)
+}
+
+func (l levelLog) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level >= l.min {
+		l.msgs.mu.Lock()
+		l.msgs.msgs = append(l.msgs.msgs, r.Message)
+		l.msgs.mu.Unlock()
+	}
+	if l.next.Enabled(ctx, r.Level) {
+		return l.next.Handle(ctx, r)
+	}
+	return nil
+}
+
+func (l levelLog) WithAttrs(as []slog.Attr) slog.Handler {
+	return levelLog{min: l.min, msgs: l.msgs, next: l.next.WithAttrs(as)}
+}
+
+func (l levelLog) WithGroup(g string) slog.Handler {
+	return levelLog{min: l.min, msgs: l.msgs, next: l.next.WithGroup(g)}
+}
+
+// count is the number of recorded messages that contain sub.
+func (l levelLog) count(sub string) int {
+	l.msgs.mu.Lock()
+	defer l.msgs.mu.Unlock()
+	n := 0
+	for _, m := range l.msgs.msgs {
+		if strings.Contains(m, sub) {
+			n++
+		}
+	}
+	return n
+}
+
+// TestDeletedRecordRecreated: this node's IdentityNode deleted under the
+// running node (kubectl delete identitynode) is back within seconds,
+// listing what the node holds, and the deletion is logged once, as a
+// warning; twice deleted, twice written again. Before, it came back at the
+// next renewal only, a third of the lease (5 minutes by default) later,
+// with nothing logged.
+func TestDeletedRecordRecreated(t *testing.T) {
+	srv := serialServer(t)
+	cli := newClient(t, srv.RESTConfig())
+	log := newLevelLog(slog.LevelWarn, testLogger(t).Handler())
+	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.log = slog.New(log) })
+	x, _ := a.allocate(t, web(1))
+	y, _ := a.allocate(t, web(2))
+	cli.nodeLists(t, "node-a", x, y)
+	const gone = "IdentityNode was deleted"
+	for round := 1; round <= 2; round++ {
+		before, err := cli.node(t, "node-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cli.nodes.Delete().Resource("identitynodes").Name("node-a").Do(t.Context()).Error(); err != nil {
+			t.Fatal(err)
+		}
+		deleted := time.Now()
+		// Within seconds, not a renewal (DefaultConfig: 5 minutes)
+		// later.
+		require(t, 10*time.Second, func() error {
+			n, err := cli.node(t, "node-a")
+			if err != nil {
+				return err
+			}
+			if n.UID == before.UID {
+				return errors.New("the record is not deleted yet")
+			}
+			if want := []uint32{uint32(min(x, y)), uint32(max(x, y))}; !slices.Equal(n.Spec.Identities, want) {
+				return fmt.Errorf("the re-created record lists %v, want %v", n.Spec.Identities, want)
+			}
+			return nil
+		})
+		t.Logf("round %d: the record is back %s after its deletion", round, time.Since(deleted).Round(time.Millisecond))
+		// A moment for any further line about this deletion.
+		time.Sleep(time.Second)
+		if got := log.count(gone); got != round {
+			t.Errorf("after %d deletions, %d lines say the record was deleted, want one per deletion", round, got)
+		}
+		expectSamples(t, samples(t, a.store), map[string]float64{"identityd_crd_identity_node_recreated_total": float64(round)})
+	}
 }

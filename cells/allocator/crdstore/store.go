@@ -244,6 +244,7 @@ func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	// references, and renews it.
 	s.writer.request(true)
 	s.jobs.Add(s.oneShot(life, "identity-node-writer", s.writeLoop))
+	s.jobs.Add(s.oneShot(life, "identity-node-watch", s.watchOwnRecord))
 	s.jobs.Add(s.oneShot(life, "identity-unmark", s.unmarkLoop))
 	s.jobs.Add(s.oneShot(life, "identity-splits", s.splitLoop))
 	s.jobs.Add(job.Timer("identity-node-renew", func(context.Context) error {
