@@ -14,7 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/identityd/identityd/cells/allocator/crdstore"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+
 	"github.com/identityd/identityd/internal/k8stest"
 )
 
@@ -27,7 +28,8 @@ import (
 // node released), keeps the one the live node uses, and deletes the dead
 // node's IdentityNode. The agents run as deploy/base's ServiceAccount, with
 // a bearer token, on an API server that authorizes them by deploy/base's
-// ClusterRole and ClusterRoleBinding (clusterAuth). The API server's audit
+// ClusterRole and ClusterRoleBinding (clusterAuth), with deploy/crds
+// installed first as an administrator does. The API server's audit
 // log of the run is then checked against that ClusterRole: every (group,
 // resource, verb) the agents sent is granted, and every grant was used or is
 // explained.
@@ -48,10 +50,9 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 	auth := startClusterAuth(t, roles, bindings, map[string]authUser{saToken: serviceAccountUser(ns, name)})
 	srv := k8stest.Start(t, k8stest.WithServerArgs("--audit-log-path", auditLog, "--audit-policy-file", policy), auth.serverArgs())
 	objs := newAPIObjects(t, srv)
-	// An outdated IdentityNode CRD, which the agent updates.
-	old := crdstore.IdentityNodeCRD()
-	old.Labels = map[string]string{"identityd.io/crd-schema-version": "0.0.1"}
-	k8stest.InstallCRD(t, srv.RESTConfig(), old)
+	// The CRDs of deploy/crds, which an administrator installs: the
+	// agents only read them.
+	k8stest.InstallCRD(t, srv.RESTConfig(), findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")...)
 	kubeconfig := tokenKubeconfig(t, srv, saToken)
 
 	// No Cilium agent runs here: --identity-gc-cilium-agents=false allows

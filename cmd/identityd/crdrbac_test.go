@@ -15,10 +15,12 @@ import (
 	"time"
 
 	rbacv1 "k8s.io/api/rbac/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/internal/crdclient"
 	"github.com/identityd/identityd/internal/k8stest"
 )
 
@@ -211,75 +213,109 @@ func tokenKubeconfig(t *testing.T, srv *k8stest.Server, token string) string {
 	return path
 }
 
-// withoutCRDWrites is role without create and update on CRDs: what a
-// cluster gives identityd when its administrator installs the CRDs
-// (deploy/crds).
-func withoutCRDWrites(role rbacv1.ClusterRole) rbacv1.ClusterRole {
-	role = *role.DeepCopy()
-	for i, r := range role.Rules {
-		if slices.Contains(r.Resources, "customresourcedefinitions") {
-			role.Rules[i].Verbs = slices.DeleteFunc(r.Verbs, func(v string) bool { return v == "create" || v == "update" })
+// crdRequestsRefused counts, by verb, the requests on CRDs the webhook
+// refused to user.
+func crdRequestsRefused(a *clusterAuth, user string) map[string]int {
+	n := map[string]int{}
+	for r, users := range a.deniedRequests() {
+		if r.Group == "apiextensions.k8s.io" && r.Resource == "customresourcedefinitions" {
+			for _, u := range users {
+				if u == user {
+					n[r.Verb]++
+				}
+			}
 		}
 	}
-	return role
+	return n
 }
 
-// TestCRDModeWithoutCRDRights runs the agent against an API server whose
-// authorizer evaluates deploy/base's ClusterRole and ClusterRoleBinding.
-// First as a user bound to that role without create and update on CRDs:
-// with the CRDs missing the start fails with an error naming the missing
-// CRD and the right it lacks. Then as deploy/base's ServiceAccount, with a
-// bearer token as in its pods: the agent registers the CRDs itself and
-// allocates, and the webhook refused none of its requests. Then the first
-// user again, the CRDs now installed: it starts and allocates.
-func TestCRDModeWithoutCRDRights(t *testing.T) {
+// TestCRDModeAgentOnlyReadsCRDs runs the agent as deploy/base's
+// ServiceAccount, with a bearer token as in its pods, against an API
+// server whose authorizer evaluates deploy/base's ClusterRole and
+// ClusterRoleBinding. With the CRDs missing, the agent is refused the
+// create and its start fails naming the missing CRD and the right; with
+// deploy/crds installed but one CRD outdated, it is refused the update and
+// the start fails naming it; with deploy/crds current, as an
+// administrator installs them, it starts and allocates, refused nothing.
+func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes")
 	}
 	roles, bindings, saUser := deployRBAC(t)
-	if len(roles) != 1 {
-		t.Fatalf("deploy/base has %d ClusterRoles, want 1", len(roles))
-	}
-	limited := withoutCRDWrites(roles[0])
-	limited.Name = "identityd-no-crd-writes"
-	roles = append(roles, limited)
-	bindings = append(bindings, rbacv1.ClusterRoleBinding{
-		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: limited.Name},
-		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, Name: "identityd-no-crd-rights"}},
-	})
 	ns, name, _ := strings.Cut(strings.TrimPrefix(saUser, "system:serviceaccount:"), ":")
 	const saToken = "token-of-the-deploy-service-account"
 	auth := startClusterAuth(t, roles, bindings, map[string]authUser{saToken: serviceAccountUser(ns, name)})
 	srv := k8stest.Start(t, auth.serverArgs())
-	kubeconfig := srv.UserKubeconfig(t, "identityd-no-crd-rights")
-
-	out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
-		"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-a")...)...)
-	if err == nil || !strings.Contains(out, crdstore.CiliumIdentityCRDName) || !strings.Contains(out, `"create" on customresourcedefinitions.apiextensions.k8s.io`) {
-		t.Fatalf("start without the right to create the missing CRDs: %v, want an error naming %s and the missing right:\n%s",
-			err, crdstore.CiliumIdentityCRDName, out)
-	}
-
-	// The ServiceAccount of deploy/base registers the CRDs and allocates.
-	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), tokenKubeconfig(t, srv, saToken), "node-sa")
-	shSA := sa.dial()
-	idSA := allocate(t, shSA, "k8s:app=deployed")
-	shSA.Close()
-	waitUntil(t, 30*time.Second, "the IdentityNode is written as the ServiceAccount", newAPIObjects(t, srv).lists("node-sa", idSA, true))
-	sa.stop(syscall.SIGTERM)
-	for r, users := range auth.deniedRequests() {
-		if slices.Contains(users, saUser) {
-			t.Errorf("deploy/base's role refused %s to %s", r, saUser)
+	kubeconfig := tokenKubeconfig(t, srv, saToken)
+	startToExit := func(want ...string) {
+		t.Helper()
+		out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
+			"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa")...)...)
+		if err == nil {
+			t.Fatalf("the agent started, want its start refused naming %q:\n%s", want, out)
+		}
+		for _, w := range want {
+			if !strings.Contains(out, w) {
+				t.Fatalf("the agent's start failed: %v, want an error naming %q:\n%s", err, want, out)
+			}
 		}
 	}
 
-	for _, crd := range crdstore.CRDs() {
-		k8stest.InstallCRD(t, srv.RESTConfig(), crd) // already there: waits until served
+	// No CRD installed: the agent may not create one.
+	startToExit(crdstore.CiliumIdentityCRDName, `"create" on customresourcedefinitions.apiextensions.k8s.io`)
+	if n := crdRequestsRefused(auth, saUser); n["create"] == 0 {
+		t.Errorf("no create of a CRD was refused to %s: %v", saUser, n)
 	}
-	a := startCRDAgent(t, filepath.Join(t.TempDir(), "a"), kubeconfig, "node-a")
-	sh := a.dial()
-	defer sh.Close()
-	id := allocate(t, sh, "k8s:app=web")
-	waitUntil(t, 30*time.Second, "the IdentityNode is written under the role", newAPIObjects(t, srv).lists("node-a", id, true))
+
+	// deploy/crds with the IdentityNode CRD of an older schema: the agent
+	// may not update it.
+	crds := findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")
+	var current *apiextensionsv1.CustomResourceDefinition
+	for _, crd := range crds {
+		crd = crd.DeepCopy()
+		if crd.Name == crdstore.IdentityNodeCRDName {
+			current = crd.DeepCopy()
+			crd.Labels = map[string]string{"identityd.io/crd-schema-version": "0.0.1"}
+		}
+		k8stest.InstallCRD(t, srv.RESTConfig(), crd)
+	}
+	if current == nil {
+		t.Fatalf("deploy/crds has no %s", crdstore.IdentityNodeCRDName)
+	}
+	startToExit(crdstore.IdentityNodeCRDName, `"update" on customresourcedefinitions.apiextensions.k8s.io`)
+	if n := crdRequestsRefused(auth, saUser); n["update"] == 0 {
+		t.Errorf("no update of a CRD was refused to %s: %v", saUser, n)
+	}
+
+	// The administrator brings it up to date from deploy/crds.
+	cli, err := crdclient.New(srv.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, err := cli.Get(t.Context(), current.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old.Labels, old.Spec = current.Labels, current.Spec
+	if _, err := cli.Update(t.Context(), old); err != nil {
+		t.Fatal(err)
+	}
+	refusals := func() int {
+		n := 0
+		for _, users := range auth.deniedRequests() {
+			n += len(users)
+		}
+		return n
+	}
+	refusedBefore := refusals()
+	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), kubeconfig, "node-sa")
+	sh := sa.dial()
+	id := allocate(t, sh, "k8s:app=deployed")
+	sh.Close()
+	waitUntil(t, 30*time.Second, "the IdentityNode is written as the ServiceAccount", newAPIObjects(t, srv).lists("node-sa", id, true))
+	sa.stop(syscall.SIGTERM)
+	if refusals() != refusedBefore {
+		t.Errorf("deploy/base's role refused the agent with the CRDs installed: %v", auth.deniedRequests())
+	}
 }

@@ -834,10 +834,10 @@ func writeDeployCRDs(t *testing.T, crds []*apiextensionsv1.CustomResourceDefinit
 		os.Remove(f)
 	}
 	const header = "# Generated from cells/allocator/crdstore (go test ./cmd/identityd -run TestDeployCRDs -update-deploy).\n"
-	kust := "# The CRDs the agent registers at start, for an administrator who\n" +
-		"# installs them instead (the agents' ClusterRole then needs only get on\n" +
-		"# customresourcedefinitions). Never delete ciliumidentities.cilium.io\n" +
-		"# while Cilium uses it: every CiliumIdentity goes with it.\n" + header +
+	kust := "# The CRDs the agents need, which an administrator installs before\n" +
+		"# deploy/base: the agents' ClusterRole only reads CRDs. Never delete\n" +
+		"# ciliumidentities.cilium.io while Cilium uses it: every CiliumIdentity\n" +
+		"# goes with it.\n" + header +
 		"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n"
 	for _, c := range crds {
 		c = c.DeepCopy()
@@ -1124,5 +1124,75 @@ func TestDeployKubectlMinimum(t *testing.T) {
 		if stderr.Len() > 0 {
 			t.Errorf("kubectl kustomize deploy/%s warns:\n%s", root, stderr.String())
 		}
+	}
+}
+
+// TestDeployRBACDocumented: the "RBAC" table of docs/operations.md lists
+// exactly the (API group, resource, verb) grants of deploy/base's
+// ClusterRoles, and explains each verb of a row that has several.
+func TestDeployRBACDocumented(t *testing.T) {
+	const begin, end = "<!-- rbac:begin -->", "<!-- rbac:end -->"
+	doc, err := os.ReadFile(operationsDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(doc)
+	i, j := strings.Index(s, begin), strings.Index(s, end)
+	if i < 0 || j < i {
+		t.Fatalf("%s has no RBAC table between %s and %s", operationsDoc, begin, end)
+	}
+	quoted := regexp.MustCompile("`([^`]+)`")
+	names := func(cell string) []string {
+		var out []string
+		for _, m := range quoted.FindAllStringSubmatch(cell, -1) {
+			out = append(out, m[1])
+		}
+		return out
+	}
+	documented := map[apiRequest]bool{}
+	for line := range strings.Lines(s[i+len(begin) : j]) {
+		cells := strings.Split(strings.Trim(strings.TrimSpace(line), "|"), "|")
+		if len(cells) != 4 || !strings.HasPrefix(strings.TrimSpace(cells[0]), "`") {
+			continue // the header, its rule, blank lines
+		}
+		groups, resources, verbs, why := names(cells[0]), names(cells[1]), names(cells[2]), cells[3]
+		if len(groups) != 1 || len(resources) == 0 || len(verbs) == 0 {
+			t.Errorf("RBAC table row %q: want one group, resources and verbs, each in backquotes", strings.TrimSpace(line))
+			continue
+		}
+		for _, v := range verbs {
+			if len(verbs) > 1 && !strings.Contains(why, "`"+v+"`") {
+				t.Errorf("RBAC table row of %v: the verb %s is not explained (`%s` in the last column)", resources, v, v)
+			}
+			for _, r := range resources {
+				documented[apiRequest{Group: groups[0], Resource: r, Verb: v}] = true
+			}
+		}
+	}
+	roles, _, _ := deployRBAC(t)
+	granted := map[apiRequest]bool{}
+	for _, role := range roles {
+		for _, r := range role.Rules {
+			for _, g := range r.APIGroups {
+				for _, res := range r.Resources {
+					for _, v := range r.Verbs {
+						granted[apiRequest{Group: g, Resource: res, Verb: v}] = true
+					}
+				}
+			}
+		}
+	}
+	for r := range granted {
+		if !documented[r] {
+			t.Errorf("deploy/base grants %s %s on %s, which the RBAC table of %s does not list", r.Verb, r.Resource, r.Group, operationsDoc)
+		}
+	}
+	for r := range documented {
+		if !granted[r] {
+			t.Errorf("the RBAC table of %s lists %s %s on %s, which deploy/base does not grant", operationsDoc, r.Verb, r.Resource, r.Group)
+		}
+	}
+	if len(granted) == 0 {
+		t.Fatal("deploy/base grants nothing")
 	}
 }
