@@ -44,12 +44,16 @@
 // node held before). Each checkpoint write takes the journal's place: once
 // the file is on disk the journal is emptied of the records it holds.
 // Restoration reads the file and replays the journal's valid records over
-// it; a torn or corrupt tail is cut at the last valid record, a copy of
-// the damaged journal is kept as <journal>.corrupt-<unix time>, and the
-// agent logs it. The journal's header names the checkpoint file it follows
-// (its size and checksum): over a file replaced since (an older copy
-// restored, a Cilium agent's checkpoint) none of its records is replayed,
-// and it is kept aside the same way.
+// it, then the records after damage that still verify; a copy of the
+// damaged journal is kept as <journal>.corrupt-<unix time>, and the agent
+// logs it. The journal's header names the checkpoint file it follows (its
+// size and checksum): over a file replaced since (an older copy restored,
+// a Cilium agent's checkpoint, a deleted file) its records are replayed
+// and the damage reported the same way, unless the journal ends with the
+// record naming the file found that each write appends before writing it
+// (a crash before the journal was emptied: no damage). Load also returns
+// every local number the files and their kept copies name
+// (LoadResult.Seen), which restoration withholds.
 //
 // Checkpoint.Sync makes every local identity durable with a whole write:
 // it returns once a write that began after the call has succeeded, writing

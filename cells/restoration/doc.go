@@ -15,7 +15,14 @@
 //     allocator batch marked restored (so identity handlers hear of them
 //     in one batch). Entries whose label set now has another scope, or
 //     needs a global identity, are skipped with a warning.
-//  4. Unwithhold those IDs: the restored identities hold them now.
+//  4. Unwithhold those IDs: the restored identities hold them now. Then
+//     withhold until the release every other local ID the state files
+//     name (checkpoint.LoadResult.Seen: the checkpoint, the journal and
+//     their kept copies) and, when the identity journal was damaged or the
+//     checkpoint corrupt, every ID of each local scope up to a margin above
+//     the highest one seen that no restored identity holds: an answer
+//     whose record was destroyed holds one of them (Counters.SeenWithheld,
+//     UnknownWithheld; Status.JournalDamage reports the damage).
 //  5. Take the snapshot of the old ipcache map and, for every prefix of
 //     this cluster whose identity was node-local (or ingress) without a
 //     tunnel endpoint, contribute metadata under the ipcache owner
@@ -45,7 +52,9 @@
 // Restorer.Done is closed after the hook (local allocations wait for it,
 // see Ordering), Restorer.Ready after step 6.
 //
-// Nothing of this fails the start: each problem is logged and counted
+// Nothing of this fails the start but an identity journal that cannot be
+// opened (checkpoint.ErrJournalUnusable), with which no local identity
+// could be answered durably: each other problem is logged and counted
 // (Counters) and restoration continues with what it can use.
 //
 // A job then waits for the grace period and calls Release: the "restored"
