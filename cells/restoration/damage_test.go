@@ -137,3 +137,23 @@ func TestJournalUnusableRefusesStart(t *testing.T) {
 func cidrSet(i int) labels.Labels {
 	return labelsOf(prefixes(i + 1)[i])
 }
+
+// TestTornTailWithholdsNothingUnknown: a torn last record, as a crash
+// during a write leaves, was never answered: the journal's valid records
+// are restored and no number is withheld for being unknown.
+func TestTornTailWithholdsNothingUnknown(t *testing.T) {
+	dir := t.TempDir()
+	const first = identity.NumericIdentity(16777217)
+	jr := journal.Header(1, journal.Base{})
+	jr = journal.AppendRecord(jr, upsertRecord(first, cidrSet(0)))
+	jr = journal.AppendRecord(jr, upsertRecord(first+1, cidrSet(1)))
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.JournalFileName), jr[:len(jr)-3], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := startRestoringAgent(t, dir, time.Hour)
+	defer a.stop(t)
+	st := a.r.Status()
+	if st.JournalDamage == nil || st.Counters.Restored != 1 || st.Counters.UnknownWithheld != 0 {
+		t.Fatalf("status %+v, damage %+v", st, st.JournalDamage)
+	}
+}

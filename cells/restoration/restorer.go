@@ -18,6 +18,7 @@ import (
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -535,7 +536,11 @@ func (r *Restorer) withholdSeen(res checkpoint.LoadResult) {
 	slices.Sort(seen)
 	seen = slices.Compact(seen)
 	r.seenWithheld.Store(uint64(len(seen)))
-	if jr.Damage != nil || res.Report.Corrupt != nil {
+	// A torn last record is what a crash during a write leaves: it was
+	// never on disk whole, so never answered. Other damage may have
+	// destroyed answered records.
+	tornTail := errors.Is(jr.Damage, journal.ErrTorn) && jr.Salvaged == 0
+	if (jr.Damage != nil && !tornTail) || res.Report.Corrupt != nil {
 		unknown := unknownNumbers(res.Seen, held)
 		r.unknownWithheld.Store(uint64(len(unknown)))
 		seen = append(seen, unknown...)
