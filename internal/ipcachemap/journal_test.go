@@ -235,3 +235,42 @@ func BenchmarkJournaledSyncKeys(b *testing.B) {
 		})
 	}
 }
+
+// TestJournalDamagedKeepsDeletes: deletes recorded after a damaged record
+// are salvaged: an answered delete does not come back, nor is an answered
+// upsert after the damage lost.
+func TestJournalDamagedKeepsDeletes(t *testing.T) {
+	path := tempFilePath(t)
+	entries := testEntries(20)
+	m, _ := openJournaled(t, path, nil)
+	if err := m.UpdateBatch(entries[:10]); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Compact(); err != nil {
+		t.Fatal(err)
+	}
+	// Records: update 10, then deletes of 0..4, then updates 11..19.
+	if err := m.Update(entries[10].Key, entries[10].Value); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries[:5] {
+		if err := m.Delete(e.Key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.UpdateBatch(entries[11:]); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	crashed := crashCopy(t, path)
+	data, _ := os.ReadFile(crashed + JournalSuffix)
+	// The first record (the update of 10) damaged.
+	data[journal.HeaderSize+journal.RecordOverhead+3] ^= 0x80
+	if err := os.WriteFile(crashed+JournalSuffix, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, info := openJournaled(t, crashed, nil)
+	equalEntries(t, info.Snapshot, append(append([]Entry{}, entries[5:10]...), entries[11:]...))
+}
