@@ -92,6 +92,9 @@ type identityCache struct {
 
 	ignoredTotal atomic.Uint64
 	splitsTotal  atomic.Uint64
+	// foreignSplits counts the splits of which identityd's walk did not
+	// place every object (splits.go).
+	foreignSplits atomic.Uint64
 	// splitKeys counts the label sets that have more than one object now;
 	// multi holds them (under mu), and multiChanged says that one of them
 	// changed since the split hook last ran.
@@ -354,8 +357,7 @@ func (c *identityCache) store(e *entry, changes []change) []change {
 	if len(es) == 2 {
 		c.splitsTotal.Add(1)
 		c.splitKeys.Add(1)
-		c.log.Error("A global label set has two CiliumIdentity objects; identityd nodes that allocate it use the oldest",
-			"labels", e.key, "ids", []identity.NumericIdentity{es[0].id, es[1].id})
+		c.reportDuplicateLocked(e.key, es)
 	}
 	c.wake(e.id)
 	return append(changes, change{upsert: true, id: e.id, lbls: e.lbls})

@@ -56,6 +56,7 @@
 //	identityd_crd_allocations_total{outcome}      created, adopted, conflict, exhausted, error
 //	identityd_crd_ignored_objects_total           object versions left out of the cache
 //	identityd_crd_split_label_sets_total          label sets that came to have two objects
+//	identityd_crd_split_label_sets_foreign_total  of those, the ones with an object identityd's walk did not place
 //	identityd_crd_split_label_sets                label sets with two objects now
 //	identityd_crd_split_label_sets_held           label sets this node holds under another ID than the rule's
 //	identityd_crd_split_label_sets_held_total     times a label set this node holds came to be one

@@ -32,6 +32,8 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 			"Number of CiliumIdentity object versions left out of the cache: a name that is not an ID of this cluster's range, or security-labels that are not a valid label set")
 		splits = metrics.NewDesc("crd_split_label_sets_total",
 			"Number of times a global label set came to have more than one CiliumIdentity object")
+		foreignSplits = metrics.NewDesc("crd_split_label_sets_foreign_total",
+			"Number of times a global label set came to have more than one CiliumIdentity object, one of which identityd's walk did not place (a Cilium agent's, or migrated from etcd): normal beside Cilium's agents")
 		splitNow = metrics.NewDesc("crd_split_label_sets",
 			"Number of global label sets that have more than one CiliumIdentity object now")
 		heldSplit = metrics.NewDesc("crd_split_label_sets_held",
@@ -54,6 +56,7 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
 		m.Counter(ignored, float64(s.ids.ignoredTotal.Load()))
 		m.Counter(splits, float64(s.ids.splitsTotal.Load()))
+		m.Counter(foreignSplits, float64(s.ids.foreignSplits.Load()))
 		m.Gauge(splitNow, float64(s.ids.splitKeys.Load()))
 		m.Gauge(heldSplit, float64(s.splits.held.Load()))
 		m.Counter(heldSplitTotal, float64(s.splits.total.Load()))
@@ -69,5 +72,5 @@ func newStoreCollector(s *Store) *metrics.ScrapeCollector {
 		m.Counter(nodeWrites, float64(s.writer.writes.Load()-failed), metrics.OutcomeSuccess)
 		m.Counter(nodeWrites, float64(failed), metrics.OutcomeFailure)
 		m.Counter(nodeRecreated, float64(s.writer.recreated.Load()))
-	}, ignored, splits, splitNow, heldSplit, heldSplitTotal, allocations, taken, unmarked, nodeWrites, nodeRecreated)
+	}, ignored, splits, foreignSplits, splitNow, heldSplit, heldSplitTotal, allocations, taken, unmarked, nodeWrites, nodeRecreated)
 }

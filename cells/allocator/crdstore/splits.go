@@ -11,6 +11,7 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/identity"
 )
 
 // splitWatch wakes the identity-splits job, which reports the label sets
@@ -38,6 +39,56 @@ func (w *splitWatch) signal() {
 	case w.wake <- struct{}{}:
 	default:
 	}
+}
+
+// placedReach bounds the walk of placedByWalkLocked: an object identityd
+// placed further along its probe sequence than this (in a range almost
+// full) counts as placed by another writer, whose duplicate is only
+// logged at info level.
+const placedReach = 1024
+
+// placedGapSlack is how many slots of a probe sequence may be free before
+// an object identityd placed: the collector frees slots a walk stepped
+// over, after the walk placed its object further along.
+const placedGapSlack = 16
+
+// placedByWalkLocked reports whether e sits where identityd's walk places
+// the objects of its label set: on the set's probe sequence, with no free
+// slot before it past the first few. A Cilium agent picks its IDs at
+// random, and the etcd store, whose objects a migration copies, in its own
+// order: their objects are almost never there. Under mu.
+func (c *identityCache) placedByWalkLocked(e *entry) bool {
+	p := c.rng.probe(e.key)
+	for i := range min(p.Len(), placedReach) {
+		id := p.Slot(i)
+		if id == e.id {
+			return true
+		}
+		if i >= placedGapSlack && c.byID[id] == nil {
+			return false
+		}
+	}
+	return false
+}
+
+// reportDuplicateLocked logs a label set that came to have a second
+// object, once for as long as it keeps more than one. Beside Cilium's
+// agents, which read identities from a watch cache and so create
+// duplicates of their own, a duplicate one of whose objects identityd's
+// walk did not place is normal: it is logged at info level and counted in
+// foreignSplits. One of two objects that identityd's walks both placed
+// means that two identityd nodes answered the label set differently,
+// which the rule exists to prevent: an error. Under mu.
+func (c *identityCache) reportDuplicateLocked(key string, es []*entry) {
+	ids := []identity.NumericIdentity{es[0].id, es[1].id}
+	if c.placedByWalkLocked(es[0]) && c.placedByWalkLocked(es[1]) {
+		c.log.Error("A global label set has two CiliumIdentity objects placed by identityd nodes; identityd nodes that allocate it use the oldest",
+			"labels", key, "ids", ids)
+		return
+	}
+	c.foreignSplits.Add(1)
+	c.log.Info("A global label set has a second CiliumIdentity object, placed by a Cilium agent or a migration, as happens beside Cilium's agents; identityd nodes that allocate it use the oldest",
+		"labels", key, "ids", ids)
 }
 
 // errSplitHeld: this node holds a label set under another ID than the
