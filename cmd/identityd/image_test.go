@@ -395,8 +395,13 @@ func runImageAsDaemonSet(t *testing.T, p *podman, tag string, ds *appsv1.DaemonS
 		run = append(run, "--cap-add", string(cp))
 	}
 	if useBPF {
-		run = append(run, "-v", "/sys/fs/bpf:/sys/fs/bpf")
+		// The pin's directory alone, created as the kubelet creates the
+		// DaemonSet's hostPath (DirectoryOrCreate).
 		t.Cleanup(func() { os.RemoveAll(pinDir) })
+		if err := os.MkdirAll(pinDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		run = append(run, "-v", pinDir+":"+pinDir)
 	}
 	for _, e := range c.Env {
 		if e.ValueFrom != nil && e.ValueFrom.ResourceFieldRef != nil {
