@@ -1066,7 +1066,8 @@ func kubectlReads(field string, value any, dir string) int {
 
 // TestDeployKubectlMinimum: every kustomization of deploy/ uses no field
 // current kustomize deprecates, the oldest kubectl that reads them all is
-// the minimum docs/operations.md states, and, with kubectl on the PATH,
+// the minimum docs/operations.md and README.md state, and, with kubectl on
+// the PATH,
 // `kubectl kustomize` builds each with no warning.
 func TestDeployKubectlMinimum(t *testing.T) {
 	need := 0
@@ -1094,17 +1095,19 @@ func TestDeployKubectlMinimum(t *testing.T) {
 	if got := fmt.Sprintf("1.%d", need); got != kubectlMinimum {
 		t.Errorf("the kustomizations of deploy/ need kubectl %s or later, kubectlMinimum says %s", got, kubectlMinimum)
 	}
-	doc, err := os.ReadFile(operationsDoc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	stated := regexp.MustCompile(`kubectl (1\.\d+) or later`).FindAllStringSubmatch(string(doc), -1)
-	if len(stated) == 0 {
-		t.Errorf("%s states no minimum kubectl (\"kubectl 1.N or later\"); deploy/ needs %s", operationsDoc, kubectlMinimum)
-	}
-	for _, m := range stated {
-		if m[1] != kubectlMinimum {
-			t.Errorf("%s says kubectl %s or later; deploy/ needs %s", operationsDoc, m[1], kubectlMinimum)
+	for _, file := range []string{operationsDoc, "../../README.md"} {
+		doc, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stated := regexp.MustCompile(`kubectl (1\.\d+) or later`).FindAllStringSubmatch(string(doc), -1)
+		if len(stated) == 0 {
+			t.Errorf("%s states no minimum kubectl (\"kubectl 1.N or later\"); deploy/ needs %s", file, kubectlMinimum)
+		}
+		for _, m := range stated {
+			if m[1] != kubectlMinimum {
+				t.Errorf("%s says kubectl %s or later; deploy/ needs %s", file, m[1], kubectlMinimum)
+			}
 		}
 	}
 
