@@ -444,7 +444,7 @@ func TestWriteCommandInterruptible(t *testing.T) {
 }
 
 // TestTriggeredWriteRetried: a triggered write that fails for a full disk
-// is tried again by itself (after a second, then longer), so the
+// is tried again by itself (after a second, then every two), so the
 // checkpoint catches up as soon as the disk has room, without waiting for
 // another change.
 func TestTriggeredWriteRetried(t *testing.T) {
