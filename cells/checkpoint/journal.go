@@ -239,9 +239,13 @@ func appendSeen(seen []identity.NumericIdentity, ids []identity.Identity, record
 	return seen
 }
 
-// maxCopiesRead bounds the set-aside copies whose numbers Load reads,
-// newest first.
-const maxCopiesRead = 64
+// maxCopiesRead and maxCopyBytes bound the set-aside copies whose numbers
+// Load reads, newest first, so that copies piling up over the years do
+// not slow a start.
+const (
+	maxCopiesRead = 64
+	maxCopyBytes  = 2 * MaxFileSize
+)
 
 // seenInCopies returns the local numbers named by the copies of the
 // checkpoint and of the journal kept aside in dir (by this or an earlier
@@ -256,11 +260,13 @@ func seenInCopies(dir string) (seen []identity.NumericIdentity, files int) {
 	}
 	// Newest first: the names end in the Unix time they were kept.
 	slices.SortFunc(paths, func(a, b string) int { return strings.Compare(copyTime(b), copyTime(a)) })
+	budget := int64(maxCopyBytes)
 	for _, p := range paths[:min(len(paths), maxCopiesRead)] {
-		data, _, err := readBounded(p, MaxFileSize)
+		data, _, err := readBounded(p, min(MaxFileSize, budget))
 		if err != nil || len(data) == 0 {
 			continue
 		}
+		budget -= int64(len(data))
 		files++
 		if strings.HasPrefix(filepath.Base(p), JournalFileName) {
 			jc := journal.Decode(data, journalKind)
@@ -636,19 +642,35 @@ func (c *Checkpoint) closeJournal(finalErr error) {
 	}
 }
 
-// journalRecords reads the valid records of the journal on disk, without
-// changing it, for checkpoint/show; none when the journal follows
-// another snapshot than base, as at restoration.
+// journalRecords reads the records a restart would replay from the
+// journal on disk, without changing it, for checkpoint/show.
 func (c *Checkpoint) journalRecords(base journal.Base) [][]byte {
 	data, _, err := readBounded(c.journalPath(), MaxFileSize)
 	if err != nil {
 		return nil
 	}
-	jc := journal.Decode(data, journalKind)
-	if jc.Base != base {
-		return nil
+	records, _ := toReplay(data, base)
+	return records
+}
+
+// toReplay returns the records of a journal's bytes that a restart over
+// the snapshot base replays, as journal.Open chooses them, and the damage
+// it reports: the valid ones and those salvaged after damage; none when
+// the journal ends with a successor record naming base (the snapshot holds
+// them all).
+func toReplay(data []byte, base journal.Base) ([][]byte, journal.Contents) {
+	c := journal.Decode(data, journalKind)
+	records := append(slices.Clip(c.Records), c.Salvaged...)
+	switch {
+	case len(data) == 0:
+		c.Damage = journal.ErrEmpty
+	case c.Valid < journal.HeaderSize || c.Base == base:
+	case c.Damage == nil && c.Successor != nil && *c.Successor == base:
+		records = nil
+	case len(records) > 0:
+		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the file has %v", journal.ErrOtherSnapshot, c.Base, base)
 	}
-	return jc.Records
+	return records, c
 }
 
 // LoadJournaled is Load followed by a replay of the journal beside path
@@ -667,16 +689,7 @@ func (l Loader) LoadJournaled(path string) (LoadResult, error) {
 	if rerr != nil {
 		return res, nil
 	}
-	c := journal.Decode(data, journalKind)
-	records := append(slices.Clip(c.Records), c.Salvaged...)
-	switch {
-	case len(data) == 0:
-		c.Damage = journal.ErrEmpty
-	case c.Valid >= journal.HeaderSize && c.Base != base && c.Damage == nil && c.Successor != nil && *c.Successor == base:
-		records = nil
-	case c.Valid >= journal.HeaderSize && c.Base != base && len(records) > 0:
-		c.Damage = fmt.Errorf("%w: it follows a snapshot of %v, the file has %v", journal.ErrOtherSnapshot, c.Base, base)
-	}
+	records, c := toReplay(data, base)
 	rep := &res.Report.Journal
 	rep.Path, rep.Found, rep.Damage, rep.Records = jpath, true, c.Damage, len(records)
 	rep.Salvaged, rep.LostBytes = len(c.Salvaged), c.Lost
