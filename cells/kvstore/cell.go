@@ -24,6 +24,12 @@ var Cell = cell.Module(
 		scriptCommands,
 		newClientMetrics,
 	),
+	// Refuses an invalid configuration (a bad --node-name, say) in this
+	// module's own invoke, which hive's log then names, rather than in a
+	// constructor: those run inside whichever invoke first needs them,
+	// often another module's (the metrics registry's gathers every
+	// cell's collector), and the log would blame that module.
+	cell.Invoke(checkConfig),
 )
 
 type nodeNameParams struct {
@@ -36,15 +42,21 @@ type nodeNameParams struct {
 }
 
 // nodeName gives the stores this node's name without their importing this
-// cell.
-func nodeName(p nodeNameParams) (identity.NodeName, error) {
-	validate := ValidateNodeName
+// cell. checkConfig refuses an invalid one before anything starts.
+func nodeName(p nodeNameParams) identity.NodeName {
+	return identity.NodeName(p.Config.nodeName())
+}
+
+// checkConfig refuses the configuration of the client and of the node
+// name, which the modes that use CRDs ask more of.
+func checkConfig(p nodeNameParams) error {
+	if err := p.Config.Validate(); err != nil {
+		return fmt.Errorf("kvstore: %w", err)
+	}
 	if p.Mode.UsesCRD() {
-		validate = ValidateObjectNodeName
+		if err := ValidateObjectNodeName(p.Config.nodeName()); err != nil {
+			return fmt.Errorf("kvstore: %w", err)
+		}
 	}
-	name := p.Config.nodeName()
-	if err := validate(name); err != nil {
-		return "", fmt.Errorf("kvstore: %w", err)
-	}
-	return identity.NodeName(name), nil
+	return nil
 }

@@ -182,11 +182,15 @@ type params struct {
 }
 
 func newClient(p params) (*Client, error) {
+	// An invalid configuration is refused by the module's own invoke
+	// (checkConfig), not here: this constructor runs inside whichever
+	// invoke first needs the client, another module's as often as not,
+	// and hive's log names that invoke as the failing one.
 	if p.Mode == identity.AllocationModeCRD && p.Config.Embedded() {
 		// Identities live in the Kubernetes API server: an embedded etcd
 		// would hold nothing anyone reads.
-		if err := p.Config.Validate(); err != nil {
-			return nil, fmt.Errorf("kvstore: %w", err)
+		if p.Config.Validate() != nil {
+			return nil, nil
 		}
 		p.Log.Info("No etcd client and no embedded etcd: --identity-allocation-mode=crd keeps global identities in the Kubernetes API server, and --kvstore-endpoints is empty")
 		if p.Health != nil {
@@ -195,6 +199,11 @@ func newClient(p params) (*Client, error) {
 		return nil, nil
 	}
 	c, err := New(p.Log, p.Config, p.Dir)
+	if p.Config.Validate() != nil {
+		// Never started: checkConfig fails the hive before any start
+		// hook runs.
+		c, err = newUnchecked(p.Log, p.Config), nil
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -231,14 +240,21 @@ func New(log *slog.Logger, cfg Config, dir *statedir.Dir) (*Client, error) {
 	if cfg.Embedded() && dir == nil {
 		return nil, errors.New("kvstore: the embedded etcd needs a state directory (add the statedir cell or set --kvstore-endpoints)")
 	}
+	c := newUnchecked(log, cfg)
+	c.dir = dir
+	return c, nil
+}
+
+// newUnchecked is New without the checks of cfg.
+func newUnchecked(log *slog.Logger, cfg Config) *Client {
 	cfg.NodeName = cfg.nodeName()
-	c := &Client{cfg: cfg, log: log, dir: dir, leaseGranted: make(chan struct{}, 1)}
+	c := &Client{cfg: cfg, log: log, leaseGranted: make(chan struct{}, 1)}
 	c.stop.Store(newStopState())
 	if cfg.KVStoreRateLimit > 0 {
 		burst := max(1, int(math.Ceil(cfg.KVStoreRateLimit)))
 		c.limiter = rate.NewLimiter(rate.Limit(cfg.KVStoreRateLimit), burst)
 	}
-	return c, nil
+	return c
 }
 
 // Start starts the embedded etcd when no endpoints are configured, connects,

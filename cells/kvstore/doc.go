@@ -117,7 +117,10 @@
 //	--node-name                this node's key suffix (default: host name)
 //
 // The TLS and auth flags apply to external endpoints only; setting them
-// without --kvstore-endpoints is an error.
+// without --kvstore-endpoints is an error. Flag errors fail the hive in
+// the module's own invoke (checkConfig), so hive's "Invoke failed" log
+// line names this module, not the first other module that needed the
+// client.
 //
 // # Shell commands
 //
