@@ -10,7 +10,6 @@ import (
 
 	"github.com/cilium/hive/cell"
 
-	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -91,6 +90,16 @@ func (c *identityCache) reportDuplicateLocked(key string, es []*entry) {
 		"labels", key, "ids", ids)
 }
 
+// sortedByKey returns m's values in the order of their keys, so that the
+// report of the same splits reads the same.
+func sortedByKey(m map[string]error) []error {
+	out := make([]error, 0, len(m))
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		out = append(out, m[k])
+	}
+	return out
+}
+
 // errSplitHeld: this node holds a label set under another ID than the
 // rule's.
 var errSplitHeld = errors.New("a global label set this node uses has another ID on the nodes that allocate it now")
@@ -119,8 +128,14 @@ func (s *Store) heldSplits() map[string]error {
 // set); the label set's other users, on nodes that allocate it from now
 // on, get the rule's. While both are in use, traffic of one label set
 // carries two IDs, which every node maps to the same labels; it is
-// reported (log, metric, health degraded) until this node releases the ID
-// or the rule picks it again.
+// reported (log, metric, and a health message that says degraded) until
+// this node releases the ID or the rule picks it again.
+//
+// The health level stays OK: readiness says whether the node can serve,
+// and it can: both IDs map to the same labels on every node, new users get
+// the rule's, and the split converges as the holders release theirs. A
+// Degraded level would hold the node unready for as long as its workloads
+// live, and a restart would not end it either.
 func (s *Store) splitLoop(ctx context.Context, h cell.Health) {
 	reported := map[string]error{}
 	for {
@@ -148,8 +163,8 @@ func (s *Store) splitLoop(ctx context.Context, h cell.Health) {
 			continue
 		}
 		if len(now) > 0 {
-			h.Degraded("A global label set this node uses has another ID on the nodes that allocate it now",
-				health.External(errors.Join(slices.Collect(maps.Values(now))...)))
+			h.OK(fmt.Sprintf("Degraded, serving: global label sets this node uses under another ID than the nodes that allocate them now: %d; new users get the rule's, this node's keep theirs until they release them: %v",
+				len(now), errors.Join(sortedByKey(now)...)))
 			continue
 		}
 		h.OK("No label set held under two IDs")
