@@ -13,9 +13,12 @@
 //     are cheap; [Map.Sync] (or the write-behind delay) persists them. With
 //     [Config.Journal], Sync appends the changes to a journal beside the
 //     file and [Map.Compact] writes the whole file, emptying the journal;
-//     [Open] replays the journal over the file, unless the journal follows
-//     another file than the one found (replaced since), which it keeps
-//     aside instead.
+//     [Open] replays the journal over the file: its valid records, then
+//     those found intact after damage; a journal that follows another
+//     file than the one found (replaced, deleted) is replayed over it and
+//     reported, a copy kept aside, unless it ends with the record naming
+//     the file found that [Map.Compact] writes first (a crash before the
+//     journal was emptied, no damage).
 //
 // [Open] picks the backend ("auto" prefers bpf) and, before returning the map
 // to anyone who could write to it, reads its old contents into
