@@ -414,29 +414,70 @@ func (s *Store) gcWriteMarks(ctx context.Context, marks, unmarks []*gcObject) (m
 	return marked, unmarked, nil
 }
 
+// gcDeletesInFlight bounds the deletes a run has sent and not seen
+// answered: the rate limit paces when each starts, so that a slow answer
+// does not lower the pace below the limit.
+const gcDeletesInFlight = 8
+
 // gcDelete deletes the identities of deletes, paced by the rate limit,
-// each with its UID and listed resourceVersion as preconditions.
+// each with its UID and listed resourceVersion as preconditions. The
+// limit paces the starts; up to gcDeletesInFlight wait for their answers
+// at once.
 func (s *Store) gcDelete(ctx context.Context, deletes []*gcObject, res *GCResult) error {
 	gc := s.gc
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		firstErr error
+	)
+	fail := func(err error) {
+		mu.Lock()
+		if firstErr == nil {
+			firstErr = err
+		}
+		mu.Unlock()
+		cancel()
+	}
+	sem := make(chan struct{}, gcDeletesInFlight)
 	for _, o := range deletes {
 		if err := gc.limiter.Wait(ctx); err != nil {
-			return err
+			fail(err)
+			break
+		}
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			fail(ctx.Err())
+		}
+		if ctx.Err() != nil {
+			break
 		}
 		if gc.beforeDelete != nil {
 			gc.beforeDelete(o)
 		}
-		switch err := s.deleteIdentity(ctx, o); {
-		case err == nil:
-			res.Deleted++
-			gc.deleted.Add(1)
-		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
-			res.Skipped++
-			gc.skipped.Add(1)
-		default:
-			return fmt.Errorf("%w: deleting identity %d: %w", globalstore.ErrUnavailable, o.id, err)
-		}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			err := s.deleteIdentity(ctx, o)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil:
+				res.Deleted++
+				gc.deleted.Add(1)
+			case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+				res.Skipped++
+				gc.skipped.Add(1)
+			case firstErr == nil:
+				firstErr = fmt.Errorf("%w: deleting identity %d: %w", globalstore.ErrUnavailable, o.id, err)
+				cancel()
+			}
+		}()
 	}
-	return nil
+	wg.Wait()
+	return firstErr
 }
 
 // nodeLease is a record's lease; a record that states none gets the

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"slices"
 	"strings"
 	"sync"
@@ -589,6 +590,44 @@ func TestGCMarksBesideDeletes(t *testing.T) {
 	t.Logf("%d deletes spanned %s (the limit's pace: %s), the run %s", deletable, span, pace, time.Since(start))
 	if span > pace+400*time.Millisecond {
 		t.Fatalf("%d deletes spanned %s, want the limit's %s and at most 400ms more", deletable, span, pace)
+	}
+}
+
+// TestGCDeletesKeepPaceWithSlowAnswers: an API server that answers each
+// delete in 60 ms does not lower the collector's pace below its limit of
+// 50 a second (20 ms a delete): the limit paces the starts, and several
+// deletes wait for their answers at once. With one delete at a time the
+// 30 deletes take 30 answers, 1.8 s (checked).
+func TestGCDeletesKeepPaceWithSlowAnswers(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.RateLimit, cfg.RateInterval = 50, time.Second
+	slow := rest.CopyConfig(srv.RESTConfig())
+	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodDelete {
+				time.Sleep(60 * time.Millisecond)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	a := startGCNode(t, slow, "node-a", cfg)
+	old := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
+	const n = 30
+	for i := range n {
+		// Every other ID, so that no object fences another.
+		createIdentity(t, a.Store, identity.NumericIdentity(30000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=slow-delete-%d", i)), old)
+	}
+	start := time.Now()
+	res := runGC(t, a.Store)
+	took := time.Since(start)
+	if res.Deleted != n {
+		t.Fatalf("run: %+v, want %d deleted", res, n)
+	}
+	pace := time.Duration(n-1) * cfg.RateInterval / time.Duration(cfg.RateLimit)
+	t.Logf("%d deletes answered in 60 ms each took %s (the limit's pace: %s)", n, took, pace)
+	if took > pace+600*time.Millisecond {
+		t.Fatalf("%d deletes took %s, want the limit's %s and at most 600ms more", n, took, pace)
 	}
 }
 
