@@ -39,7 +39,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -163,6 +163,14 @@ bench-anchor:
 	$(GO) test -c -o "$$dir/identityd.test" ./cells/allocator && \
 	cd internal/ciliumanchor && $(GO) test -c -o "$$dir/cilium.test" . && \
 	$(GO) run ./compare -rounds $(ANCHOR_ROUNDS) -count $(ANCHOR_COUNT) "$$dir/identityd.test" "$$dir/cilium.test"
+
+# Checks the identity labels Cilium v1.16.2's own agent code gives the pod
+# shapes of cells/workloads/testdata against the file that make test
+# compares identityd's rule with (TestSameLabelsAsCilium);
+# ANCHOR_UPDATE=1 rewrites the file from Cilium's code. Downloads and
+# builds Cilium's module on first use (minutes).
+anchor-labels:
+	cd internal/ciliumanchor && $(GO) test -count=1 -run '^TestPodLabelsAsCilium$$' . $(if $(ANCHOR_UPDATE),-update)
 
 # Runs identityd's CRD store and Cilium v1.16.2's own CRD-mode identity
 # allocator (internal/ciliumanchor/crdnode, built as a process of its own)

@@ -32,6 +32,8 @@ type layer struct {
 var layers = []layer{
 	{"cmd", 7, []string{"cmd"}},
 	{"restoration", 6, []string{"cells/restoration"}},
+	// Pods to identities: above the allocator and the ipcache.
+	{"workloads", 6, []string{"cells/workloads"}},
 	{"checkpoint", 5, []string{"cells/checkpoint"}},
 	// What composes both drivers: the double-write store, and the
 	// one-shot copy between the two stores, which only cmd runs.
