@@ -493,3 +493,42 @@ func TestDeletedRecordRecreated(t *testing.T) {
 		expectSamples(t, samples(t, a.store), map[string]float64{"identityd_crd_identity_node_recreated_total": float64(round)})
 	}
 }
+
+// TestRecordMissingFromListing: the watch of the node's own record lists
+// again (after a broken watch) without the record: a record this node
+// wrote before was deleted meanwhile, and is written again at once, as on
+// a delete event; before the first write, a missing record is the start's
+// and asks nothing more.
+func TestRecordMissingFromListing(t *testing.T) {
+	log := newLevelLog(slog.LevelWarn, testLogger(t).Handler())
+	s := &Store{log: slog.New(log), node: "node-a", writer: newNodeWriter()}
+	w := &ownRecordWatch{s: s}
+	woken := func() bool {
+		select {
+		case <-s.writer.wake:
+			return true
+		default:
+			return false
+		}
+	}
+	if err := w.Replace(nil, "1"); err != nil {
+		t.Fatal(err)
+	}
+	if woken() || s.writer.recreated.Load() != 0 {
+		t.Error("a listing without the record before the first write asked for a write")
+	}
+	s.writer.lastOK.Store(time.Now().UnixNano())
+	if err := w.Replace([]any{&IdentityNode{}}, "2"); err != nil {
+		t.Fatal(err)
+	}
+	if woken() {
+		t.Error("a listing with the record asked for a write")
+	}
+	if err := w.Replace(nil, "3"); err != nil {
+		t.Fatal(err)
+	}
+	if !woken() || !s.writer.renew.Load() || s.writer.recreated.Load() != 1 || log.count("IdentityNode was deleted") != 1 {
+		t.Errorf("a listing without the record after a write: woken/renew %v, count %d, lines %d; want a renewal asked, 1, 1",
+			s.writer.renew.Load(), s.writer.recreated.Load(), log.count("IdentityNode was deleted"))
+	}
+}
