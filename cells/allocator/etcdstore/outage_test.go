@@ -120,3 +120,40 @@ func TestEtcdOutageLongerThanLeaseTTL(t *testing.T) {
 }
 
 func leaseHex(lease int64) string { return fmt.Sprintf("%x", lease) }
+
+// TestEtcdSyncMovesNodeKey: a periodic sync that finds this agent's node
+// key (its own claim) on a lease other than its current one writes it on
+// the current lease: the other lease's end would take the key with it.
+func TestEtcdSyncMovesNodeKey(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	n := startEtcdNode(t, c, "node1", func(_ *kvstore.Config, e *storeConfig) { e.KVStorePeriodicSync = 0 })
+	ctx := testCtx(t, time.Minute)
+	cli := c.Client(t)
+	claim, cur, ok := getValue(t, cli, NodeKeyPrefix+"node1")
+	if !ok {
+		t.Fatal("no node key")
+	}
+	other, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, NodeKeyPrefix+"node1", claim, clientv3.WithLease(other.ID)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.backend.SyncReferences(ctx); err != nil {
+		t.Fatal(err)
+	}
+	v, l, ok := getValue(t, cli, NodeKeyPrefix+"node1")
+	if !ok || v != claim || l != cur {
+		t.Fatalf("node key after the sync: %q on lease %x (present %v), want %q on the current lease %x", v, l, ok, claim, cur)
+	}
+	if _, err := cli.Revoke(ctx, other.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := getValue(t, cli, NodeKeyPrefix+"node1"); !ok {
+		t.Fatal("node key gone with the other lease")
+	}
+	if s := n.backend.NodeStats(); s.NameConflicts != 0 {
+		t.Errorf("%d node-name conflicts for this agent's own key", s.NameConflicts)
+	}
+}
