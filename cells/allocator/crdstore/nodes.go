@@ -19,8 +19,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
@@ -337,21 +339,36 @@ func (s *Store) writeNode(ctx context.Context, ids []uint32, rec *ownRecord, ful
 // at the next renewal, a third of a lease later: meanwhile the collector
 // sees none of this node's uses, and may mark and, past the grace, delete
 // identities this node's users hold. The watch brings this node's own
-// writes back to it, one event per write; it brings no other node's.
+// writes back to it, one event per write, and no other node's; it asks for
+// the object's metadata only, as the writes' answers do, so that an event
+// does not carry the record's list of identities.
 func (s *Store) watchOwnRecord(ctx context.Context, h cell.Health) {
+	meta, err := metadata.NewForConfig(s.rest)
+	if err != nil {
+		// The store's own clients were built from the same config.
+		s.log.Error("Cannot watch this node's IdentityNode", "node", s.node, "error", err)
+		if h != nil {
+			h.Degraded("Watching IdentityNode "+s.node, err)
+		}
+		return
+	}
+	records := meta.Resource(schema.GroupVersionResource{Group: IdentityGroup, Version: IdentityVersion, Resource: "identitynodes"})
 	selector := fields.OneTermEqualSelector("metadata.name", s.node).String()
+	store := &ownRecordWatch{s: s}
 	lw := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 			opts.FieldSelector = selector
-			out := &IdentityNodeList{}
-			if err := s.nodeClient.Get().Resource("identitynodes").VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(out); err != nil {
-				return nil, err
-			}
-			return out, nil
+			store.writtenBeforeList.Store(s.writer.lastOK.Load() != 0)
+			return records.List(ctx, opts)
 		},
 		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-			opts.FieldSelector, opts.Watch = selector, true
-			return s.nodeClient.Get().Resource("identitynodes").VersionedParams(&opts, metav1.ParameterCodec).Watch(ctx)
+			opts.FieldSelector = selector
+			if opts.SendInitialEvents != nil && *opts.SendInitialEvents {
+				// A watch that lists (client-go's watch-list) ends its
+				// initial events with a Replace, as a listing does.
+				store.writtenBeforeList.Store(s.writer.lastOK.Load() != 0)
+			}
+			return records.Watch(ctx, opts)
 		},
 	}
 	if h != nil {
@@ -360,13 +377,19 @@ func (s *Store) watchOwnRecord(ctx context.Context, h cell.Health) {
 		h.OK("Watching IdentityNode " + s.node)
 	}
 	logger := logr.FromSlogHandler(s.log.Handler())
-	r := cache.NewReflectorWithOptions(lw, &IdentityNode{}, &ownRecordWatch{s: s},
+	r := cache.NewReflectorWithOptions(lw, &metav1.PartialObjectMetadata{}, store,
 		cache.ReflectorOptions{Name: "identitynodes/" + s.node, Logger: &logger})
 	r.RunWithContext(ctx)
 }
 
 // ownRecordWatch receives the watch of this node's IdentityNode.
-type ownRecordWatch struct{ s *Store }
+type ownRecordWatch struct {
+	s *Store
+	// writtenBeforeList is whether the writer had written the record
+	// when the last listing began: a listing that began before the first
+	// write completed may well lack the record.
+	writtenBeforeList atomic.Bool
+}
 
 func (w *ownRecordWatch) Add(any) error    { return nil }
 func (w *ownRecordWatch) Update(any) error { return nil }
@@ -377,11 +400,12 @@ func (w *ownRecordWatch) Delete(any) error {
 	return nil
 }
 
-// Replace is a listing: a record that this node wrote before and that the
-// listing lacks was deleted while the watch was broken. Before the first
-// write, a missing record is the start's, which the writer writes anyway.
+// Replace is a listing: a record that this node wrote before the listing
+// began and that the listing lacks was deleted while the watch was broken.
+// Before the first write, a missing record is the start's, which the
+// writer writes anyway.
 func (w *ownRecordWatch) Replace(list []any, _ string) error {
-	if len(list) == 0 && w.s.writer.lastOK.Load() != 0 {
+	if len(list) == 0 && w.writtenBeforeList.Load() {
 		w.s.recordGone("missing from a listing")
 	}
 	return nil

@@ -455,7 +455,23 @@ func TestDeletedRecordRecreated(t *testing.T) {
 	srv := serialServer(t)
 	cli := newClient(t, srv.RESTConfig())
 	log := newLevelLog(slog.LevelWarn, testLogger(t).Handler())
-	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.log = slog.New(log) })
+	// The Accept headers of the list and watch of the node's own record.
+	var (
+		acceptsMu sync.Mutex
+		accepts   []string
+	)
+	rc := rest.CopyConfig(srv.RESTConfig())
+	rc.Wrap(func(next http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/identitynodes") && r.URL.Query().Has("fieldSelector") {
+				acceptsMu.Lock()
+				accepts = append(accepts, r.Header.Get("Accept"))
+				acceptsMu.Unlock()
+			}
+			return next.RoundTrip(r)
+		})
+	})
+	a := startNode(t, rc, "node-a", func(o *nodeOpts) { o.log = slog.New(log) })
 	x, _ := a.allocate(t, web(1))
 	y, _ := a.allocate(t, web(2))
 	cli.nodeLists(t, "node-a", x, y)
@@ -492,6 +508,18 @@ func TestDeletedRecordRecreated(t *testing.T) {
 		}
 		expectSamples(t, samples(t, a.store), map[string]float64{"identityd_crd_identity_node_recreated_total": float64(round)})
 	}
+	// The watch asks for metadata only: its events do not carry the
+	// record's identities.
+	acceptsMu.Lock()
+	defer acceptsMu.Unlock()
+	if len(accepts) == 0 {
+		t.Error("no list or watch request of the own record")
+	}
+	for _, a := range accepts {
+		if !strings.Contains(a, "as=PartialObjectMetadata") {
+			t.Errorf("the own record was listed or watched with Accept %q, want metadata only", a)
+		}
+	}
 }
 
 // TestRecordMissingFromListing: the watch of the node's own record lists
@@ -517,7 +545,17 @@ func TestRecordMissingFromListing(t *testing.T) {
 	if woken() || s.writer.recreated.Load() != 0 {
 		t.Error("a listing without the record before the first write asked for a write")
 	}
+	// The first write completed while a listing ran: that listing may
+	// lack the record.
 	s.writer.lastOK.Store(time.Now().UnixNano())
+	if err := w.Replace(nil, "1"); err != nil {
+		t.Fatal(err)
+	}
+	if woken() || s.writer.recreated.Load() != 0 {
+		t.Error("a listing begun before the first write asked for a write")
+	}
+	// Listings begun after a write.
+	w.writtenBeforeList.Store(true)
 	if err := w.Replace([]any{&IdentityNode{}}, "2"); err != nil {
 		t.Fatal(err)
 	}
