@@ -319,6 +319,23 @@ func TestRequestedIDAndWithhold(t *testing.T) {
 	}
 }
 
+// TestNewNumbersAboveRequested: after numbers are asked back (as
+// restoration asks back every number it restores), new numbers go above
+// the highest of them, not into the gaps below: should this run's
+// checkpoint be lost, its journal names numbers above every restored one.
+func TestNewNumbersAboveRequested(t *testing.T) {
+	a, _, _ := testAllocator(t, identity.MaxLocalIdentity)
+	const restored = identity.NumericIdentity(16777300)
+	mustAlloc(t, a, cidr("10.9.0.0/16"), WithOldID(restored))
+	mustAlloc(t, a, cidr("10.8.0.0/16"), WithOldID(restored-50))
+	for i := range 3 {
+		id, _ := mustAlloc(t, a, cidr(fmt.Sprintf("10.0.%d.0/24", i)))
+		if want := restored + 1 + identity.NumericIdentity(i); id.ID != want {
+			t.Fatalf("new identity %d = %d, want %d (above the requested %d)", i, id.ID, want, restored)
+		}
+	}
+}
+
 func TestExhaustion(t *testing.T) {
 	a, _, _ := testAllocator(t, 4)
 	ids := map[identity.NumericIdentity]bool{}

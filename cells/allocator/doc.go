@@ -11,7 +11,9 @@
 //   - Node-local and remote-node label sets (identity.ScopeForLabels) are
 //     numbered in memory, sequentially with wrap-around from 0x01000001 and
 //     0x02000001. A requested old ID (WithOldID) is honoured when it is in
-//     the set's scope and free, even if withheld; withheld IDs are skipped
+//     the set's scope and free, even if withheld, and the next new number
+//     is sought above it (so that after restoration new numbers go above
+//     every restored one); withheld IDs are skipped
 //     otherwise; when every other ID is taken a withheld-but-free one is
 //     handed out with a warning, and only then ErrLocalSpaceExhausted.
 //   - Global label sets go to the globalstore.Backend of the store driver

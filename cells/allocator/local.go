@@ -196,6 +196,16 @@ func (s *localScope) pickID(old identity.NumericIdentity) (identity.NumericIdent
 	if old != identity.InvalidIdentity && old.Scope() == s.scope {
 		counter := old &^ identity.ScopeMask
 		if counter >= s.min && counter <= s.max && s.byID.Get(old) == nil {
+			// New numbers go on above the ones asked back (restoration
+			// asks back every number it restores): a start hands out
+			// numbers above everything it restored, so the numbers
+			// freed below stay free a whole run, and should this
+			// start's checkpoint be lost, its journal still names the
+			// highest number answered, above which restoration
+			// withholds after damage.
+			if counter >= s.next {
+				s.next = counter + 1
+			}
 			return old, nil
 		}
 	}

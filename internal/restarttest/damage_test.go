@@ -33,6 +33,10 @@ type damageKind struct {
 	// noCheckpoint removes it; olderMap puts back the map file of the
 	// round's start (file backend).
 	olderCheckpoint, noCheckpoint, olderMap bool
+	// restartMidRound stops the agent cleanly (SIGTERM) halfway through
+	// the round and starts it again, instead of writing the checkpoint:
+	// the second half is answered by a start that restored the first.
+	restartMidRound bool
 	// maxLost bounds the answered pairs of the round that may be missing
 	// from the table and the map after the restart: those whose only
 	// records were damaged. maxLostSets bounds the label sets allocated
@@ -68,6 +72,11 @@ func damageKinds() []damageKind {
 		{name: "checkpoint older", olderCheckpoint: true, maxLostSets: -1},
 		{name: "checkpoint deleted", noCheckpoint: true, maxLostSets: -1},
 		{name: "both older", olderCheckpoint: true, olderMap: true, maxLostSets: -1},
+		// The checkpoint of a clean restart lost: the restarted agent's
+		// answers are named by its journal alone, the numbers of the
+		// earlier answers by no file.
+		{name: "checkpoint older after a restart", olderCheckpoint: true, restartMidRound: true, maxLostSets: -1},
+		{name: "checkpoint deleted after a restart", noCheckpoint: true, restartMidRound: true, maxLostSets: -1},
 		// The map journal alone emptied (file backend): the map loses
 		// the round's entries, which nothing else holds; the identities
 		// keep their numbers.
@@ -137,7 +146,12 @@ func testDamageNeverReassigns(t *testing.T, bin, backend string, flags []string)
 		round := map[netip.Prefix]identity.NumericIdentity{}
 		roundSets := map[netip.Prefix]bool{}
 		for i := range damageRound {
-			if i == damageRound/2 {
+			switch {
+			case i == damageRound/2 && kind.restartMidRound:
+				p.stop(syscall.SIGTERM)
+				p = startProc(t, bin, dir, flags...)
+				u = dialUpserter(t, dir, true)
+			case i == damageRound/2:
 				p.mustShell("checkpoint/write")
 			}
 			pfx := durablePrefix(150+series, i)
