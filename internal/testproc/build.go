@@ -171,7 +171,7 @@ var ErrBuildTooLong = errors.New("build stopped before the test's deadline")
 const PrebuildCommand = "go run " + ModulePath + "/testenv/prebuild"
 
 func buildTooLong(name string, after time.Duration) error {
-	return fmt.Errorf("testproc: %w: the %s server is not built yet (stopped after %s; what it compiled stays in the build cache); run `%s` once before the tests, or give go test a longer -timeout",
+	return fmt.Errorf("testproc: %w: the test server %s is not built yet (its build stopped after %s; what it compiled stays in the build cache); run `%s` once before the tests, or give go test a longer -timeout",
 		ErrBuildTooLong, name, after.Round(time.Second), PrebuildCommand)
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 
 	"github.com/cilium/hive/cell"
@@ -49,6 +50,17 @@ type collector struct {
 	// holder is the node name of the collector as last seen by this node
 	// (this node's own name while it collects).
 	holder atomic.Pointer[string]
+	// mu orders the election job's health reports, so that a refresh of
+	// who collects never reports another node after this one's term began.
+	mu sync.Mutex
+	// health is the election job's health, which says who collects.
+	health cell.Health
+}
+
+// candidateMessage is the election's health while node collects and this
+// node is a candidate.
+func candidateMessage(node string) string {
+	return fmt.Sprintf("Node %q collects unused global identities; this node is a candidate", node)
 }
 
 // Collecting reports whether this node is the elected collector now.
@@ -68,6 +80,9 @@ func (b *Store) Collector() (string, bool) {
 // then until the lease is lost or the store stops; a lost lease means a new
 // key on the next lease, behind the other candidates.
 func (b *Store) campaignLoop(ctx context.Context, h cell.Health) {
+	b.collector.mu.Lock()
+	b.collector.health = h
+	b.collector.mu.Unlock()
 	failures := 0
 	for ctx.Err() == nil {
 		err := b.campaignOnce(ctx, h)
@@ -128,10 +143,12 @@ func (b *Store) campaignOnce(ctx context.Context, h cell.Health) error {
 		return fmt.Errorf("campaigning: %w", err)
 	}
 	term := &leadership{ctx: cctx, key: key, rev: rev, lease: lease}
+	b.collector.mu.Lock()
 	b.collector.term.Store(term)
 	b.collector.holder.Store(&b.node)
-	b.log.Info("This node collects unused global identities", "node", b.node, "key", term.key)
 	h.OK("This node collects unused global identities")
+	b.collector.mu.Unlock()
+	b.log.Info("This node collects unused global identities", "node", b.node, "key", term.key)
 	why := b.holdTerm(cctx, cli, sess, term)
 	b.collector.term.Store(nil)
 	cancel()
@@ -302,12 +319,13 @@ func (b *Store) noteCollector(ctx context.Context, election *concurrency.Electio
 	default:
 		name := string(resp.Kvs[0].Value)
 		b.collector.holder.Store(&name)
-		h.OK(fmt.Sprintf("Node %q collects unused global identities; this node is a candidate", name))
+		h.OK(candidateMessage(name))
 	}
 }
 
 // refreshCollector updates who collects as seen from a node that does
 // not, once per collection interval: one request that returns one key.
+// The election's health says the same as Collector from then on.
 func (b *Store) refreshCollector(ctx context.Context, cli *clientv3.Client) {
 	rctx, cancel := b.requestContext(ctx)
 	defer cancel()
@@ -316,7 +334,14 @@ func (b *Store) refreshCollector(ctx context.Context, cli *clientv3.Client) {
 		return
 	}
 	name := string(resp.Kvs[0].Value)
-	b.collector.holder.Store(&name)
+	b.collector.mu.Lock()
+	defer b.collector.mu.Unlock()
+	if b.collector.term.Load() != nil {
+		return // this node's term began meanwhile
+	}
+	if prev := b.collector.holder.Swap(&name); (prev == nil || *prev != name) && b.collector.health != nil {
+		b.collector.health.OK(candidateMessage(name))
+	}
 }
 
 // withdrawCandidacy deletes the election key the gone agent of this node
