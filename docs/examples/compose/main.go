@@ -272,6 +272,7 @@ func tour(ctx context.Context, c api) error {
 		return err
 	}
 	var lost <-chan struct{} = c.KVStore.LeaseLost(lease)
+	var granted bool = c.KVStore.Granted(lease)
 	var stopping <-chan struct{} = c.KVStore.Stopping()
 	var etcd *clientv3.Client = c.KVStore.Client()
 	reqCtx, cancel := c.KVStore.RequestContext(ctx)
@@ -282,7 +283,7 @@ func tour(ctx context.Context, c api) error {
 	var endpoints []string = c.KVStore.Endpoints()
 	fmt.Printf("kvstore: node %s, embedded %v, %d endpoints, lease TTL %s, request timeout %s, %d request kinds\n%s",
 		c.KVStore.NodeName(), c.KVStore.Embedded(), len(endpoints), c.KVStore.LeaseTTL(), c.KVStore.RequestTimeout(), len(counts), kvstore.FormatStatus(kvStatus))
-	_, _, _, _, _ = lost, stopping, etcd, reqCtx, stopCtx
+	_, _, _, _, _, _ = lost, granted, stopping, etcd, reqCtx, stopCtx
 
 	// The state directory, health and metrics.
 	var dir string = c.Dir.Path()
