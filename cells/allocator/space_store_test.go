@@ -172,7 +172,7 @@ func TestSpaceExhaustedEtcd(t *testing.T) {
 		t.Fatalf("warnings after refusals: %q, want no more", w)
 	}
 	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{
-		`identityd_identity_space_exhausted_total`:            5,
+		`identityd_identity_space_exhausted_total`:             5,
 		`identityd_identity_space_exhaustion_forecast_seconds`: 0,
 	})
 	// Freed below 90%: OK again.
