@@ -85,6 +85,34 @@ type IPCache struct {
 	snapMu   sync.Mutex
 	snapshot []ipcachemap.Entry
 	snapTook bool
+	// journalDamage is what the map's journal had of damage at open; nil
+	// when it had none.
+	journalDamage *MapJournalDamage
+}
+
+// MapJournalDamage is what was damaged in the map file's journal (the file
+// backend's, --ipcache-map=file) when the map was opened.
+type MapJournalDamage struct {
+	// Journal is why the journal was not read as a whole continuation of
+	// the map file: a damaged record or header, an empty file, another
+	// map file than the one read.
+	Journal string `json:"journal"`
+	// KeptAs is the copy of the damaged journal, if one was kept.
+	KeptAs string `json:"kept-as,omitempty"`
+	// Records is the number of its records replayed, Salvaged those of
+	// them found after the damage, LostBytes its damaged bytes in no
+	// record.
+	Records   int   `json:"records"`
+	Salvaged  int   `json:"salvaged"`
+	LostBytes int64 `json:"lost-bytes"`
+}
+
+// JournalDamage returns what was damaged in the map's journal when Start
+// opened the map, or nil when nothing was (or before start).
+func (c *IPCache) JournalDamage() *MapJournalDamage {
+	c.snapMu.Lock()
+	defer c.snapMu.Unlock()
+	return c.journalDamage
 }
 
 type mapHolder struct{ ipcachemap.Map }
@@ -522,6 +550,12 @@ func (c *IPCache) Start(cell.HookContext) error {
 	c.snapMu.Lock()
 	if !c.snapTook {
 		c.snapshot = info.Snapshot
+	}
+	if info.JournalDamage != "" {
+		c.journalDamage = &MapJournalDamage{
+			Journal: info.JournalDamage, KeptAs: info.JournalKeptAs, Records: info.JournalRecords,
+			Salvaged: info.JournalSalvaged, LostBytes: info.JournalLostBytes,
+		}
 	}
 	c.snapMu.Unlock()
 	c.m.Store(&mapHolder{m})

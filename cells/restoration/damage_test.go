@@ -15,6 +15,7 @@ import (
 
 	"github.com/identityd/identityd/cells/checkpoint"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/ipcachemap"
 	"github.com/identityd/identityd/internal/journal"
 	"github.com/identityd/identityd/internal/metricstest"
 	"github.com/identityd/identityd/internal/testhive"
@@ -155,5 +156,36 @@ func TestTornTailWithholdsNothingUnknown(t *testing.T) {
 	st := a.r.Status()
 	if st.JournalDamage == nil || st.Counters.Restored != 1 || st.Counters.UnknownWithheld != 0 {
 		t.Fatalf("status %+v, damage %+v", st, st.JournalDamage)
+	}
+}
+
+// TestMapJournalDamageReported: a damaged journal of the datapath map file
+// (here emptied) is reported in restore-status and the damage metric,
+// beside the identity journal's; a sound one is not.
+func TestMapJournalDamageReported(t *testing.T) {
+	for _, damaged := range []bool{false, true} {
+		dir := t.TempDir()
+		writeMap(t, dir, nil)
+		if damaged {
+			if err := os.WriteFile(filepath.Join(dir, ipcachemap.FileName+ipcachemap.JournalSuffix), nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		a := startRestoringAgent(t, dir, time.Hour)
+		d := a.r.Status().MapJournalDamage
+		if (d != nil) != damaged {
+			t.Fatalf("damaged %v: restore-status reports %+v", damaged, d)
+		}
+		if damaged && !strings.Contains(d.Journal, "zero-length") {
+			t.Errorf("the report %q does not say the journal was empty", d.Journal)
+		}
+		want := 0.0
+		if damaged {
+			want = 1
+		}
+		metricstest.Expect(t, metricstest.Scrape(t, a.srv.Addr()), map[string]float64{
+			`identityd_identity_restoration_damage{what="map_journal_damaged"}`: want,
+		})
+		a.stop(t)
 	}
 }

@@ -31,6 +31,9 @@ const (
 	damageLostBytes = "journal_lost_bytes"
 	damageWithheld  = "withheld_ids"
 	damageUnknown   = "withheld_unknown_ids"
+	damageMap       = "map_journal_damaged"
+	damageMapSalv   = "map_journal_salvaged_records"
+	damageMapLost   = "map_journal_lost_bytes"
 )
 
 // newRestorationMetrics contributes the restorer's collector.
@@ -54,7 +57,7 @@ func newRestorationCollector(r *Restorer) *metrics.ScrapeCollector {
 			"Number of old datapath map entries restoration skipped because the checkpoint gives their ID to another prefix's label set, by reason: shared_id, other_labels",
 			labelReason)
 		damage = metrics.NewDesc("identity_restoration_damage",
-			"What restoration found damaged in the state files at this start, by what: journal_damaged (1 when the identity journal was damaged, empty or of another checkpoint), journal_salvaged_records, journal_lost_bytes, withheld_ids (numbers the state files name that were not given back) and withheld_unknown_ids (numbers withheld because damage hid which were answered), both withheld until the grace period ends",
+			"What restoration found damaged in the state files at this start, by what: journal_damaged (1 when the identity journal was damaged, empty or of another checkpoint), journal_salvaged_records, journal_lost_bytes, withheld_ids (numbers the state files name that were not given back) and withheld_unknown_ids (numbers withheld because damage hid which were answered), both withheld until the grace period ends, and map_journal_damaged, map_journal_salvaged_records, map_journal_lost_bytes (the datapath map file's journal, --ipcache-map=file)",
 			labelWhat)
 	)
 	return metrics.NewScrapeCollector(func(m metrics.Scrape) {
@@ -68,11 +71,19 @@ func newRestorationCollector(r *Restorer) *metrics.ScrapeCollector {
 		// process, which Prometheus reads as a counter reset.
 		m.Counter(skippedMapEntries, float64(n.MapEntriesSharedID), skippedSharedID)
 		m.Counter(skippedMapEntries, float64(n.MapEntriesOtherLabels), skippedOtherLabels)
-		damaged := 0.0
-		if r.Status().JournalDamage != nil {
+		st := r.Status()
+		damaged, mapDamaged := 0.0, 0.0
+		if st.JournalDamage != nil {
 			damaged = 1
 		}
 		m.Gauge(damage, damaged, damageJournal)
+		var mapSalvaged, mapLost float64
+		if d := st.MapJournalDamage; d != nil {
+			mapDamaged, mapSalvaged, mapLost = 1, float64(d.Salvaged), float64(d.LostBytes)
+		}
+		m.Gauge(damage, mapDamaged, damageMap)
+		m.Gauge(damage, mapSalvaged, damageMapSalv)
+		m.Gauge(damage, mapLost, damageMapLost)
 		m.Gauge(damage, float64(n.JournalSalvaged), damageSalvaged)
 		m.Gauge(damage, float64(n.JournalLostBytes), damageLostBytes)
 		m.Gauge(damage, float64(n.SeenWithheld), damageWithheld)

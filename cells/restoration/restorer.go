@@ -122,6 +122,9 @@ type Status struct {
 	CheckpointError string `json:"checkpoint-error,omitempty"`
 	// JournalDamage is what was damaged in the identity journal.
 	JournalDamage *Damage `json:"journal-damage,omitempty"`
+	// MapJournalDamage is what was damaged in the datapath map file's
+	// journal (the ipcache's file backend).
+	MapJournalDamage *ipcache.MapJournalDamage `json:"map-journal-damage,omitempty"`
 	// CopiesRead is the number of kept copies of the checkpoint and the
 	// journal whose numbers are withheld with the others seen.
 	CopiesRead int `json:"copies-read"`
@@ -185,19 +188,21 @@ type Restorer struct {
 	withheld []identity.NumericIdentity
 	// seen holds the numbers of the state files withheld until the
 	// release (Counters.SeenWithheld).
-	seen            []identity.NumericIdentity
-	journalDamage   *Damage
-	copiesRead      int
-	heldPrefixes    int
-	oldMapEntries   int
-	found           bool
-	checkpointErr   string
-	restoreDuration time.Duration
-	cpDuration      time.Duration
-	bulkDuration    time.Duration
-	pfxDuration     time.Duration
-	releaseAt       time.Time
-	releaseDuration time.Duration
+	seen          []identity.NumericIdentity
+	journalDamage *Damage
+	// mapJournalDamage is the ipcache's report of its map journal.
+	mapJournalDamage *ipcache.MapJournalDamage
+	copiesRead       int
+	heldPrefixes     int
+	oldMapEntries    int
+	found            bool
+	checkpointErr    string
+	restoreDuration  time.Duration
+	cpDuration       time.Duration
+	bulkDuration     time.Duration
+	pfxDuration      time.Duration
+	releaseAt        time.Time
+	releaseDuration  time.Duration
 	// releaseIDsDuration is the identities' part of releaseDuration.
 	releaseIDsDuration time.Duration
 	releasing          bool
@@ -303,6 +308,7 @@ func (r *Restorer) Status() Status {
 		CheckpointFound:           r.found,
 		CheckpointError:           r.checkpointErr,
 		JournalDamage:             r.journalDamage,
+		MapJournalDamage:          r.mapJournalDamage,
 		CopiesRead:                r.copiesRead,
 		OldMapEntries:             r.oldMapEntries,
 		HeldIdentities:            len(r.held),
@@ -569,6 +575,7 @@ func (r *Restorer) restorePrefixes(ctx context.Context) (bulk []ipcache.MapEntry
 	snap := r.ipc.TakeSnapshot()
 	r.mu.Lock()
 	r.oldMapEntries = len(snap)
+	r.mapJournalDamage = r.ipc.JournalDamage()
 	r.mu.Unlock()
 
 	// Other entries (global identities, tunnelled endpoints, remote

@@ -61,6 +61,10 @@ func (f *fileMap) openJournal(info *OpenInfo, base journal.Base) error {
 			f.journalPath(), op.Damage, len(op.Records), op.Salvaged, op.Lost, op.KeptAs))
 		info.JournalKeptAs = op.KeptAs
 	}
+	if op.Damage != nil {
+		info.JournalDamage = op.Damage.Error()
+		info.JournalSalvaged, info.JournalLostBytes = op.Salvaged, op.Lost
+	}
 	if invalid > 0 {
 		info.Warnings = append(info.Warnings, fmt.Sprintf("map journal %s: %d records skipped as invalid", f.journalPath(), invalid))
 	}

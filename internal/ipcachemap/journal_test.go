@@ -185,6 +185,9 @@ func TestJournalDamaged(t *testing.T) {
 			if !strings.Contains(strings.Join(info.Warnings, "\n"), "map journal "+crashed+JournalSuffix+" damaged") {
 				t.Fatalf("no warning names the damaged journal: %q", info.Warnings)
 			}
+			if info.JournalDamage == "" {
+				t.Fatalf("OpenInfo does not report the damage: %+v", info)
+			}
 			if tc.kept {
 				kept, err := os.ReadFile(info.JournalKeptAs)
 				if err != nil || !bytes.Equal(kept, bad) {

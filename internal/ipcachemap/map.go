@@ -166,6 +166,14 @@ type OpenInfo struct {
 	// JournalKeptAs is where a copy of a damaged journal was kept; empty
 	// when none was damaged.
 	JournalKeptAs string
+	// JournalDamage is why the journal was not read as a whole
+	// continuation of the file (a damaged record or header, an empty
+	// file, another map file than the one read); empty when it was.
+	// JournalSalvaged of its records replayed were found after the
+	// damage, and JournalLostBytes of its bytes are in no record.
+	JournalDamage    string
+	JournalSalvaged  int
+	JournalLostBytes int64
 }
 
 // Open opens or creates the map that cfg selects and snapshots its old

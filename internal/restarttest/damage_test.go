@@ -284,6 +284,9 @@ func testDamageNeverReassigns(t *testing.T, bin, backend string, flags []string)
 		if kind.mapJournal && backend == "file" && !strings.Contains(log, "map journal") {
 			t.Errorf("%s: the log does not report the map journal's damage:\n%s", kind.name, log)
 		}
+		if kind.mapJournal && backend == "file" && !strings.Contains(status, `"map-journal-damage"`) {
+			t.Errorf("%s: restore-status does not report the map journal's damage: %s", kind.name, status)
+		}
 		p = q
 	}
 	p.stop(syscall.SIGTERM)
