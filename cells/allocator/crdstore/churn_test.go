@@ -19,8 +19,8 @@ import (
 // IDENTITYD_CHURN_GC_INTERVAL seconds (default 10) at
 // IDENTITYD_CHURN_GC_LIMIT deletions a minute (default 2500): the number
 // of identities levels off, growing less than 1/s over the last 100 s,
-// and the collector deletes at least 95% of the churn there
-// (docs/benchmarks.md, "Identity churn").
+// and the collector deletes at least 95% of the new label sets the run
+// delivered there (docs/benchmarks.md, "Identity churn").
 func TestChurnLevelsOff(t *testing.T) {
 	secs := testproc.CountFromEnv(t, "IDENTITYD_CHURN_SECONDS", 0, 0)
 	if secs == 0 {
@@ -49,7 +49,7 @@ func TestChurnLevelsOff(t *testing.T) {
 	ctx, cancel := context.WithDeadline(t.Context(), start.Add(time.Duration(secs)*time.Second))
 	defer cancel()
 	var wg sync.WaitGroup
-	var failed atomic.Int64
+	var failed, newSets atomic.Int64
 	for _, n := range nodes {
 		type heldID struct {
 			id    identity.NumericIdentity
@@ -97,6 +97,9 @@ func TestChurnLevelsOff(t *testing.T) {
 						}
 						return
 					}
+					if n == nodes[0] {
+						newSets.Add(1)
+					}
 					queue <- heldID{id, time.Now().Add(hold)}
 				}()
 			}
@@ -104,8 +107,8 @@ func TestChurnLevelsOff(t *testing.T) {
 	}
 
 	type sample struct {
-		at               time.Duration
-		objects, deleted int
+		at                     time.Duration
+		objects, deleted, sets int
 	}
 	count := func() sample {
 		s := nodes[0].ids
@@ -116,7 +119,7 @@ func TestChurnLevelsOff(t *testing.T) {
 		for _, n := range nodes {
 			deleted += n.GCStats().Deleted
 		}
-		return sample{time.Since(start), objects, int(deleted)}
+		return sample{time.Since(start), objects, int(deleted), int(newSets.Load())}
 	}
 	var samples []sample
 	for tick := time.NewTicker(5 * time.Second); ctx.Err() == nil; {
@@ -141,8 +144,11 @@ func TestChurnLevelsOff(t *testing.T) {
 	span := (last.at - first.at).Seconds()
 	growth := float64(last.objects-first.objects) / span
 	deletes := float64(last.deleted-first.deleted) / span
-	t.Logf("over the last %.0f s: identities %+.2f/s, deleted %.1f/s, level %d, churn %d/s", span, growth, deletes, last.objects, rate)
-	if growth >= 1 || deletes < 0.95*float64(rate) {
-		t.Fatalf("over the last %.0f s: identities %+.2f/s, deleted %.1f/s; want under +1/s and at least %.1f/s", span, growth, deletes, 0.95*float64(rate))
+	// The churn the machine delivered, which a loaded machine holds
+	// below the rate asked for.
+	churn := float64(last.sets-first.sets) / span
+	t.Logf("over the last %.0f s: identities %+.2f/s, deleted %.1f/s, level %d, new sets %.1f/s (asked %d/s)", span, growth, deletes, last.objects, churn, rate)
+	if growth >= 1 || deletes < 0.95*churn {
+		t.Fatalf("over the last %.0f s: identities %+.2f/s, deleted %.1f/s; want under +1/s and at least 95%% of the %.1f new sets/s", span, growth, deletes, churn)
 	}
 }
