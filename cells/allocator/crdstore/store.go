@@ -131,8 +131,6 @@ type allocStats struct {
 	// listings counts listings of a label set's objects; repicked the
 	// allocations that used another object than the one first found.
 	listings, repicked atomic.Uint64
-	// stepsAnnounced counts step annotations written (announceSteps).
-	stepsAnnounced atomic.Uint64
 }
 
 // New returns the store of the cluster's ID range on the API server of cfg,
@@ -442,7 +440,8 @@ func (s *Store) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bo
 // Allocate implements globalstore.Backend. A label set the cache knows is
 // adopted (no request unless it carries the heartbeat mark). Otherwise the
 // walk of its probe sequence skips the IDs the cache shows held by other
-// label sets, removing their marks first, and creates the first free one;
+// label sets (leaving their marks, and announcing the steps over marked
+// ones before it creates), and creates the first free one;
 // AlreadyExists means the cache was behind: the object (from the cache once
 // it arrives, else one read) is adopted if it holds the label set, skipped
 // otherwise.
@@ -817,7 +816,6 @@ func (a *allocation) announceSteps(ctx context.Context) error {
 		_, err := patchMetadataOnly(ctx, a.s.ciliumClient, "ciliumidentities", e.id.String(), patch)
 		switch {
 		case err == nil:
-			a.s.stats.stepsAnnounced.Add(1)
 			a.stepped = a.stepped[1:]
 			continue
 		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
