@@ -1,7 +1,6 @@
 package allocator
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -11,12 +10,12 @@ import (
 
 	"github.com/cilium/hive/cell"
 
-	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 )
 
 // SpaceWarnRatio is the fill of this cluster's global ID range from which
-// the identity-space health scope is degraded and a warning is logged: at
+// the identity-space health scope says it is degraded (at level OK: the
+// node still serves) and a warning is logged: at
 // 90% a churn that outruns the garbage collection has a tenth of the range
 // left to run on, time to act before allocations are refused.
 const SpaceWarnRatio = 0.9
@@ -150,10 +149,16 @@ func (w *spaceWatch) updateLocked() {
 		w.health.OK(msg)
 		return
 	}
-	// Outside the process: releases and the garbage collection free IDs,
-	// a restart would not.
-	w.health.Degraded(msg, health.External(errors.New(msg)))
+	// Readiness is "can serve": a node serves its identities, lookups and
+	// local identities with the range full, and every node of the cluster
+	// unready at once would help no release (a restart frees no ID).
+	w.health.OK(spaceDegradedPrefix + msg)
 }
+
+// spaceDegradedPrefix starts the identity-space scope's message from
+// SpaceWarnRatio on: the scope stays OK, and so readiness, while the
+// message says the space is degraded.
+const spaceDegradedPrefix = "Degraded, serving: "
 
 // describe says how full the range is. Under mu, or before the watch is
 // shared.

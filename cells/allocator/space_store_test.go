@@ -152,12 +152,13 @@ func TestSpaceExhaustedEtcd(t *testing.T) {
 		t.Fatalf("just below 90%%: identity-space %s %q, warnings %q", s.Level, s.Message, warned())
 	}
 	write(nearly-1, nearly+100, true)
-	waitSpace("identity-space degraded at 90%", cell.StatusDegraded, "90.")
+	// Degraded in its message, still OK (ready): every node can serve.
+	waitSpace("identity-space degraded at 90%", cell.StatusOK, "Degraded, serving: Global identity space 90.")
 	if w := warned(); len(w) != 1 || !strings.Contains(w[0], "nearly full") {
 		t.Fatalf("warnings at 90%%: %q, want one", w)
 	}
 	write(nearly+101, hi, true)
-	waitSpace("identity-space exhausted", cell.StatusDegraded, "exhausted")
+	waitSpace("identity-space exhausted", cell.StatusOK, "Degraded, serving: Global identity space exhausted")
 	if w := warned(); len(w) != 2 || !strings.Contains(w[1], "exhausted") {
 		t.Fatalf("warnings at exhaustion: %q, want one more", w)
 	}
@@ -177,7 +178,10 @@ func TestSpaceExhaustedEtcd(t *testing.T) {
 	})
 	// Freed below 90%: OK again.
 	write(nearly-500, hi, false)
-	waitSpace("identity-space OK below 90%", cell.StatusOK, "full")
+	eventually.True(t, "identity-space OK below 90%", func() bool {
+		s := space()
+		return s.Level == cell.StatusOK && strings.HasPrefix(s.Message, "Global identity space") && strings.Contains(s.Message, "full")
+	})
 	// One warning per change: exhausted to nearly full on the way down.
 	if w := warned(); len(w) != 3 || !strings.Contains(w[2], "nearly full") {
 		t.Fatalf("warnings after the release: %q, want one more, for the change back to nearly full", w)
