@@ -243,12 +243,13 @@ func tour(ctx context.Context, c api) error {
 	}
 	var mapEntries []ipcache.MapEntry = dump
 	var kind ipcache.MapKind = c.IPCache.MapKind()
+	var journalDamage *ipcache.MapJournalDamage = c.IPCache.JournalDamage() // nil: the map's journal was sound
 	var removed int
 	if removed, err = c.IPCache.RemoveOwner(ctx, "nobody"); err != nil {
 		return err
 	}
-	fmt.Printf("ipcache: %s is %d; %d rows (%d mine, table %s), initialized %v, %d map entries (%s), snapshot %d, removed %d\n",
-		row.Prefix, row.Identity, len(rows), len(mine), table.Name(), initialized, len(mapEntries), kind, len(snapshot), removed)
+	fmt.Printf("ipcache: %s is %d; %d rows (%d mine, table %s), initialized %v, %d map entries (%s), snapshot %d, removed %d, journal damaged %v\n",
+		row.Prefix, row.Identity, len(rows), len(mine), table.Name(), initialized, len(mapEntries), kind, len(snapshot), removed, journalDamage != nil)
 
 	// The checkpoint.
 	written, err := c.Checkpoint.Write()
