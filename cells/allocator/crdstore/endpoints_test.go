@@ -257,15 +257,25 @@ func TestGCKeepsIdentitiesCiliumEndpointsName(t *testing.T) {
 }
 
 // failingPages fails, with a broken connection, the requests of a listing
-// of resource that ask for a page after the first, while armed.
+// of resource that ask for a page after the first, while armed, in every
+// transport built from a configuration it wraps (each client the store
+// makes builds one, from its own goroutine).
 type failingPages struct {
 	resource string
 	armed    atomic.Bool
 	failed   atomic.Int64
-	next     http.RoundTripper
 }
 
-func (f *failingPages) RoundTrip(r *http.Request) (*http.Response, error) {
+func (f *failingPages) wrap(next http.RoundTripper) http.RoundTripper {
+	return failingTransport{f, next}
+}
+
+type failingTransport struct {
+	*failingPages
+	next http.RoundTripper
+}
+
+func (f failingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	if f.armed.Load() && strings.HasSuffix(r.URL.Path, "/"+f.resource) && r.URL.Query().Get("continue") != "" {
 		f.failed.Add(1)
 		return nil, errors.New("network is unreachable")
@@ -284,7 +294,7 @@ func TestGCSkipsDeletesOnPartialEndpoints(t *testing.T) {
 	k8stest.InstallCRD(t, cfg, ciliumEndpointCRD(), ciliumEndpointSliceCRD())
 	fail := &failingPages{resource: "ciliumendpoints"}
 	wrapped := rest.CopyConfig(cfg)
-	wrapped.Wrap(func(rt http.RoundTripper) http.RoundTripper { fail.next = rt; return fail })
+	wrapped.Wrap(fail.wrap)
 	a := startGCNode(t, wrapped, "node-a", gcTestConfig)
 	a.gc.pageSize = 2
 
