@@ -576,16 +576,19 @@ func TestGCLockDeletedOrEdited(t *testing.T) {
 	cli := newClient(t, srv.RESTConfig())
 	cfg := gcTestConfig
 	cfg.Interval = 100 * time.Millisecond
+	// Longer than testElection's: the bound below is a time, and this
+	// machine's load must not decide it.
+	timings := electionTimings{lease: 5 * time.Second, renewDeadline: 4 * time.Second, retry: 500 * time.Millisecond}
 	var ns []*electionNode
 	for _, name := range []string{"node-a", "node-b", "node-c"} {
-		ns = append(ns, startElectionNode(t, srv.RESTConfig(), name, cfg, testElection))
+		ns = append(ns, startElectionNode(t, srv.RESTConfig(), name, cfg, timings))
 	}
-	collector(t, ns, 10*time.Second)
+	collector(t, ns, 15*time.Second)
 	lockName := fmt.Sprintf("identity-gc-%d", gcCluster.ID)
 	longAgo := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
 	// A collector is back within the lock's lease and 4.4 retry periods
-	// (the others' jittered reads), with 2 s for a loaded machine.
-	bound := testElection.lease + 44*testElection.retry/10 + 2*time.Second
+	// (the others' jittered reads), with 3 s for a loaded machine.
+	bound := timings.lease + 44*timings.retry/10 + 3*time.Second
 
 	tamper := map[string]func() error{
 		"deleted": func() error {
@@ -611,7 +614,7 @@ func TestGCLockDeletedOrEdited(t *testing.T) {
 		}
 		tampered := time.Now()
 		// The holder notices at its next renewal: look after it.
-		time.Sleep(2 * testElection.retry)
+		time.Sleep(2 * timings.retry)
 		next := ns[collector(t, ns, bound)]
 		if took := time.Since(tampered); took > bound {
 			t.Errorf("lock %s: %s collects %s later, more than %s", what, next.name, took, bound)
