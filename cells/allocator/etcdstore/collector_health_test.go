@@ -1,20 +1,15 @@
 package etcdstore
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/job"
-	"github.com/cilium/statedb"
 
-	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
-	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/internal/etcdtest"
 	"github.com/identityd/identityd/internal/eventually"
 )
@@ -67,22 +62,12 @@ func TestEtcdCollectorHealthFollowsHolder(t *testing.T) {
 // provider it returns too.
 func startEtcdNodeWithHealth(tb testing.TB, c *etcdtest.Cluster, name string, opts ...nodeOpt) (*etcdNode, *health.Provider) {
 	tb.Helper()
-	n := &etcdNode{t: tb, name: name}
 	var p *health.Provider
 	hopts := hive.DefaultOptions()
 	hopts.ModuleDecorators = health.ModuleDecorators
-	n.h = hive.NewWithOptions(hopts,
-		health.Cell, statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
-		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b *Store, hp *health.Provider) {
-			n.alloc, n.kv, n.backend, p = a, kv, b, hp
-		}),
-	)
-	configureNode(tb, n.h, c, name, opts...)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := n.h.Start(nodeLogger(tb), ctx); err != nil {
-		tb.Fatalf("starting node %s: %v", name, err)
-	}
-	tb.Cleanup(n.stop)
+	n := startEtcdNodeWith(tb, c, name, hopts, []cell.Cell{
+		health.Cell,
+		cell.Invoke(func(hp *health.Provider) { p = hp }),
+	}, opts...)
 	return n, p
 }

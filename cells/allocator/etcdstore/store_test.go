@@ -59,13 +59,20 @@ type sharedConfig = globalstore.Config
 
 func startEtcdNode(tb testing.TB, c *etcdtest.Cluster, name string, opts ...nodeOpt) *etcdNode {
 	tb.Helper()
+	return startEtcdNodeWith(tb, c, name, hive.DefaultOptions(), nil, opts...)
+}
+
+// startEtcdNodeWith is startEtcdNode with the hive's options and extra
+// cells.
+func startEtcdNodeWith(tb testing.TB, c *etcdtest.Cluster, name string, hopts hive.Options, extra []cell.Cell, opts ...nodeOpt) *etcdNode {
+	tb.Helper()
 	n := &etcdNode{t: tb, name: name}
-	n.h = hive.New(
+	n.h = hive.NewWithOptions(hopts, append([]cell.Cell{
 		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, Cell,
 		cell.Invoke(func(a allocator.Allocator, kv *kvstore.Client, b *Store) {
 			n.alloc, n.kv, n.backend = a, kv, b
 		}),
-	)
+	}, extra...)...)
 	configureNode(tb, n.h, c, name, opts...)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
