@@ -449,23 +449,7 @@ func TestWriteCommandInterruptible(t *testing.T) {
 // another change.
 func TestTriggeredWriteRetried(t *testing.T) {
 	dir := t.TempDir()
-	_, cp, alloc := syncHiveEvery(t, dir, 50*time.Millisecond)
-	var failures atomic.Int32
-	cp.mu.Lock()
-	cp.fault = func(step string) error {
-		if step == "write" {
-			failures.Add(1)
-			return syscall.ENOSPC
-		}
-		return nil
-	}
-	cp.mu.Unlock()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	id, _, err := alloc.Allocate(ctx, cidr("10.7.0.0/16"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	cp, id, failures := allocateOnFullDisk(t, dir)
 	eventually.True(t, "a triggered write failed", func() bool { return failures.Load() > 0 })
 	cp.mu.Lock()
 	cp.fault = nil
@@ -475,14 +459,13 @@ func TestTriggeredWriteRetried(t *testing.T) {
 	})
 }
 
-// TestTriggeredWriteRetriedPromptly: however long the disk stayed full, the
-// next attempt is at most maxRetry away, so the checkpoint (and readiness,
-// which its failure took away) comes back within a few seconds of the disk
-// having room again, not after a doubled pause of 16 s or more.
-func TestTriggeredWriteRetriedPromptly(t *testing.T) {
-	dir := t.TempDir()
+// allocateOnFullDisk starts a checkpoint in dir whose writes fail as on a
+// full disk (counted in failures) until its fault is cleared, and
+// allocates a local identity, which triggers a write.
+func allocateOnFullDisk(t *testing.T, dir string) (*Checkpoint, *identity.Identity, *atomic.Int32) {
+	t.Helper()
 	_, cp, alloc := syncHiveEvery(t, dir, 50*time.Millisecond)
-	var failures atomic.Int32
+	failures := new(atomic.Int32)
 	cp.mu.Lock()
 	cp.fault = func(step string) error {
 		if step == "write" {
@@ -498,6 +481,16 @@ func TestTriggeredWriteRetriedPromptly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return cp, id, failures
+}
+
+// TestTriggeredWriteRetriedPromptly: however long the disk stayed full, the
+// next attempt is at most maxRetry away, so the checkpoint (and readiness,
+// which its failure took away) comes back within a few seconds of the disk
+// having room again, not after a doubled pause of 16 s or more.
+func TestTriggeredWriteRetriedPromptly(t *testing.T) {
+	dir := t.TempDir()
+	cp, id, failures := allocateOnFullDisk(t, dir)
 	// Four failed attempts: the pauses between them have grown to their
 	// bound.
 	eventually.Within(t, time.Minute, "four triggered writes failed", func() bool { return failures.Load() >= 4 })
