@@ -81,53 +81,11 @@ func TestRestartAfterExpiredRecord(t *testing.T) {
 	cli.nodeLists(t, "node-a", z)
 }
 
-// errorLog passes records on to next and keeps the messages of error
-// records in msgs, shared by the handlers WithAttrs and WithGroup derive.
-type errorLog struct {
-	msgs *errorMsgs
-	next slog.Handler
-}
-
-type errorMsgs struct {
+// logMsgs are the messages a levelLog recorded, shared by the handlers
+// WithAttrs and WithGroup derive.
+type logMsgs struct {
 	mu   sync.Mutex
 	msgs []string
-}
-
-func newErrorLog(next slog.Handler) errorLog { return errorLog{msgs: &errorMsgs{}, next: next} }
-
-func (l errorLog) Enabled(ctx context.Context, lvl slog.Level) bool {
-	return lvl >= slog.LevelError || l.next.Enabled(ctx, lvl)
-}
-
-func (l errorLog) Handle(ctx context.Context, r slog.Record) error {
-	if r.Level >= slog.LevelError {
-		l.msgs.mu.Lock()
-		l.msgs.msgs = append(l.msgs.msgs, r.Message)
-		l.msgs.mu.Unlock()
-	}
-	if l.next.Enabled(ctx, r.Level) {
-		return l.next.Handle(ctx, r)
-	}
-	return nil
-}
-
-func (l errorLog) WithAttrs(as []slog.Attr) slog.Handler {
-	return errorLog{msgs: l.msgs, next: l.next.WithAttrs(as)}
-}
-
-func (l errorLog) WithGroup(g string) slog.Handler {
-	return errorLog{msgs: l.msgs, next: l.next.WithGroup(g)}
-}
-
-func (l errorLog) has(sub string) bool {
-	l.msgs.mu.Lock()
-	defer l.msgs.mu.Unlock()
-	for _, m := range l.msgs.msgs {
-		if strings.Contains(m, sub) {
-			return true
-		}
-	}
-	return false
 }
 
 // TestDuplicateNodeName: a second agent with the node name of a live one
@@ -137,7 +95,7 @@ func TestDuplicateNodeName(t *testing.T) {
 	t.Parallel()
 	srv := startServer(t)
 	cli := newClient(t, srv.RESTConfig())
-	logA := newErrorLog(testLogger(t).Handler())
+	logA := newLevelLog(slog.LevelError, testLogger(t).Handler())
 	var healthA *cell.SimpleHealth
 	a := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) {
 		o.log = slog.New(logA)
@@ -161,7 +119,7 @@ func TestDuplicateNodeName(t *testing.T) {
 	y, _ := a.allocate(t, web(2))
 	const want = "written by someone else"
 	require(t, 30*time.Second, func() error {
-		if !logA.has(want) {
+		if logA.count(want) == 0 {
 			return fmt.Errorf("node-a logged no error %q after another writer changed its record", want)
 		}
 		return nil
@@ -400,12 +358,12 @@ func TestRenewalSendsOnlyItsTime(t *testing.T) {
 // every record on.
 type levelLog struct {
 	min  slog.Level
-	msgs *errorMsgs
+	msgs *logMsgs
 	next slog.Handler
 }
 
 func newLevelLog(min slog.Level, next slog.Handler) levelLog {
-	return levelLog{min: min, msgs: &errorMsgs{}, next: next}
+	return levelLog{min: min, msgs: &logMsgs{}, next: next}
 }
 
 func (l levelLog) Enabled(ctx context.Context, lvl slog.Level) bool {
