@@ -200,14 +200,7 @@ func testDamageNeverReassigns(t *testing.T, bin, backend string, flags []string)
 
 		q := startProc(t, bin, dir, flags...)
 		status := q.mustShell("identity/restore-status", "-o", "json")
-		rows, err := parseRows(q.mustShell("ipcache/list", "-o", "json"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		table := map[netip.Prefix]identity.NumericIdentity{}
-		for _, r := range rows {
-			table[r.Prefix] = r.Identity
-		}
+		table := q.tablePairs()
 		inMap := q.mapDump()
 		u = dialUpserter(t, dir, true)
 		var reassigned []string

@@ -205,14 +205,7 @@ func testDurableAnswer(t *testing.T, bin string, flags []string, wait bool, sig 
 		float64(durableBurst)/elapsed.Seconds(), latencies(ds))
 
 	q := startProc(t, bin, dir, flags...)
-	table := map[netip.Prefix]identity.NumericIdentity{}
-	rows, err := parseRows(q.mustShell("ipcache/list", "-o", "json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range rows {
-		table[r.Prefix] = r.Identity
-	}
+	table := q.tablePairs()
 	inMap := q.mapDump()
 	holder := map[identity.NumericIdentity]netip.Prefix{}
 	for pfx, id := range answered {

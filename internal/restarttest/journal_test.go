@@ -215,14 +215,7 @@ func testKillDuringDurableAnswers(t *testing.T, bin string, flags []string, roun
 // checkAfterKill compares the restarted agent with what was answered.
 func checkAfterKill(t *testing.T, p *proc, prefixes, sets map[netip.Prefix]identity.NumericIdentity, holder map[identity.NumericIdentity]string) (lost, renumbered []string) {
 	t.Helper()
-	rows, err := parseRows(p.mustShell("ipcache/list", "-o", "json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	table := map[netip.Prefix]identity.NumericIdentity{}
-	for _, r := range rows {
-		table[r.Prefix] = r.Identity
-	}
+	table := p.tablePairs()
 	inMap := p.mapDump()
 	for pfx, id := range prefixes {
 		if table[pfx] != id || inMap[pfx] != id {

@@ -117,6 +117,20 @@ func (p *proc) mustShell(args ...string) string {
 	return out
 }
 
+// tablePairs returns the ipcache table as prefix -> identity.
+func (p *proc) tablePairs() map[netip.Prefix]identity.NumericIdentity {
+	p.t.Helper()
+	rows, err := parseRows(p.mustShell("ipcache/list", "-o", "json"))
+	if err != nil {
+		p.t.Fatalf("ipcache/list: %s", err)
+	}
+	m := make(map[netip.Prefix]identity.NumericIdentity, len(rows))
+	for _, r := range rows {
+		m[r.Prefix] = r.Identity
+	}
+	return m
+}
+
 // mapDump returns the datapath map as prefix -> identity.
 func (p *proc) mapDump() map[netip.Prefix]identity.NumericIdentity {
 	p.t.Helper()
