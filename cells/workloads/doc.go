@@ -1,6 +1,75 @@
-// Package workloads turns a Kubernetes Pod and its Namespace into the
-// security labels of the pod's identity, exactly as Cilium v1.16's agent
-// does, so that identityd and Cilium agents give one pod one identity.
+// Package workloads gives the pods of a node their security identities:
+// it turns a Kubernetes Pod and its Namespace into the security labels of
+// the pod's identity, exactly as Cilium v1.16's agent does, so that
+// identityd and Cilium agents give one pod one identity, allocates that
+// identity and puts the pod's IPs into the ipcache with it.
+//
+// # The cell
+//
+// Cell provides *Workloads when the hive has a Kubernetes client
+// (*k8sclient.Client: crd mode, or --k8s-kubeconfig-path or
+// --k8s-api-server set); without one it provides nil, logs once that pods
+// get no identities from this node, and starts nothing. It depends on
+// allocator.Allocator, *ipcache.IPCache, identity.ClusterInfo (the cluster
+// name label), identity.NodeName (--node-name), job and health.
+//
+// With --identity-management-mode=agent (Cilium's default, and the only
+// mode served; others are refused at start) each node serves its own pods:
+// a job lists and watches the pods whose spec.nodeName is this node (a
+// field selector: no node reads another node's pods) and all namespaces.
+// Once both are listed, for each pod:
+//
+//   - its identity labels are PodIdentityLabels of the pod and its
+//     namespace, with --label-prefix-file and --labels; a pod whose
+//     namespace is not known yet waits for it, keeping what it holds;
+//   - it holds one allocator reference on the identity of those labels,
+//     allocated for all changed pods of a pass in one batch; a failed
+//     allocation is counted and retried with a jittered backoff that grows
+//     to about a minute, and the pod keeps its previous identity meanwhile;
+//   - its IPs (status.podIPs, else status.podIP) are ipcache rows of the
+//     owner "pod/<namespace>/<name>", /32 and /128, with the identity given
+//     directly; an IP that leaves the pod leaves the ipcache, and an IP
+//     that is not an address is logged and left out;
+//   - when its labels (or its namespace's) change, the identity of the new
+//     labels is allocated, the rows get its number, and the old identity
+//     is released after --identity-change-grace-period; when the pod is
+//     deleted or ends (Succeeded, Failed), its rows leave the ipcache at
+//     once and its identity is released after the same grace period;
+//   - a host-network pod (spec.hostNetwork) uses the node's addresses and
+//     gets no identity and no row of its own.
+//
+// The cell registers an ipcache initializer in its constructor and marks
+// it done once every pod of the first listing holds its identity (or after
+// a bound, so that a store that is away does not keep stale entries
+// forever): the ipcache prunes nothing of the datapath map before, so a
+// restarted agent keeps every pod's entry, and allocates each pod's label
+// set again, which the store answers with the identity it already has.
+// Nothing is released before the first listing, and nothing on stop.
+//
+// # Flags
+//
+//	--identity-management-mode=agent       who allocates pods' identities
+//	--identity-change-grace-period=DURATION how long an old identity is held
+//	                                       after a relabel or a deletion
+//	                                       (default 5s, Cilium's)
+//	--label-prefix-file=PATH               Cilium's label prefix file
+//	--labels=PREFIX,...                    label prefixes added
+//
+// # Shell commands
+//
+//	workloads/list [namespace] [-o table|json|yaml]
+//
+// lists the node's pods: name, IPs, identity, state (ready, allocating,
+// allocation failed N times, waiting for its namespace, host network,
+// terminated) and identity labels.
+//
+// # Metrics
+//
+//	identityd_workloads_pods_without_identity       gauge
+//	identityd_workloads_identity_wait_seconds       histogram
+//	identityd_workloads_allocation_failures_total   counter
+//
+// # Labels
 //
 // PodLabels builds the labels of a pod before filtering, all of source k8s:
 //

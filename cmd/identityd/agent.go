@@ -23,6 +23,7 @@ import (
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/cells/workloads"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -45,6 +46,7 @@ var agentCells = []cell.Cell{
 	checkpoint.Cell,
 	ipcache.Cell,
 	restoration.Cell,
+	workloads.Cell,
 	// Restored state waits longer for its users when they get it from
 	// external kvstore endpoints, or from a Kubernetes API server in crd
 	// mode (where the client may be nil). The client, not only its config,
@@ -56,7 +58,7 @@ var agentCells = []cell.Cell{
 
 	// The agent exists to serve its cells; force the ones nothing else
 	// depends on to be constructed.
-	cell.Invoke(func(allocator.Allocator, *checkpoint.Checkpoint, *kvstore.Client, *ipcache.IPCache, *restoration.Restorer) {
+	cell.Invoke(func(allocator.Allocator, *checkpoint.Checkpoint, *kvstore.Client, *ipcache.IPCache, *restoration.Restorer, *workloads.Workloads) {
 	}),
 }
 

@@ -29,6 +29,7 @@ import (
 	"github.com/identityd/identityd/cells/restoration"
 	"github.com/identityd/identityd/cells/shell"
 	"github.com/identityd/identityd/cells/statedir"
+	"github.com/identityd/identityd/cells/workloads"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -54,6 +55,9 @@ func newHive(flags *pflag.FlagSet, myAgentCell cell.Cell) *hive.Hive {
 		// stores; in the other modes it starts nothing.
 		doublewrite.Cell,
 		checkpoint.Cell, ipcache.Cell, restoration.Cell,
+		// The identities of this node's pods, their IPs in the ipcache:
+		// only with a Kubernetes API server (crd mode, or a kubeconfig).
+		workloads.Cell,
 		// What --identity-restore-grace-period=0 stands for, as identityd --help
 		// says: 10m with external etcd endpoints (or the API server), 30s with the
 		// embedded etcd. Without it the restorer takes 30s everywhere.

@@ -1,0 +1,188 @@
+package workloads
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/cells/ipcache"
+	"github.com/identityd/identityd/cells/k8sclient"
+	"github.com/identityd/identityd/cells/metrics"
+	"github.com/identityd/identityd/identity"
+)
+
+// Cell gives the node's pods their identities when the hive has a
+// Kubernetes client (crd mode, or a kubeconfig or API server configured):
+// it provides *Workloads (nil without a client), the workloads/list
+// command and the workloads metrics. See the package documentation.
+var Cell = cell.Module(
+	"workloads",
+	"Identities of the pods of this node",
+
+	cell.Config(DefaultConfig),
+	cell.Provide(newCell, newCommands, newMetricsOut),
+)
+
+type params struct {
+	cell.In
+
+	Config    Config
+	Log       *slog.Logger
+	Lifecycle cell.Lifecycle
+	Jobs      job.Registry
+	Health    cell.Health `optional:"true"`
+	// Client is nil when the agent uses no Kubernetes API server: the
+	// cell is off.
+	Client    *k8sclient.Client `optional:"true"`
+	Node      identity.NodeName `optional:"true"`
+	Cluster   identity.ClusterInfo
+	Allocator allocator.Allocator
+	IPCache   *ipcache.IPCache
+}
+
+// ErrNoNodeName: the cell needs this node's name to select its pods.
+var ErrNoNodeName = errors.New("workloads: no node name (--node-name) to select this node's pods")
+
+func newCell(p params) (*Workloads, error) {
+	if err := p.Config.Validate(); err != nil {
+		return nil, err
+	}
+	filter, err := p.Config.filter()
+	if err != nil {
+		return nil, err
+	}
+	h := health.OrDetached(p.Health)
+	if p.Client == nil {
+		const off = "No Kubernetes API server in use (neither crd mode nor --k8s-kubeconfig-path or --k8s-api-server): pods get no identities from this node"
+		p.Log.Info(off)
+		h.OK(off)
+		return nil, nil
+	}
+	if p.Node == "" {
+		return nil, ErrNoNodeName
+	}
+	m := newWorkloadMetrics()
+	w := newWorkloads(p.Log, p.Config, filter, string(p.Node), p.Cluster.Name, p.Allocator, p.IPCache, m)
+	// Registered before any hook runs: the ipcache prunes nothing of the
+	// datapath map until the pods of the first listing are back in it.
+	w.initDone = p.IPCache.RegisterInitializer("workloads")
+	client := p.Client
+	p.Jobs.NewGroup(h).Add(job.OneShot("workloads", func(ctx context.Context, h cell.Health) error {
+		cfg := client.RESTConfig()
+		if cfg == nil {
+			return errors.New("workloads: the Kubernetes client has no connection settings (its start did not succeed)")
+		}
+		core, err := corev1client.NewForConfig(cfg)
+		if err != nil {
+			return fmt.Errorf("workloads: %w", err)
+		}
+		return w.run(ctx, h, core)
+	}))
+	return w, nil
+}
+
+func newMetricsOut(w *Workloads) metrics.CollectorOut {
+	if w == nil {
+		return metrics.CollectorOut{}
+	}
+	return metrics.NewCollector(w.metrics)
+}
+
+// run watches the node's pods and the namespaces, and serves the pods once
+// both are listed.
+func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.CoreV1Interface) error {
+	logger := logr.FromSlogHandler(w.log.Handler())
+	nodeSelector := fields.OneTermEqualSelector("spec.nodeName", w.node).String()
+	podLW := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			opts.FieldSelector = nodeSelector
+			return core.Pods(metav1.NamespaceAll).List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			opts.FieldSelector = nodeSelector
+			return core.Pods(metav1.NamespaceAll).Watch(ctx, opts)
+		},
+	}
+	nsLW := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			return core.Namespaces().List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			return core.Namespaces().Watch(ctx, opts)
+		},
+	}
+	podKey := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			w.markDirty(key)
+		}
+	}
+	podStore, podCtl := cache.NewInformerWithOptions(cache.InformerOptions{
+		Logger:        &logger,
+		ListerWatcher: podLW,
+		ObjectType:    &corev1.Pod{},
+		Handler: cache.ResourceEventHandlerFuncs{
+			AddFunc:    podKey,
+			UpdateFunc: func(_, obj any) { podKey(obj) },
+			DeleteFunc: podKey,
+		},
+		Indexers: cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc},
+	})
+	w.src.pods = podStore.(cache.Indexer)
+	nsName := func(obj any) string {
+		key, _ := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+		return key
+	}
+	nsStore, nsCtl := cache.NewInformerWithOptions(cache.InformerOptions{
+		Logger:        &logger,
+		ListerWatcher: nsLW,
+		ObjectType:    &corev1.Namespace{},
+		Handler: cache.ResourceEventHandlerFuncs{
+			AddFunc: func(obj any) { w.markNamespace(nsName(obj)) },
+			UpdateFunc: func(old, obj any) {
+				o, _ := old.(*corev1.Namespace)
+				n, _ := obj.(*corev1.Namespace)
+				if o == nil || n == nil || !maps.Equal(o.Labels, n.Labels) {
+					w.markNamespace(nsName(obj))
+				}
+			},
+			DeleteFunc: func(obj any) { w.markNamespace(nsName(obj)) },
+		},
+	})
+	w.src.namespaces = nsStore
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan struct{}, 2)
+	go func() { podCtl.RunWithContext(ctx); done <- struct{}{} }()
+	go func() { nsCtl.RunWithContext(ctx); done <- struct{}{} }()
+	defer func() { <-done; <-done }()
+
+	h.OK("Listing this node's pods and the namespaces")
+	start := time.Now()
+	if !cache.WaitForCacheSync(ctx.Done(), podCtl.HasSynced, nsCtl.HasSynced) {
+		return nil // stopped
+	}
+	w.log.Info("Listed this node's pods and the namespaces", "node", w.node, "pods", len(podStore.ListKeys()),
+		"namespaces", len(nsStore.ListKeys()), "duration", time.Since(start))
+	w.initDeadline = w.now().Add(initialHoldBound)
+	w.markDirty(podStore.ListKeys()...)
+	h.OK("Serving this node's pods")
+	w.serve(ctx)
+	return nil
+}
