@@ -109,22 +109,38 @@ func newMetricsOut(w *Workloads) metrics.CollectorOut {
 func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.CoreV1Interface) error {
 	logger := logr.FromSlogHandler(w.log.Handler())
 	nodeSelector := fields.OneTermEqualSelector("spec.nodeName", w.node).String()
+	// A failed listing or watch shows in the module's health message,
+	// not in readiness: the node's other identities are served all the
+	// same, and client-go retries with its backoff.
+	report := func(what string, err error) {
+		if err != nil && ctx.Err() == nil {
+			h.OK(fmt.Sprintf("%s failed, retrying: %v", what, err))
+		}
+	}
 	podLW := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 			opts.FieldSelector = nodeSelector
-			return core.Pods(metav1.NamespaceAll).List(ctx, opts)
+			l, err := core.Pods(metav1.NamespaceAll).List(ctx, opts)
+			report("Listing this node's pods", err)
+			return l, err
 		},
 		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
 			opts.FieldSelector = nodeSelector
-			return core.Pods(metav1.NamespaceAll).Watch(ctx, opts)
+			wi, err := core.Pods(metav1.NamespaceAll).Watch(ctx, opts)
+			report("Watching this node's pods", err)
+			return wi, err
 		},
 	}
 	nsLW := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
-			return core.Namespaces().List(ctx, opts)
+			l, err := core.Namespaces().List(ctx, opts)
+			report("Listing the namespaces", err)
+			return l, err
 		},
 		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-			return core.Namespaces().Watch(ctx, opts)
+			wi, err := core.Namespaces().Watch(ctx, opts)
+			report("Watching the namespaces", err)
+			return wi, err
 		},
 	}
 	podKey := func(obj any) {
@@ -174,13 +190,24 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 	defer func() { <-done; <-done }()
 
 	h.OK("Listing this node's pods and the namespaces")
-	start := time.Now()
-	if !cache.WaitForCacheSync(ctx.Done(), podCtl.HasSynced, nsCtl.HasSynced) {
-		return nil // stopped
+	start := w.now()
+	w.initDeadline = start.Add(initialHoldBound)
+	poll := time.NewTicker(100 * time.Millisecond)
+	defer poll.Stop()
+	for !podCtl.HasSynced() || !nsCtl.HasSynced() {
+		if w.initDone != nil && !w.now().Before(w.initDeadline) {
+			w.log.Warn("This node's pods are not listed yet: the ipcache may now prune their entries from the datapath map", "after", initialHoldBound)
+			w.initDone()
+			w.initDone = nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-poll.C:
+		}
 	}
 	w.log.Info("Listed this node's pods and the namespaces", "node", w.node, "pods", len(podStore.ListKeys()),
-		"namespaces", len(nsStore.ListKeys()), "duration", time.Since(start))
-	w.initDeadline = w.now().Add(initialHoldBound)
+		"namespaces", len(nsStore.ListKeys()), "duration", w.now().Sub(start))
 	w.markDirty(podStore.ListKeys()...)
 	h.OK("Serving this node's pods")
 	w.serve(ctx)

@@ -46,6 +46,14 @@
 // set again, which the store answers with the identity it already has.
 // Nothing is released before the first listing, and nothing on stop.
 //
+// # Health
+//
+// The module's health says what the job does (listing, serving) and, after
+// a failed listing or watch, which one failed and why; client-go retries
+// it with its backoff. It stays OK: the node serves its other identities
+// all the same, so readiness does not depend on the pods being listed.
+// Each failed allocation and each failed ipcache write is logged.
+//
 // # Flags
 //
 //	--identity-management-mode=agent       who allocates pods' identities
