@@ -1163,6 +1163,9 @@ func TestDeployRBACDocumented(t *testing.T) {
 			t.Errorf("RBAC table row %q: want one group, resources and verbs, each in backquotes", strings.TrimSpace(line))
 			continue
 		}
+		if groups[0] == `""` {
+			groups[0] = "" // the core group, as a ClusterRole writes it
+		}
 		for _, v := range verbs {
 			if len(verbs) > 1 && !strings.Contains(why, "`"+v+"`") {
 				t.Errorf("RBAC table row of %v: the verb %s is not explained (`%s` in the last column)", resources, v, v)
