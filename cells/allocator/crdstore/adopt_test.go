@@ -2,9 +2,11 @@ package crdstore
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -12,9 +14,13 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
+	clientv3 "go.etcd.io/etcd/client/v3"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/uuid"
 
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/idprobe"
+	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
 
@@ -94,7 +100,9 @@ func rulePicks(t *testing.T, cli *client, cluster identity.ClusterInfo, sets []l
 // set, node-c starts after all) allocate every set, a and b at once in the
 // same order, c in another: every node answers the rule's ID for every
 // set. node-a, seeing nothing, creates an object of every set on its probe
-// sequence, younger than Cilium's, and must not use it.
+// sequence, seconds younger than Cilium's: within the head start of the
+// sequence's objects, the rule's pick, which b and c, whose caches show
+// Cilium's young objects first, must find at the server.
 func TestDuplicatesOneAnswer(t *testing.T) {
 	t.Parallel()
 	setCount := 200
@@ -176,8 +184,8 @@ func TestDuplicatesOneAnswer(t *testing.T) {
 	for i, j := range shuffled {
 		got[2][j] = cGot[i]
 	}
-	// The rule again, in case objects came since (node-a's creates are
-	// younger than Cilium's and change nothing).
+	// The rule on the objects there are now: node-a's creates, and any
+	// other node's, came after the first look.
 	want = rulePicks(t, cli, cluster, sets)
 	wrong := 0
 	for n, name := range []string{"node-a", "node-b", "node-c"} {
@@ -253,10 +261,11 @@ next:
 	return ""
 }
 
-// TestSplitConverges forces a split: node-a adopts a Cilium agent's only
-// object X of a label set; a Cilium agent creates Y; X is deleted behind
-// the nodes' backs and node-a, which uses it, creates it again, now
-// younger than Y. The rule picks Y from then on: node-b, and node-a once
+// TestSplitConverges forces a split: node-a creates X, a label set's
+// object on its probe sequence; a writer creates Y further along the
+// sequence, within the stretch where the rule ranks objects alike
+// (seqReach); X is deleted behind the nodes' backs and node-a, which uses
+// it, creates it again, now younger than Y. The rule picks Y from then on: node-b, and node-a once
 // its holders released X, get Y; until then node-a keeps X and reports
 // the split (log naming both IDs, metric, a health message of
 // identity-splits that says degraded) while it stays ready: its health
@@ -267,7 +276,6 @@ func TestSplitConverges(t *testing.T) {
 	rc := srv.RESTConfig()
 	cli := newClient(t, rc)
 	cluster := identity.ClusterInfo{Name: "default"}
-	w := newCiliumWriter(t, cli, cluster)
 	logged := &splitErrorLog{}
 	var healthA *cell.SimpleHealth
 	a := startNode(t, rc, "node-a", func(o *nodeOpts) {
@@ -277,17 +285,15 @@ func TestSplitConverges(t *testing.T) {
 	b := startNode(t, rc, "node-b")
 	lbls := labels.MustParse("k8s:app=split", "k8s:io.kubernetes.pod.namespace=prod")
 
-	x := w.create(lbls)
-	require(t, 30*time.Second, func() error {
-		if a.store.ids.get(x) == nil {
-			return fmt.Errorf("node-a has not seen %d yet", x)
-		}
-		return nil
-	})
-	if got, _ := a.allocate(t, lbls); got != x {
-		t.Fatalf("node-a allocated %d, want the only object %d", got, x)
+	x, created := a.allocate(t, lbls)
+	if !created {
+		t.Fatalf("node-a adopted %d, want a new object", x)
 	}
-	y := w.create(lbls)
+	p := idprobe.New(lbls.Canonical(), cluster)
+	pos, _ := p.Position(x)
+	y := p.Slot(pos + 1)
+	objLabels, _ := objectLabels(lbls)
+	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: y.String(), Labels: objLabels}, SecurityLabels: securityLabels(lbls)})
 	objY, err := cli.identity(t, y)
 	if err != nil {
 		t.Fatal(err)
@@ -351,5 +357,226 @@ func TestSplitConverges(t *testing.T) {
 	})
 	if got, _ := a.allocate(t, lbls); got != y {
 		t.Errorf("node-a allocated %d after the release, want the rule's %d", got, y)
+	}
+}
+
+// writeLate stores, straight in the API server's etcd, a copy of the
+// object of from under the name of id, with from's creationTimestamp: an
+// object created in that second whose write reached etcd, and so every
+// watch, only now (a create the API server stamped, then wrote seconds
+// later). Like the API server's create, it writes only a name that holds
+// nothing; false when the name holds an object.
+func writeLate(t *testing.T, srv *k8stest.Server, from, id identity.NumericIdentity) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	etcd := srv.EtcdCluster().Client(t)
+	dir := srv.EtcdPrefix() + "/" + CiliumGroup + "/ciliumidentities/"
+	got, err := etcd.Get(ctx, dir+from.String())
+	if err != nil || len(got.Kvs) != 1 {
+		t.Fatalf("reading %s%d from etcd: %v (%d keys)", dir, from, err, len(got.Kvs))
+	}
+	var obj map[string]any
+	if err := json.Unmarshal(got.Kvs[0].Value, &obj); err != nil {
+		t.Fatalf("%s%d does not hold JSON: %v", dir, from, err)
+	}
+	meta, _ := obj["metadata"].(map[string]any)
+	if meta == nil || meta["creationTimestamp"] == nil {
+		t.Fatalf("%s%d has no metadata.creationTimestamp: %s", dir, from, got.Kvs[0].Value)
+	}
+	meta["name"], meta["uid"] = id.String(), string(uuid.NewUUID())
+	val, err := json.Marshal(obj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := dir + id.String()
+	res, err := etcd.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).Then(clientv3.OpPut(key, string(val))).Commit()
+	if err != nil {
+		t.Fatalf("writing %s: %v", key, err)
+	}
+	return res.Succeeded
+}
+
+// TestTieSeenLate is the tie of two identityd nodes beside a Cilium agent:
+// an agent creates a label set's object off its probe sequence, and node-b,
+// whose cache shows only that one, allocates the set; node-a's object of
+// the set on the sequence, stamped in the same second, reaches the API
+// server's etcd only after node-b answered (writeLate: a create the server
+// was slow to write). node-a, whose cache then shows both, allocates the
+// set: both nodes must answer the same ID, and it must be the rule's on
+// the server's objects. Deciding on a listing made after the creation
+// second, as before, node-b took Cilium's object and node-a, by the tie,
+// its own, for every set.
+func TestTieSeenLate(t *testing.T) {
+	t.Parallel()
+	const setCount = 3
+	srv := startServer(t)
+	rc := srv.RESTConfig()
+	cli := newClient(t, rc)
+	cluster := identity.ClusterInfo{Name: "default"}
+	a := startNode(t, rc, "node-a")
+	b := startNode(t, rc, "node-b")
+	sets := make([]labels.Labels, setCount)
+	cilium := make([]identity.NumericIdentity, setCount)
+	for i := range sets {
+		sets[i] = labels.MustParse(fmt.Sprintf("k8s:app=tie-%d", i), "k8s:io.kubernetes.pod.namespace=tie")
+		// Far along the sequence, as a Cilium agent's random ID is.
+		cilium[i] = idprobe.New(sets[i].Canonical(), cluster).Slot(1000 + uint64(i))
+		objLabels, _ := objectLabels(sets[i])
+		cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: cilium[i].String(), Labels: objLabels}, SecurityLabels: securityLabels(sets[i])})
+	}
+	require(t, 30*time.Second, func() error {
+		for _, id := range cilium {
+			if b.store.ids.get(id) == nil {
+				return fmt.Errorf("node-b has not seen %d yet", id)
+			}
+		}
+		return nil
+	})
+	late := 0
+	for i, l := range sets {
+		idB, _ := b.allocate(t, l)
+		walk := idprobe.New(l.Canonical(), cluster).Slot(0)
+		if writeLate(t, srv, cilium[i], walk) {
+			late++
+		}
+		// node-a's cache shows every object of the set before it
+		// allocates.
+		require(t, 30*time.Second, func() error {
+			for _, o := range cli.identities(t) {
+				if id, _ := parseName(o.Name); a.store.ids.get(id) == nil {
+					return fmt.Errorf("node-a has not seen %s yet", o.Name)
+				}
+			}
+			return nil
+		})
+		idA, _ := a.allocate(t, l)
+		if idA != idB {
+			t.Errorf("%s: node-a answers %d, node-b %d (Cilium's object %d, the sequence's first slot %d)", l, idA, idB, cilium[i], walk)
+		}
+		if want := rulePicks(t, cli, cluster, sets[i:i+1])[0]; idB != want {
+			t.Errorf("%s: node-b answers %d, the rule on the server's objects %d", l, idB, want)
+		}
+	}
+	t.Logf("%d of %d objects on the sequence written late", late, setCount)
+}
+
+// serverRequests returns the API server's count of requests for
+// CiliumIdentity objects by verb, watches left out (their count moves when
+// one ends).
+func serverRequests(tb testing.TB, srv *k8stest.Server) map[string]float64 {
+	tb.Helper()
+	raw, err := k8stest.GetRaw(context.Background(), srv.RESTConfig(), "/metrics")
+	if err != nil {
+		tb.Fatalf("reading the API server's metrics: %v", err)
+	}
+	out := map[string]float64{}
+	for line := range strings.Lines(string(raw)) {
+		if !strings.HasPrefix(line, "apiserver_request_total{") || !strings.Contains(line, `resource="ciliumidentities"`) {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, `verb="`)
+		verb, _, _ := strings.Cut(rest, `"`)
+		fields := strings.Fields(line)
+		v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+		if err != nil {
+			tb.Fatalf("metrics line %q: %v", line, err)
+		}
+		if verb != "WATCH" {
+			out[verb] += v
+		}
+	}
+	return out
+}
+
+// TestAdoptDuplicatesRequests: a node that starts after the objects of
+// its label sets exist, half of them duplicated (the other object at a
+// random ID, as a Cilium agent makes one, older by a second than the one
+// on the sequence for a quarter, younger for another quarter), a few
+// marked, adopts each set with at most one request (the removal of a
+// mark), and no listing, counted at the API server; and answers the
+// rule's ID for every set. Deciding a duplicated set on a listing of its
+// objects, as before, cost a listing per set whose older object is off
+// the sequence, each a scan of every object at the server.
+func TestAdoptDuplicatesRequests(t *testing.T) {
+	t.Parallel()
+	setCount := 200
+	if testing.Short() {
+		setCount = 80
+	}
+	srv := startServer(t)
+	rc := srv.RESTConfig()
+	cli := newClient(t, rc)
+	cluster := identity.ClusterInfo{Name: "default"}
+	w := newCiliumWriter(t, cli, cluster)
+	sets := make([]labels.Labels, setCount)
+	for i := range sets {
+		sets[i] = labels.MustParse(fmt.Sprintf("k8s:app=late-%d", i), "k8s:io.kubernetes.pod.namespace=late")
+	}
+	// The objects a node's walk places: the first slot of each set's
+	// sequence that no other holds.
+	placed := func(l labels.Labels) identity.NumericIdentity {
+		p := idprobe.New(l.Canonical(), cluster)
+		for i := uint64(0); ; i++ {
+			if id := p.Slot(i); !w.used[id] {
+				w.used[id] = true
+				objLabels, _ := objectLabels(l)
+				cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: id.String(), Labels: objLabels}, SecurityLabels: securityLabels(l)})
+				return id
+			}
+		}
+	}
+	var objects int
+	for i, l := range sets {
+		if i%4 == 0 {
+			w.create(l)
+			objects++
+		}
+	}
+	time.Sleep(1100 * time.Millisecond)
+	marked := 0
+	for i, l := range sets {
+		id := placed(l)
+		objects++
+		if i%8 == 2 {
+			cli.mark(t, id)
+			marked++
+		}
+		if i%4 == 1 {
+			w.create(l)
+			objects++
+		}
+	}
+	late := startNode(t, rc, "node-late")
+	require(t, 30*time.Second, func() error {
+		if objs, _ := late.store.ids.Objects(); len(objs) != objects {
+			return fmt.Errorf("node-late's cache shows %d of %d objects", len(objs), objects)
+		}
+		return nil
+	})
+	before := serverRequests(t, srv)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	got, err := allocateAll(ctx, late, sets, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := serverRequests(t, srv)
+	total := 0.0
+	for verb, v := range after {
+		total += v - before[verb]
+	}
+	t.Logf("%d label sets (%d objects, %d marked) adopted with %.0f requests: %v before, %v after", setCount, objects, marked, total, before, after)
+	if lists := after["LIST"] - before["LIST"]; lists != 0 {
+		t.Errorf("%.0f listings of CiliumIdentity objects for %d adopted label sets, want none", lists, setCount)
+	}
+	if total > float64(marked) {
+		t.Errorf("%.0f requests for %d adopted label sets of which %d marked, want at most one per marked set", total, setCount, marked)
+	}
+	want := rulePicks(t, cli, cluster, sets)
+	for i, l := range sets {
+		if got[i] != want[i] {
+			t.Errorf("%s: node-late answers %d, the rule %d", l, got[i], want[i])
+		}
 	}
 }

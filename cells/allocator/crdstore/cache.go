@@ -405,7 +405,7 @@ func (c *identityCache) splits() map[string]splitObjects {
 	defer c.mu.RUnlock()
 	out := make(map[string]splitObjects, len(c.multi))
 	for key := range c.multi {
-		pick, _ := c.pickLocked(key, c.byKey[key], nil)
+		pick := c.pickLocked(key, c.byKey[key])
 		if pick == nil {
 			continue
 		}
@@ -515,81 +515,133 @@ func (c *identityCache) get(id identity.NumericIdentity) *entry {
 	return c.byID[id]
 }
 
+// The rule that picks one object among a label set's objects (pickLocked)
+// gives the objects identityd's walks place a head start over the others.
+const (
+	// seqReach is how far along its label set's probe sequence an object
+	// counts as placed on it: identityd's walk puts an object at the
+	// first slot that is free or the set's, which in a range less than
+	// half full is within the first few; a Cilium agent's random ID is
+	// there once in about a thousand.
+	seqReach = 64
+	// walkHeadStart is how much earlier than its creation an object on
+	// the sequence counts as created, against the objects off it. It
+	// exceeds the time from an object's creationTimestamp to its
+	// visibility (the API server's write to etcd), so that an object
+	// off the sequence that a node sees only after the object on it
+	// cannot overturn what that node answered.
+	walkHeadStart = 30 * time.Second
+	// maxCacheLag is how far behind the API server a node's cache may
+	// be, its write of an object included (docs/crd-store.md): an object
+	// created earlier is in the cache.
+	maxCacheLag = time.Minute
+)
+
 // lookup returns the label set's identity by the rule of the design
-// (pick): the oldest of its objects; of several created in the same
-// second, the first one the walk of its probe sequence reaches before a
-// free slot, else the one of the smallest ID. Every node whose cache holds
-// the same objects picks the same one.
+// (pickLocked). Every node whose cache holds the same objects of the set
+// picks the same one, whatever else it holds.
 func (c *identityCache) lookup(key string) *entry {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	e, _ := c.pickLocked(key, c.byKey[key], nil)
-	return e
+	return c.pickLocked(key, c.byKey[key])
 }
 
-// pickCached is lookup, and tells whether the pick is the object on the
-// walk of the label set's probe sequence.
-func (c *identityCache) pickCached(key string) (*entry, bool) {
+// pickSettled is lookup, and tells whether no object the cache does not
+// show yet can overturn the pick: either the cache shows the object the
+// walk of the set's probe sequence reaches first, so it shows every
+// object that became visible before it, and one that became visible
+// after was created too late to win (walkHeadStart); or the pick ranks
+// before anything created since maxCacheLag before now.
+func (c *identityCache) pickSettled(key string, now time.Time) (*entry, bool) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	return c.pickLocked(key, c.byKey[key], nil)
+	pick := c.pickLocked(key, c.byKey[key])
+	if pick == nil {
+		return nil, false
+	}
+	if c.walkFirstLocked(key) != nil {
+		return pick, true
+	}
+	ranked, _ := c.rankLocked(pick)
+	// rank counts whole seconds: one more for the truncation.
+	return pick, ranked.Add(maxCacheLag + time.Second).Before(now)
+}
+
+// outranksNew reports whether e ranks before any object of its label set
+// created from now on, wherever on the sequence: a second for the
+// truncation of creationTimestamp, and one for the difference of the
+// node's clock and the API server's.
+func (c *identityCache) outranksNew(e *entry, now time.Time) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	at, _ := c.rankLocked(e)
+	return at.Add(walkHeadStart + 2*time.Second).Before(now)
 }
 
 // pickListed applies the rule to es, the objects of key a listing
-// returned, with the cache's objects holding the other slots of the walk.
-func (c *identityCache) pickListed(key string, es []*entry) (*entry, bool) {
-	byID := make(map[identity.NumericIdentity]*entry, len(es))
-	for _, e := range es {
-		byID[e.id] = e
-	}
+// returned.
+func (c *identityCache) pickListed(key string, es []*entry) *entry {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	return c.pickLocked(key, es, byID)
+	return c.pickLocked(key, es)
 }
 
 // pickLocked applies the rule to es, the objects of key. A label set has
-// more than one object only where a writer that does not follow the
-// placement (a Cilium agent) created one: then the oldest is the only
-// choice that an object created later cannot overturn, so that a node
-// that adopted it agrees with every node that allocates after
-// (creationTimestamp counts whole seconds; within one, the object on the
-// walk, then the smallest ID). own, when set, holds the label set's
-// objects by ID in place of the cache's. onWalk tells whether the pick is
-// the first object of key the walk reaches. Under mu.
-func (c *identityCache) pickLocked(key string, es []*entry, own map[identity.NumericIdentity]*entry) (pick *entry, onWalk bool) {
-	if len(es) == 0 {
-		return nil, false
-	}
-	oldest := es[0].created()
-	for _, e := range es[1:] {
-		if t := e.created(); t.Before(oldest) {
-			oldest = t
+// more than one object where a writer that does not follow the placement
+// (a Cilium agent, a migration) created one. The pick is the object of
+// the earliest rank: its creation second, less walkHeadStart for an object
+// within seqReach of the start of the set's probe sequence; of the same
+// rank, the one earliest on the sequence. The rank depends on the object
+// alone, never on the cache's other objects, so nodes whose caches differ
+// elsewhere pick alike, and an object created later than walkHeadStart
+// after the pick cannot overturn it. Under mu.
+func (c *identityCache) pickLocked(key string, es []*entry) *entry {
+	if len(es) <= 1 {
+		if len(es) == 0 {
+			return nil
 		}
+		return es[0]
 	}
-	if w := c.walkFirstLocked(key, own); w != nil && w.created().Equal(oldest) {
-		return w, true
-	}
+	p := c.rng.probe(key)
+	var (
+		pick    *entry
+		pickAt  time.Time
+		pickPos uint64
+	)
 	for _, e := range es {
-		if e.created().Equal(oldest) && (pick == nil || e.id < pick.id) {
-			pick = e
+		at, pos := rank(p, e)
+		if pick == nil || at.Before(pickAt) || (at.Equal(pickAt) && pos < pickPos) {
+			pick, pickAt, pickPos = e, at, pos
 		}
 	}
-	return pick, false
+	return pick
+}
+
+// rankLocked is rank on the probe sequence of e's label set. Under mu.
+func (c *identityCache) rankLocked(e *entry) (time.Time, uint64) {
+	return rank(c.rng.probe(e.key), e)
+}
+
+// rank is e's place in the rule's order on p, its label set's probe
+// sequence: the time it counts as created, then its position.
+func rank(p idprobe.Sequence, e *entry) (at time.Time, pos uint64) {
+	pos, ok := p.Position(e.id)
+	if !ok {
+		pos = p.Len()
+	}
+	at = e.created()
+	if pos < seqReach {
+		at = at.Add(-walkHeadStart)
+	}
+	return at, pos
 }
 
 // walkFirstLocked returns the first object of key the walk of its probe
 // sequence reaches before a free slot, or nil. Under mu.
-func (c *identityCache) walkFirstLocked(key string, own map[identity.NumericIdentity]*entry) *entry {
+func (c *identityCache) walkFirstLocked(key string) *entry {
 	p := c.rng.probe(key)
 	for i := uint64(0); i < p.Len(); i++ {
-		id := p.Slot(i)
-		e := own[id]
-		if e == nil {
-			if e = c.byID[id]; e != nil && e.key == key && own != nil {
-				// Not in the listing: gone since the cache saw it.
-				e = nil
-			}
-		}
+		e := c.byID[p.Slot(i)]
 		if e == nil {
 			return nil
 		}

@@ -82,8 +82,11 @@ func TestCacheIgnoresMalformedObjects(t *testing.T) {
 }
 
 // TestCacheLookupRule checks the design's rule for a label set with several
-// objects: the oldest; of several created in the same second, the first
-// one on its probe sequence before a free slot, else the smallest ID.
+// objects: the earliest creation second, an object near the start of the
+// set's probe sequence counting walkHeadStart earlier; of the same rank,
+// the one earliest on the sequence. The cache settles the pick alone when
+// it shows the walk's first object of the set, or when the pick is older
+// than its lag.
 func TestCacheLookupRule(t *testing.T) {
 	cluster := identity.ClusterInfo{Name: "default"}
 	l := labels.MustParse("k8s:app=web")
@@ -91,38 +94,61 @@ func TestCacheLookupRule(t *testing.T) {
 	other := func(i int) labels.Labels { return labels.MustParse("k8s:other=" + string(rune('a'+i))) }
 	now := time.Now().Truncate(time.Second)
 	c := newIdentityCache(hivetest.Logger(t), cluster, cacheHooks{})
-	// slot 0 and 1 held by others, slot 2 by l (newest), a random far
-	// slot by l (oldest).
-	far := p.Slot(1000)
+	pick := func(want identity.NumericIdentity, settled bool, why string) {
+		t.Helper()
+		e, ok := c.pickSettled(l.Canonical(), now)
+		if e == nil || e.id != want || ok != settled {
+			t.Fatalf("%s: pick = %v (settled %v), want %d (settled %v)", why, e, ok, want, settled)
+		}
+		if e := c.lookup(l.Canonical()); e == nil || e.id != want {
+			t.Fatalf("%s: lookup = %v, want %d", why, e, want)
+		}
+	}
+	// Slots 0 and 1 held by others, slot 2 by l; far slots by l, off the
+	// sequence.
+	far, farther := p.Slot(1000), p.Slot(2000)
 	objs := []any{
 		object(p.Slot(0), other(0), now),
 		object(p.Slot(1), other(1), now),
-		object(p.Slot(2), l, now),
-		object(far, l, now.Add(-time.Hour)),
+		object(far, l, now.Add(-walkHeadStart+time.Second)),
 	}
 	if err := c.Replace(objs, "1"); err != nil {
 		t.Fatal(err)
 	}
-	if e, onWalk := c.pickCached(l.Canonical()); e == nil || e.id != far || onWalk {
-		t.Fatalf("pick = %v (on the walk %v), want the oldest (%d), off the walk", e, onWalk, far)
+	// Young, off the sequence, and no object of l on the walk: a node
+	// must look at the walk's slot at the server before it adopts it.
+	pick(far, false, "one young object off the sequence")
+	// The walk's object, created walkHeadStart-1s after the far one,
+	// wins, and the cache shows everything visible before it.
+	if err := c.Update(object(p.Slot(2), l, now)); err != nil {
+		t.Fatal(err)
 	}
+	pick(p.Slot(2), true, "the walk's object created within the head start")
 	if c.splitKeys.Load() != 1 || c.splitsTotal.Load() != 1 {
 		t.Errorf("split counts %d/%d, want 1/1", c.splitKeys.Load(), c.splitsTotal.Load())
 	}
-	// The far one created in the same second (its fraction is not
-	// kept): the one on the walk wins the tie.
-	if err := c.Update(object(far, l, now.Add(300*time.Millisecond))); err != nil {
+	// Off the sequence, older than the head start: the far one.
+	if err := c.Update(object(far, l, now.Add(-walkHeadStart-time.Second))); err != nil {
 		t.Fatal(err)
 	}
-	if e, onWalk := c.pickCached(l.Canonical()); e == nil || e.id != p.Slot(2) || !onWalk {
-		t.Fatalf("pick = %v (on the walk %v), want slot 2 (%d), on the walk", e, onWalk, p.Slot(2))
-	}
-	// With slot 1 free, no object of l is on the walk: the smallest ID.
+	pick(far, true, "an object off the sequence older than the head start")
+	// Two off the sequence of the same second, and no walk object: the
+	// one earlier on the sequence; settled only once older than the
+	// cache's lag.
 	if err := c.Delete(objs[1]); err != nil {
 		t.Fatal(err)
 	}
-	want := min(far, p.Slot(2))
-	if e := c.lookup(l.Canonical()); e == nil || e.id != want {
-		t.Fatalf("lookup = %v, want the smallest ID %d", e, want)
+	if err := c.Update(object(farther, l, now.Add(-walkHeadStart-time.Second))); err != nil {
+		t.Fatal(err)
 	}
+	if err := c.Delete(object(p.Slot(2), l, now)); err != nil {
+		t.Fatal(err)
+	}
+	pick(far, false, "two young objects off the sequence")
+	for _, id := range []identity.NumericIdentity{far, farther} {
+		if err := c.Update(object(id, l, now.Add(-maxCacheLag-2*time.Second))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pick(far, true, "two old objects off the sequence")
 }

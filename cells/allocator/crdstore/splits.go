@@ -81,12 +81,12 @@ func (c *identityCache) placedByWalkLocked(e *entry) bool {
 func (c *identityCache) reportDuplicateLocked(key string, es []*entry) {
 	ids := []identity.NumericIdentity{es[0].id, es[1].id}
 	if c.placedByWalkLocked(es[0]) && c.placedByWalkLocked(es[1]) {
-		c.log.Error("A global label set has two CiliumIdentity objects placed by identityd nodes; identityd nodes that allocate it use the oldest",
+		c.log.Error("A global label set has two CiliumIdentity objects placed by identityd nodes; identityd nodes that allocate it use the one the rule picks",
 			"labels", key, "ids", ids)
 		return
 	}
 	c.foreignSplits.Add(1)
-	c.log.Info("A global label set has a second CiliumIdentity object, placed by a Cilium agent or a migration, as happens beside Cilium's agents; identityd nodes that allocate it use the oldest",
+	c.log.Info("A global label set has a second CiliumIdentity object, placed by a Cilium agent or a migration, as happens beside Cilium's agents; identityd nodes that allocate it use the one the rule picks",
 		"labels", key, "ids", ids)
 }
 

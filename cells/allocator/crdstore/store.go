@@ -49,10 +49,6 @@ const (
 	// allocation found or created, before the allocation lists the label
 	// set's objects instead.
 	settleWait = time.Second
-	// tieMargin is added to the end of an object's creation second before
-	// a listing counts as made after it: the node's clock and the API
-	// server's may differ.
-	tieMargin = 500 * time.Millisecond
 	// listPage is the page size of the label set's listing.
 	listPage = 500
 )
@@ -479,6 +475,10 @@ type allocation struct {
 	// waited: the allocation has waited once for nodes that rank
 	// before this one (contention.go).
 	waited bool
+	// readOnly: the walk reads the slots the cache shows free instead of
+	// creating there, since an object created now could not win against
+	// the cache's pick (find).
+	readOnly bool
 	// adopted is the ID whose object find adopted (its mark removed).
 	adopted identity.NumericIdentity
 	// walkStart is when the current walk first looked at the cache;
@@ -533,7 +533,7 @@ func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (i
 		if err == nil && pick.id != id && created {
 			// Left to the garbage collection: no node that
 			// follows the rule uses it.
-			s.log.Info("Created a CiliumIdentity for a label set that had an older one this node's cache did not show yet; using the older",
+			s.log.Info("Created a CiliumIdentity for a label set whose older object the rule picks; using the older",
 				"labels", key, "created", id, "used", pick.id)
 		}
 		if err == nil && pick.id == id && (created || a.adopted == id) {
@@ -556,16 +556,16 @@ func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (i
 }
 
 // settle returns the object the rule picks for the label set, given id,
-// the object the walk found or created for it. Once the cache shows that
-// object it holds every object created before it, and an object created
-// after is younger: when the cache's pick is the object on the walk, no
-// later object can overturn it, and the cache decides without a request.
-// Otherwise (objects a Cilium agent placed at random, or a watch that is
-// behind) the label set's objects are listed (listed).
+// the object the walk of its probe sequence found or created for it (the
+// walk's first object of the set, which every node's walk reaches). Once
+// the cache shows that object it shows every object that became visible
+// before it, and one that becomes visible after was created too late to
+// win against it (walkHeadStart): the cache decides, without a request.
+// A watch more than settleWait behind leaves it to a listing (listed).
 func (a *allocation) settle(ctx context.Context, id identity.NumericIdentity) (*entry, error) {
 	s := a.s
 	if e := s.ids.waitFor(ctx, id, settleWait); e != nil && e.key == a.key {
-		if pick, onWalk := s.ids.pickCached(a.key); onWalk {
+		if pick := s.ids.lookup(a.key); pick != nil {
 			return pick, nil
 		}
 	}
@@ -574,14 +574,10 @@ func (a *allocation) settle(ctx context.Context, id identity.NumericIdentity) (*
 
 // listed returns the rule's pick among the label set's objects as the API
 // server has them now: a consistent listing, selected by the object labels
-// every writer of the set puts on its objects. When the pick is not the
-// object on the walk, an object created later in the pick's creation
-// second could still win its tie: the allocation decides on a listing made
-// after that second (plus tieMargin for the clocks' difference).
-// errRestart: the label set has no object any more.
+// every writer of the set puts on its objects. errRestart: the label set
+// has no object any more.
 func (a *allocation) listed(ctx context.Context) (*entry, error) {
-	s := a.s
-	for round := 0; ; round++ {
+	for {
 		es, err := a.listObjects(ctx)
 		if err != nil {
 			if err := a.retry(ctx, err); err != nil {
@@ -589,24 +585,14 @@ func (a *allocation) listed(ctx context.Context) (*entry, error) {
 			}
 			continue
 		}
-		pick, onWalk := s.ids.pickListed(a.key, es)
+		pick := a.s.ids.pickListed(a.key, es)
 		if pick == nil {
 			if err := a.conflict(); err != nil {
 				return nil, err
 			}
 			return nil, errRestart
 		}
-		wait := time.Until(pick.created().Add(time.Second + tieMargin))
-		if onWalk || wait <= 0 || round >= 2 {
-			return pick, nil
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return nil, fmt.Errorf("%w: %w", globalstore.ErrUnavailable, ctx.Err())
-		}
+		return pick, nil
 	}
 }
 
@@ -637,47 +623,57 @@ func (a *allocation) listObjects(ctx context.Context) ([]*entry, error) {
 	}
 }
 
-// find returns the object of the label set the cache shows, or the one
-// the walk of its probe sequence finds or creates.
+// find returns the object of the label set the cache picks when nothing
+// the cache does not show yet can overturn the pick (pickSettled), else the
+// one the walk of its probe sequence finds or creates: a young object off
+// the sequence is never adopted on the cache's word alone, since the
+// sequence's object, stamped in the same moment, may reach this node later
+// and win. Where an object created now could not win against the cache's
+// pick either, the walk only reads the slot the cache shows free: one
+// request, and no object that no node would use.
 func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	s := a.s
 	key := a.key
 	for {
-		if e, onWalk := s.ids.pickCached(key); e != nil {
-			if !onWalk {
-				// settle decides on a listing, and adopts.
-				return e.id, false, nil
-			}
-			err := a.adopt(ctx, e)
-			if err == nil {
-				a.adopted = e.id
-				return e.id, false, nil
-			}
-			if !errors.Is(err, errRestart) {
-				return 0, false, err
-			}
-			// The object changed under the update, or is gone; the
-			// cache may not show it yet: settle its slot from a read.
-			fresh, err := a.read(ctx, e.id)
-			if err != nil {
-				return 0, false, err
-			}
-			if fresh != nil {
-				// Adopt it as it is now, or skip it if another
-				// label set holds the ID.
-				done, created, err := a.trySlot(ctx, e.id, fresh)
-				if err != nil || done {
-					return e.id, created, err
-				}
-			}
-			// Gone (a new object goes where the walk places it, not
-			// where the old one was), or another label set's: walk.
+		now := time.Now()
+		e, settled := s.ids.pickSettled(key, now)
+		if !settled {
+			a.readOnly = e != nil && s.ids.outranksNew(e, now)
 			id, created, err := a.walk(ctx, p)
+			a.readOnly = false
 			if errors.Is(err, errRestart) {
 				continue
 			}
-			return id, created, err
+			if !errors.Is(err, errNoSequenceObject) {
+				return id, created, err
+			}
+			// No object of the set on its sequence: the cache's
+			// pick stands.
 		}
+		err := a.adopt(ctx, e)
+		if err == nil {
+			a.adopted = e.id
+			return e.id, false, nil
+		}
+		if !errors.Is(err, errRestart) {
+			return 0, false, err
+		}
+		// The object changed under the update, or is gone; the cache
+		// may not show it yet: settle its slot from a read.
+		fresh, err := a.read(ctx, e.id)
+		if err != nil {
+			return 0, false, err
+		}
+		if fresh != nil {
+			// Adopt it as it is now, or skip it if another label
+			// set holds the ID.
+			done, created, err := a.trySlot(ctx, e.id, fresh)
+			if err != nil || done {
+				return e.id, created, err
+			}
+		}
+		// Gone (a new object goes where the walk places it, not where
+		// the old one was), or another label set's: walk.
 		id, created, err := a.walk(ctx, p)
 		if errors.Is(err, errRestart) {
 			continue
@@ -685,6 +681,10 @@ func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.Num
 		return id, created, err
 	}
 }
+
+// errNoSequenceObject: a read-only walk found a free slot before any object
+// of the label set.
+var errNoSequenceObject = errors.New("no object of the label set on its probe sequence")
 
 // walk goes along the probe sequence from its start.
 func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
@@ -725,6 +725,18 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e *entry) (done, created bool, err error) {
 	s := a.s
 	for {
+		if e == nil && a.readOnly {
+			s.stats.reads.Add(1)
+			fresh, err := a.read(ctx, id)
+			if err != nil {
+				return false, false, err
+			}
+			if fresh == nil {
+				return false, false, errNoSequenceObject
+			}
+			e = fresh
+			continue
+		}
 		if e == nil {
 			if d := s.createDelay(a.key); d > 0 && !a.waited {
 				a.waited = true
