@@ -41,12 +41,19 @@ type node struct {
 
 func newNode(t *testing.T) *node {
 	t.Helper()
+	return newNodeWith(t, kvstore.Cell, etcdstore.Cell)
+}
+
+// newNodeWith is newNode with the given store cells (none: global
+// allocations fail, for want of a store).
+func newNodeWith(t *testing.T, stores ...cell.Cell) *node {
+	t.Helper()
 	n := &node{t: t, now: time.Unix(1_000_000, 0)}
-	h := hive.New(
+	h := hive.New(append([]cell.Cell{
 		cell.SimpleHealthCell, job.Cell, statedb.Cell, statedir.Cell,
-		kvstore.Cell, allocator.Cell, etcdstore.Cell, ipcache.Cell,
+		allocator.Cell, ipcache.Cell,
 		cell.Invoke(func(a allocator.Allocator, c *ipcache.IPCache) { n.alloc, n.ipc = a, c }),
-	)
+	}, stores...)...)
 	dir := t.TempDir()
 	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
@@ -307,5 +314,39 @@ func TestWaitsForNamespace(t *testing.T) {
 	}
 	if c, s := m.GetHistogram().GetSampleCount(), m.GetHistogram().GetSampleSum(); c != 1 || s != 3 {
 		t.Fatalf("wait: %d samples, sum %gs; want 1 of 3s", c, s)
+	}
+}
+
+// TestAllocationFailureRetried: a pod whose identity cannot be allocated
+// (here: no store of global identities) is counted, listed with its
+// failures and retried after a backoff, not at every pass.
+func TestAllocationFailureRetried(t *testing.T) {
+	n := newNodeWith(t)
+	n.setNamespace(testNamespace("ns", nil))
+	n.setPod(testPod("p", map[string]string{"app": "web"}, "10.0.0.1"))
+	if got := testutil.ToFloat64(n.w.metrics.failures); got != 1 {
+		t.Fatalf("failures after the first attempt: %g, want 1", got)
+	}
+	if g := testutil.ToFloat64(n.w.metrics.withoutIdentity); g != 1 {
+		t.Fatalf("pods without identity: %g, want 1", g)
+	}
+	rows := n.w.List()
+	if len(rows) != 1 || rows[0].State != "allocation failed 1 times" || rows[0].Identity != 0 {
+		t.Fatalf("workloads list: %+v", rows)
+	}
+	n.expectRows("ns/p", 0)
+	// An unrelated event passes before the retry is due: no attempt.
+	n.setNamespace(testNamespace("other", nil))
+	n.advance(100 * time.Millisecond)
+	if got := testutil.ToFloat64(n.w.metrics.failures); got != 1 {
+		t.Fatalf("failures before the backoff ended: %g, want 1", got)
+	}
+	// The first backoff is at most a second.
+	n.advance(time.Second)
+	if got := testutil.ToFloat64(n.w.metrics.failures); got != 2 {
+		t.Fatalf("failures after the backoff: %g, want 2", got)
+	}
+	if next := n.w.finishPass(n.now); !next.After(n.now) || next.Sub(n.now) > 2*time.Second {
+		t.Fatalf("next retry at %s from now, want within the second backoff (at most 2s)", next.Sub(n.now))
 	}
 }
