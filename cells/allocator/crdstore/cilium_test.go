@@ -385,10 +385,22 @@ func TestCiliumInterop(t *testing.T) {
 		t.Errorf("Cilium created %d objects for label sets identityd had created", got-n)
 	}
 
-	// Cilium creates set B; identityd adopts the same IDs. Where Cilium
-	// copies into metadata.labels what the API server refuses, its create
-	// fails; identityd's succeeds, and Cilium then adopts identityd's.
+	// Cilium creates set B; identityd adopts the same IDs once they are
+	// older than walkHeadStart (younger, off the sets' sequences, they
+	// would lose to objects identityd creates there). Where Cilium copies
+	// into metadata.labels what the API server refuses, its create fails;
+	// identityd's succeeds, and Cilium then adopts identityd's.
 	bAnswers := runCilium(t, bin, kc, bSets, "-timeout", "10s")
+	for _, ans := range bAnswers {
+		if ans.err != "" {
+			continue
+		}
+		obj, err := cli.identity(t, ans.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Until(obj.CreationTimestamp.Add(walkHeadStart + 3*time.Second)))
+	}
 	var refusedSets []labels.Labels
 	var refusedIDs []identity.NumericIdentity
 	for i, s := range bSets {
@@ -500,12 +512,19 @@ func TestCiliumInterop(t *testing.T) {
 		}
 
 		// An identity Cilium created, marked: identityd's allocation
-		// removes the mark.
+		// removes the mark. Younger than walkHeadStart, an object off
+		// the label set's sequence would lose to one identityd creates
+		// there: identityd adopts it once it is older.
 		fromCilium := labels.MustParse("k8s:app=heartbeat-2", "k8s:io.kubernetes.pod.namespace=ns-b")
 		ans := runCilium(t, bin, kc, []labels.Labels{fromCilium})[0]
 		if ans.err != "" {
 			t.Fatal(ans.err)
 		}
+		created, err := cli.identity(t, ans.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Until(created.CreationTimestamp.Add(walkHeadStart + 3*time.Second)))
 		cli.mark(t, ans.id)
 		require(t, 30*time.Second, func() error {
 			if e := node.store.ids.get(ans.id); e == nil || !e.marked() {
