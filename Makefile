@@ -19,6 +19,8 @@ ANCHOR_ROUNDS ?= 6
 ANCHOR_COUNT  ?= 1
 # Rounds of `make bench-cilium` (each races both sides once).
 CILIUM_ROUNDS ?= 4
+# Rounds of `make bench-cilium-mixed` (a fresh API server each).
+MIXED_ROUNDS ?= 5
 # Length of the fault-injection workload of `make robustness` (empty: the
 # short run of about a minute that `make test` also runs).
 ROBUSTNESS_DURATION ?=
@@ -39,7 +41,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-churn bench-cilium bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-churn bench-cilium bench-cilium-mixed bench-scale interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -199,6 +201,17 @@ interop-cilium:
 # of each and their ratio, in one run. Downloads Cilium's module on first use.
 bench-cilium:
 	IDENTITYD_CILIUM_INTEROP=1 $(GO) test -run '^$$' -bench '^BenchmarkCiliumThreeNodes$$' -benchtime $(CILIUM_ROUNDS)x -count 1 -timeout 60m ./cells/allocator/crdstore
+
+# The mixed race (BenchmarkCiliumMixed): two identityd nodes at
+# --k8s-client-qps=40, one behind a proxy that delays each direction by
+# 50 ms, and two Cilium v1.16.2 agents (crdnode) allocate the same 2,000 new
+# label sets on one API server; then a late identityd node and a late
+# Cilium agent allocate them again. Reports the sets the identityd nodes
+# answer differently and the identityd nodes not ready at the end (both
+# want 0), and the late nodes' times. About 2 minutes a round on two
+# cores; downloads Cilium's module on first use.
+bench-cilium-mixed:
+	IDENTITYD_CILIUM_INTEROP=1 $(GO) test -run '^$$' -bench '^BenchmarkCiliumMixed$$' -benchtime $(MIXED_ROUNDS)x -count 1 -timeout 120m ./cells/allocator/crdstore
 
 # Runs the cluster scale benchmark (internal/scalebench, BenchmarkScale,
 # which other targets skip): N simulated nodes of each store, every node with
