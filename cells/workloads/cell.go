@@ -183,11 +183,10 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 	w.src.namespaces = nsStore
 
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	done := make(chan struct{}, 2)
 	go func() { podCtl.RunWithContext(ctx); done <- struct{}{} }()
 	go func() { nsCtl.RunWithContext(ctx); done <- struct{}{} }()
-	defer func() { <-done; <-done }()
+	defer func() { cancel(); <-done; <-done }()
 
 	h.OK("Listing this node's pods and the namespaces")
 	start := w.now()
