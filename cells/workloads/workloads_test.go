@@ -350,3 +350,46 @@ func TestAllocationFailureRetried(t *testing.T) {
 		t.Fatalf("next retry at %s from now, want within the second backoff (at most 2s)", next.Sub(n.now))
 	}
 }
+
+// TestMapPruneHeldUntilPodsServed: the ipcache prunes nothing of the
+// datapath map (its table is not initialized) while a pod of the first
+// listing has no identity yet, at most until the bound; once every pod
+// holds its identity it may.
+func TestMapPruneHeldUntilPodsServed(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		stores []cell.Cell
+	}{
+		{"pods served", []cell.Cell{kvstore.Cell, etcdstore.Cell}},
+		{"allocations failing", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNodeWith(t, tc.stores...)
+			n.w.initDone = n.ipc.RegisterInitializer("workloads")
+			n.w.initDeadline = n.now.Add(initialHoldBound)
+			initialized := func() bool { ok, _ := n.ipc.Initialized(); return ok }
+			if initialized() {
+				t.Fatal("ipcache initialized before the first listing was served")
+			}
+			// A pod waits for its namespace: the hold stays.
+			n.setPod(testPod("p", map[string]string{"app": "web"}, "10.0.0.1"))
+			if initialized() {
+				t.Fatal("ipcache initialized while a pod waits for its namespace")
+			}
+			n.setNamespace(testNamespace("ns", nil))
+			if tc.stores != nil {
+				if !initialized() {
+					t.Fatal("ipcache not initialized once every pod holds its identity")
+				}
+				return
+			}
+			if initialized() {
+				t.Fatal("ipcache initialized while the pod's allocation fails")
+			}
+			n.advance(initialHoldBound)
+			if !initialized() {
+				t.Fatalf("ipcache not initialized after the bound of %s", initialHoldBound)
+			}
+		})
+	}
+}
