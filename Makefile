@@ -138,13 +138,16 @@ test-unit:
 # same steps and checks: the rolling migration between the stores with
 # 2,000 global identities instead of 300 (internal/modemigration), the CRD
 # store's three-node race on 2,000 new label sets instead of 600, and 200
-# kills of a checkpoint writer instead of 60. CI runs it after `make test`;
-# with make test's build cache it takes about two minutes.
+# kills of a checkpoint writer instead of 60; and the exhaustion of a CRD
+# range at the allocator (32,512 CiliumIdentity objects, over a minute),
+# which `make test` does not run. CI runs it after `make test`; with make
+# test's build cache it takes about two minutes, and the CRD exhaustion run
+# one and a half more (98 s on a loaded 2-core machine).
 test-long:
-	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 \
+	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 \
 	$(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m \
-	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety)$$' \
-	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint
+	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD)$$' \
+	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint ./cells/allocator
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents. It is built
