@@ -166,6 +166,20 @@ func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubec
 	for _, node := range nodes {
 		expectNodeMap(t, agents[node], node, byNode[node], ids)
 	}
+	// The metrics say the same: no pod without identity, each pod's
+	// wait observed once, no failed allocation.
+	for _, node := range nodes {
+		a := agents[node]
+		for series, want := range map[string]float64{
+			"identityd_workloads_pods_without_identity":       0,
+			"identityd_workloads_identity_wait_seconds_count": float64(len(byNode[node])),
+			"identityd_workloads_allocation_failures_total":   0,
+		} {
+			if got, ok := a.metricValue(series); !ok || got != want {
+				t.Errorf("%s: %s = %g (found: %t), want %g", node, series, got, ok, want)
+			}
+		}
+	}
 	if rows := listPods(t, agents["node-0"]); !slices.ContainsFunc(rows, func(r listedPod) bool {
 		return r.Name == host.key() && r.Identity == 0 && r.State == "host network" && len(r.IPs) == 0
 	}) {
@@ -193,6 +207,10 @@ func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubec
 		t.Fatal(err)
 	}
 	deleted := time.Now()
+	// Read before anything waits, so that the holds are seen on a loaded
+	// machine too.
+	soloHeld := refCount(t, agents["node-1"], soloOld) > 0
+	goneHeld := refCount(t, agents["node-2"], goneOld) > 0
 	var soloNew int
 	waitUntil(t, 60*time.Second, "the relabelled pod's new identity", func() error {
 		for _, r := range listPods(t, agents["node-1"]) {
@@ -203,8 +221,8 @@ func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubec
 		}
 		return fmt.Errorf("%s not on a new identity yet", solo.key())
 	})
-	expectReleasedAfterGrace(t, agents["node-1"], soloOld, relabelled)
-	expectReleasedAfterGrace(t, agents["node-2"], goneOld, deleted)
+	expectReleasedAfterGrace(t, agents["node-1"], soloOld, relabelled, soloHeld)
+	expectReleasedAfterGrace(t, agents["node-2"], goneOld, deleted, goneHeld)
 	if refs := refCount(t, agents["node-1"], soloNew); refs != 1 {
 		t.Errorf("the relabelled pod's new identity %d: %d references on node-1, want 1", soloNew, refs)
 	}
@@ -414,10 +432,10 @@ func refCount(t *testing.T, a *healthAgent, id int) int {
 }
 
 // expectReleasedAfterGrace waits until the agent holds no reference on id
-// and fails when that happened before the grace period after since.
-func expectReleasedAfterGrace(t *testing.T, a *healthAgent, id int, since time.Time) {
+// and fails when that happened before the grace period after since;
+// heldSeen says a reference was seen after since already.
+func expectReleasedAfterGrace(t *testing.T, a *healthAgent, id int, since time.Time, heldSeen bool) {
 	t.Helper()
-	heldSeen := false
 	for {
 		refs := refCount(t, a, id)
 		if refs > 0 {
