@@ -494,8 +494,9 @@ func serverRequests(tb testing.TB, srv *k8stest.Server) map[string]float64 {
 // random ID, as a Cilium agent makes one, older by a second than the one
 // on the sequence for a quarter, younger for another quarter), a few
 // marked, adopts each set with at most one request (the removal of a
-// mark), and no listing, counted at the API server; and answers the
-// rule's ID for every set. Deciding a duplicated set on a listing of its
+// mark), and no listing, counted at the API server, without waking the
+// identity-splits job, whose look goes over every split label set; and
+// answers the rule's ID for every set. Deciding a duplicated set on a listing of its
 // objects, as before, cost a listing per set whose older object is off
 // the sequence, each a scan of every object at the server.
 func TestAdoptDuplicatesRequests(t *testing.T) {
@@ -555,6 +556,7 @@ func TestAdoptDuplicatesRequests(t *testing.T) {
 		return nil
 	})
 	before := serverRequests(t, srv)
+	looks := late.store.splits.looks.Load()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	got, err := allocateAll(ctx, late, sets, 8)
@@ -562,6 +564,11 @@ func TestAdoptDuplicatesRequests(t *testing.T) {
 		t.Fatal(err)
 	}
 	after := serverRequests(t, srv)
+	// Nor a look of the identity-splits job over every split label set
+	// per adoption: the node holds none of them under another ID.
+	if n := late.store.splits.looks.Load() - looks; n > 1 {
+		t.Errorf("the identity-splits job looked over the split label sets %d times while the node adopted %d sets, want at most once", n, setCount)
+	}
 	total := 0.0
 	for verb, v := range after {
 		total += v - before[verb]

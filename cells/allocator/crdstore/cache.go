@@ -567,6 +567,13 @@ func (c *identityCache) pickSettled(key string, now time.Time) (*entry, bool) {
 	return pick, ranked.Add(maxCacheLag + time.Second).Before(now)
 }
 
+// objectCount is the number of objects of the label set of key.
+func (c *identityCache) objectCount(key string) int {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return len(c.byKey[key])
+}
+
 // outranksNew reports whether e ranks before any object of its label set
 // created from now on, wherever on the sequence: a second for the
 // truncation of creationTimestamp, and one for the difference of the

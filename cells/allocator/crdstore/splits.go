@@ -19,17 +19,33 @@ import (
 type splitWatch struct {
 	wake chan struct{}
 	// held is how many label sets the job reports; total counts the
-	// label sets it found, once each time one came to be held split.
+	// label sets it found, once each time one came to be held split;
+	// looks counts the job's looks over the split label sets.
 	held  atomic.Int64
 	total atomic.Uint64
+	looks atomic.Uint64
 }
 
 func newSplitWatch() splitWatch { return splitWatch{wake: make(chan struct{}, 1)} }
 
-// signal wakes the job when some label set has more than one object.
-func (w *splitWatch) signalIf(c *identityCache) {
-	if c.splitKeys.Load() > 0 {
+// signalIfSplit wakes the job when the label set of key has more than one
+// object: its release may end a split this node holds. The job's look
+// goes over every split label set, so an allocation or a release of
+// another set must not wake it (a node adopting thousands of duplicated
+// sets would spend its time there).
+func (w *splitWatch) signalIfSplit(c *identityCache, key string) {
+	if c.objectCount(key) > 1 {
 		w.signal()
+	}
+}
+
+// signalIfHeld wakes the job when this node now holds the label set of key
+// under id and the rule picks another of its objects.
+func (w *splitWatch) signalIfHeld(c *identityCache, key string, id identity.NumericIdentity) {
+	if c.objectCount(key) > 1 {
+		if pick := c.lookup(key); pick == nil || pick.id != id {
+			w.signal()
+		}
 	}
 }
 
@@ -144,6 +160,7 @@ func (s *Store) splitLoop(ctx context.Context, h cell.Health) {
 			return
 		case <-s.splits.wake:
 		}
+		s.splits.looks.Add(1)
 		now := s.heldSplits()
 		for key, err := range now {
 			if _, ok := reported[key]; !ok {

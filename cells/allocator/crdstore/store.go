@@ -462,7 +462,9 @@ func (s *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 	}
 	record(globalstore.NewReference(id, lbls, 0))
 	s.writer.request(false)
-	s.splits.signalIf(s.ids)
+	// The rule's pick may have moved between the answer and the
+	// record, after the identity-splits job last looked.
+	s.splits.signalIfHeld(s.ids, key, id)
 	return id, created, nil
 }
 
@@ -939,7 +941,7 @@ func (s *Store) Release(ctx context.Context, ref *globalstore.Reference) error {
 			s.unmarks.signal()
 		}
 		// So does a label set held split.
-		s.splits.signalIf(s.ids)
+		s.splits.signalIfSplit(s.ids, ref.Labels.Canonical())
 	}
 	return nil
 }
