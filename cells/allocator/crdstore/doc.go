@@ -16,11 +16,16 @@
 //
 // A new label set goes to the first ID of its probe sequence (from the
 // SHA-256 of its canonical labels) that the cache does not show held by
-// another label set: one create in the common case. A label set the cache
-// knows costs no request (unless its object carries the heartbeat mark,
+// another label set: one create in the common case. A label set whose
+// object on that sequence the cache shows costs no request, duplicated by
+// Cilium's agents or not (unless its object carries the heartbeat mark,
 // which is removed), and a release none: both change the IdentityNode,
-// which one writer sends coalesced. There is no lock per node: concurrent
-// allocations run in parallel.
+// which one writer sends coalesced. Of a label set's several objects, every
+// node answers the one the rule picks, on which an object on the sequence
+// has a head start over the objects off it: a young object of a Cilium
+// agent is adopted only once the walk of the sequence found none there
+// (docs/crd-store.md). There is no lock per node: concurrent allocations
+// run in parallel.
 //
 // The Store keeps a list+watch cache of CiliumIdentity objects of this
 // cluster's range (client-go's Reflector: a listing, a watch from its
