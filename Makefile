@@ -88,20 +88,20 @@ vet:
 	$(GO) vet -race $(TEST_PKGS)
 
 # The two test-server mains, which no race test binary builds, vetted in
-# the mode and with the flags internal/testproc builds them with
-# (k8stest.ServerBuildFlags). Not part of `make test`: vet analyzes every
+# the mode internal/testproc builds them in, the API server's in its own
+# module (internal/k8stest/kubeapiserver). Not part of `make test`: vet analyzes every
 # package they import, the Kubernetes API server libraries included,
 # which on a fresh machine takes more CPU than compiling them
 # (docs/benchmarks.md, "make test time"); `make lint` runs it.
 vet-servers:
 	CGO_ENABLED=0 $(GO) run -trimpath ./internal/testproc/testbins -vet
 
-# The servers the tests run as processes (internal/k8stest/apiserver,
-# internal/etcdtest/etcdserver) have no tests of their own: `go test` would
-# compile them, and 439 packages of the Kubernetes API server libraries
-# that nothing else imports, with -race only to print "no test files". The
-# tests build them without -race (internal/testproc); `make vet-servers`
-# (part of `make lint`) vets them.
+# The test etcd server (internal/etcdtest/etcdserver) has no tests of its
+# own: `go test` would compile it with -race only to print "no test
+# files". The tests build it without -race (internal/testproc); `make
+# vet-servers` (part of `make lint`) vets it. The API server
+# (internal/k8stest/kubeapiserver) is a module of its own, which `go list
+# ./...` does not list.
 #
 # go test starts packages in the order it is given them, -p at a time.
 # The packages whose tests take longest come first, so that the longest
@@ -115,7 +115,7 @@ vet-servers:
 TEST_FIRST := cmd/identityd cells/allocator/crdstore internal/restarttest cells/allocator/etcdstore internal/robustness cells/kvstore cells/allocator/doublewrite cells/k8sclient
 TEST_P ?= 6
 TEST_PKGS = $$(mod=$$($(GO) list -m); for p in $(TEST_FIRST); do echo $$mod/$$p; done; \
-	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/k8stest/apiserver' -e '.*/internal/etcdtest/etcdserver')
+	$(GO) list ./... | grep -v -x $(foreach p,$(TEST_FIRST),-e "$$mod/$(p)") -e '.*/internal/etcdtest/etcdserver')
 
 # The binaries the tests run as processes (the test etcd and API servers,
 # the agent), built as internal/testproc builds them on first use, before

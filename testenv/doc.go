@@ -8,17 +8,19 @@
 // (--kvstore-endpoints) to run the agent on external etcd, or its
 // ClientConfig to a client of your own.
 //
-// StartAPIServer starts the API server of k8s.io/apiextensions-apiserver
-// (identityd's go.mod version), which serves CustomResourceDefinitions and
-// their objects with the storage, validation, watch and conflict handling
-// of a cluster's kube-apiserver, on an etcd of its own (or the one given
-// with WithEtcd), with the CRDs of the CRD store (crdstore.CRDs) installed
-// and served. Give its KubeconfigPath to k8sclient.Cell
-// (--k8s-kubeconfig-path) with --identity-allocation-mode=crd, or its
-// RESTConfig to a client of your own. The server answers only clients of
-// its admin user (a client certificate in group system:masters): every
-// request of the kubeconfig and the REST config is allowed. It has no core
-// API (no namespaces, nodes or leases) and runs no admission webhooks.
+// StartAPIServer starts kube-apiserver (k8s.io/kubernetes, built in a
+// module of its own whose replace directives never reach your go.mod), the
+// API server a cluster runs: the core API (Namespaces, Pods, Nodes,
+// ServiceAccounts and their tokens), coordination.k8s.io Leases, RBAC with
+// its own authorizer, and CustomResourceDefinitions, on an etcd of its own
+// (or the one given with WithEtcd), with the CRDs of the CRD store
+// (crdstore.CRDs) installed and served. Give its KubeconfigPath to
+// k8sclient.Cell (--k8s-kubeconfig-path) with
+// --identity-allocation-mode=crd, or its RESTConfig to a client of your
+// own. The kubeconfig and the REST config are its admin user's (a client
+// certificate in group system:masters), whom RBAC allows everything. No
+// controllers or kubelets run: a test creates the service accounts it
+// names, and writes pods' status itself.
 //
 // # Readiness
 //
@@ -26,13 +28,8 @@
 // /readyz at start until it answers ok, and only then /version, for at
 // most --k8s-request-timeout: an API server that is starting, or whose
 // etcd is gone, answers some requests before it serves every resource, and
-// an agent that went on would fail later and less clearly. A bare
-// apiextensions-apiserver started for a test never answers /readyz ok
-// when it has no core API server for its core informers to list from (no
-// real --kubeconfig), and the agent's start fails when the time is up. The
-// server this package starts runs without those informers, with delegated
-// authentication and authorization that need no core API server, so it
-// passes /readyz; StartAPIServer returns once it does.
+// an agent that went on would fail later and less clearly.
+// StartAPIServer returns once the server answers /readyz ok.
 //
 // # Programs
 //
@@ -46,7 +43,10 @@
 // The servers run as processes, built with the go command from
 // identityd's module source (the directory `go list -m
 // github.com/identityd/identityd` names in the test's working directory:
-// the module cache, or a replace target) on first use and cached under
+// the module cache, or a replace target) on first use (the API server from
+// its own module, internal/k8stest/kubeapiserver, which a module cache
+// leaves out: outside a checkout or replace target, build it there and set
+// IDENTITYD_APISERVER_BINARY) and cached under
 // the user cache directory (identityd-testbin), keyed by that source and
 // the Go toolchain: the first build of the API server is long (it compiles
 // the Kubernetes API server libraries), later tests only start the

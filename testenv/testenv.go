@@ -67,21 +67,21 @@ func WithEtcd(e *Etcd) Option { return func(o *options) { o.etcd = e } }
 // start and installs them when they are missing).
 func WithoutCRDs() Option { return func(o *options) { o.noCRDs = true } }
 
-// WithServerArgs passes further flags to the apiextensions-apiserver, such
-// as "--watch-cache=false".
+// WithServerArgs passes further flags to kube-apiserver, such as
+// "--watch-cache=false".
 func WithServerArgs(args ...string) Option {
 	return func(o *options) { o.srvArgs = append(o.srvArgs, args...) }
 }
 
-// APIServer is a running Kubernetes API server that serves CRDs.
+// APIServer is a running Kubernetes API server (kube-apiserver).
 type APIServer struct {
 	server *k8stest.Server
 	etcd   *Etcd
 }
 
-// StartAPIServer starts a Kubernetes API server (k8s.io/apiextensions-apiserver)
-// on a free 127.0.0.1 port with certificates of its own, backed by an etcd
-// of its own unless WithEtcd is given, installs the CRD store's CRDs
+// StartAPIServer starts a Kubernetes API server (kube-apiserver) on a
+// free 127.0.0.1 port with certificates of its own, backed by an etcd of
+// its own unless WithEtcd is given, installs the CRD store's CRDs
 // (crdstore.CRDs) unless WithoutCRDs is given, and returns once the server
 // answers /readyz ok and serves the CRDs' objects. It fails the test on
 // error; the processes are killed when the test ends.

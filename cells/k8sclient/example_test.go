@@ -46,12 +46,16 @@ func Example() {
 	if err := k8stest.GetJSON(ctx, c.RESTConfig(), "/apis", &groups); err != nil {
 		t.Fatal(err)
 	}
+	served := map[string]bool{}
 	for _, g := range groups.Groups {
-		fmt.Println(g.Name)
+		served[g.Name] = true
+	}
+	for _, g := range []string{"coordination.k8s.io", "cilium.io", "identityd.io"} {
+		fmt.Println(g, served[g])
 	}
 	// Output:
 	// connected: true server: true version known: true
-	// apiextensions.k8s.io
-	// cilium.io
-	// identityd.io
+	// coordination.k8s.io true
+	// cilium.io true
+	// identityd.io true
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/k8stest"
 )
 
@@ -125,11 +126,35 @@ func TestAPIServerFlag(t *testing.T) {
 // the start at once, with the server, the user and the 403 in the error.
 func TestDeniedUserFailsStart(t *testing.T) {
 	srv := k8stest.Start(t)
+	// Kubernetes lets every user read /version and the health checks
+	// (the bindings system:public-info-viewer and system:discovery, which
+	// the server restores only when it starts): without them, RBAC
+	// forbids this user everything.
+	admin, err := dynamic.NewForConfig(srv.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	bindings := schema.GroupVersionResource{Group: "rbac.authorization.k8s.io", Version: "v1", Resource: "clusterrolebindings"}
+	for _, name := range []string{"system:public-info-viewer", "system:discovery"} {
+		if err := admin.Resource(bindings).Delete(t.Context(), name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	user := srv.UserKubeconfig(t, "nobody")
+	// The authorizer reads the bindings from its informers: a moment later.
+	userCfg, err := clientcmd.BuildConfigFromFlags("", user)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually.Within(t, 30*time.Second, "the user is forbidden /version", func() bool {
+		_, err := k8stest.GetRaw(t.Context(), userCfg, "/version")
+		return err != nil && strings.Contains(err.Error(), "403")
+	})
 	n := newNode(t, identity.AllocationModeCRD, func(c *k8sclient.Config) {
-		c.K8sKubeconfigPath = srv.UserKubeconfig(t, "nobody")
+		c.K8sKubeconfigPath = user
 	})
 	noCluster(t)
-	err := n.start()
+	err = n.start()
 	if err == nil {
 		t.Fatal("start succeeded for a denied user")
 	}

@@ -1,21 +1,25 @@
 package main
 
 import (
+	"bufio"
 	"encoding/json"
-	"maps"
-	"net"
-	"net/http"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	rbacv1 "k8s.io/api/rbac/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
@@ -24,173 +28,133 @@ import (
 	"github.com/identityd/identityd/internal/k8stest"
 )
 
-// clusterAuth is the authentication and authorization webhook of a test
-// API server (internal/k8stest's has no core API, so neither RBAC objects
-// nor ServiceAccount tokens of its own). It answers TokenReviews from a
-// table of bearer tokens, as the token authenticator of a cluster does
-// for ServiceAccount tokens, and SubjectAccessReviews by evaluating
-// ClusterRoles and ClusterRoleBindings the way RBAC does (verbs, API
-// groups, resources and resource names; "*"; User, Group and
-// ServiceAccount subjects), plus the public paths Kubernetes' default roles
-// give every authenticated user. So a test runs the agent as the
-// ServiceAccount of deploy/base, with the token of a pod, and only what
-// deploy/base's binding grants it is allowed.
-type clusterAuth struct {
-	roles    map[string]rbacv1.ClusterRole
-	bindings []rbacv1.ClusterRoleBinding
-	tokens   map[string]authUser
-	// kubeconfig points the API server's --authentication-kubeconfig and
-	// --authorization-kubeconfig at the webhook.
-	kubeconfig string
-
-	mu     sync.Mutex
-	denied map[apiRequest][]string // request -> users refused it
+// deployResources are the resources of the kinds of deploy/base that
+// applyDeployRBAC applies: the account and what authorizes it.
+var deployResources = map[string]schema.GroupVersionResource{
+	"Namespace":          {Version: "v1", Resource: "namespaces"},
+	"ServiceAccount":     {Version: "v1", Resource: "serviceaccounts"},
+	"ClusterRole":        {Group: rbacv1.GroupName, Version: "v1", Resource: "clusterroles"},
+	"ClusterRoleBinding": {Group: rbacv1.GroupName, Version: "v1", Resource: "clusterrolebindings"},
+	"Role":               {Group: rbacv1.GroupName, Version: "v1", Resource: "roles"},
+	"RoleBinding":        {Group: rbacv1.GroupName, Version: "v1", Resource: "rolebindings"},
 }
 
-type authUser struct {
-	Username string   `json:"username"`
-	UID      string   `json:"uid,omitempty"`
-	Groups   []string `json:"groups,omitempty"`
-}
-
-// serviceAccountUser is how a cluster authenticates a token of
-// ServiceAccount namespace/name.
-func serviceAccountUser(namespace, name string) authUser {
-	return authUser{
-		Username: "system:serviceaccount:" + namespace + ":" + name,
-		UID:      "uid-" + namespace + "-" + name,
-		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
-	}
-}
-
-func startClusterAuth(t *testing.T, roles []rbacv1.ClusterRole, bindings []rbacv1.ClusterRoleBinding, tokens map[string]authUser) *clusterAuth {
+// auditedServer starts an API server that writes every request's
+// metadata (user, verb, resource, answer) to an audit log, whose path it
+// returns.
+func auditedServer(t *testing.T) (*k8stest.Server, string) {
 	t.Helper()
-	a := &clusterAuth{roles: map[string]rbacv1.ClusterRole{}, bindings: bindings, tokens: tokens, denied: map[apiRequest][]string{}}
-	for _, r := range roles {
-		a.roles[r.Name] = r
+	dir := t.TempDir()
+	auditLog := filepath.Join(dir, "audit.log")
+	policy := filepath.Join(dir, "audit-policy.yaml")
+	if err := os.WriteFile(policy, []byte("apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n"), 0o600); err != nil {
+		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return k8stest.Start(t, k8stest.WithServerArgs("--audit-log-path", auditLog, "--audit-policy-file", policy)), auditLog
+}
+
+// applyDeployRBAC applies deploy/base's Namespace, ServiceAccount,
+// ClusterRoles, Roles and their bindings to srv as an administrator's
+// `kubectl apply -k deploy/base` does (the DaemonSet, which nothing here
+// runs, left out), with the rules of each role first passed through edit
+// (nil: as written). It waits until the server's RBAC authorizer grants
+// the ServiceAccount what the roles say, and returns a kubeconfig with a
+// token of that account from the server's TokenRequest, as the agent's
+// pods have, and the account's user name.
+func applyDeployRBAC(t *testing.T, srv *k8stest.Server, edit func(role string, rules []rbacv1.PolicyRule) []rbacv1.PolicyRule) (kubeconfig, user string) {
+	t.Helper()
+	_, _, user = deployRBAC(t)
+	dyn, err := dynamic.NewForConfig(srv.RESTConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: http.HandlerFunc(a.serve)}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	a.kubeconfig = filepath.Join(t.TempDir(), "auth.kubeconfig")
-	kc := "apiVersion: v1\nkind: Config\nclusters:\n- name: auth\n  cluster:\n    server: http://" + ln.Addr().String() +
-		"\nusers:\n- name: apiserver\n  user: {}\ncontexts:\n- name: auth\n  context: {cluster: auth, user: apiserver}\ncurrent-context: auth\n"
-	if err := os.WriteFile(a.kubeconfig, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return a
-}
-
-// serverArgs are the API server flags that make it ask the webhook.
-func (a *clusterAuth) serverArgs() k8stest.Option {
-	return k8stest.WithServerArgs("--authorization-kubeconfig", a.kubeconfig, "--authentication-kubeconfig", a.kubeconfig)
-}
-
-func (a *clusterAuth) serve(w http.ResponseWriter, req *http.Request) {
-	var review struct {
-		APIVersion string `json:"apiVersion"`
-		Kind       string `json:"kind"`
-		Spec       struct {
-			// TokenReview
-			Token     string   `json:"token,omitempty"`
-			Audiences []string `json:"audiences,omitempty"`
-			// SubjectAccessReview
-			User               string   `json:"user,omitempty"`
-			Groups             []string `json:"groups,omitempty"`
-			ResourceAttributes *struct {
-				Verb, Group, Resource, Subresource, Name string
-			} `json:"resourceAttributes,omitempty"`
-			NonResourceAttributes *struct {
-				Verb, Path string
-			} `json:"nonResourceAttributes,omitempty"`
-		} `json:"spec"`
-		Status map[string]any `json:"status"`
-	}
-	if err := json.NewDecoder(req.Body).Decode(&review); err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
-	}
-	s := review.Spec
-	switch review.Kind {
-	case "TokenReview":
-		if u, ok := a.tokens[s.Token]; ok {
-			review.Status = map[string]any{"authenticated": true, "user": u, "audiences": s.Audiences}
-		} else {
-			review.Status = map[string]any{"authenticated": false, "error": "unknown token"}
-		}
-	case "SubjectAccessReview":
-		allowed := false
-		switch {
-		case slices.Contains(s.Groups, "system:masters"):
-			allowed = true
-		case s.ResourceAttributes != nil:
-			r := s.ResourceAttributes
-			allowed = a.allows(s.User, s.Groups, r.Verb, r.Group, r.Resource, r.Subresource, r.Name)
-			if !allowed {
-				a.mu.Lock()
-				k := apiRequest{Group: r.Group, Resource: r.Resource, Verb: r.Verb}
-				a.denied[k] = append(a.denied[k], s.User)
-				a.mu.Unlock()
-			}
-		case s.NonResourceAttributes != nil:
-			p := s.NonResourceAttributes.Path
-			allowed = s.NonResourceAttributes.Verb == "get" &&
-				slices.ContainsFunc(publicPaths, func(pub string) bool { return p == pub || strings.HasPrefix(p, pub+"/") })
-		}
-		review.Status = map[string]any{"allowed": allowed}
-		if !allowed {
-			review.Status["reason"] = "no ClusterRoleBinding of the test grants it"
-		}
-	default:
-		http.Error(w, "unknown review kind "+review.Kind, http.StatusBadRequest)
-		return
-	}
-	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(review)
-}
-
-// allows evaluates the bindings as RBAC's authorizer does.
-func (a *clusterAuth) allows(user string, groups []string, verb, group, resource, subresource, name string) bool {
-	if subresource != "" {
-		resource += "/" + subresource
-	}
-	for _, b := range a.bindings {
-		if b.RoleRef.Kind != "ClusterRole" || !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
-			switch s.Kind {
-			case rbacv1.UserKind:
-				return s.Name == user
-			case rbacv1.GroupKind:
-				return slices.Contains(groups, s.Name)
-			case rbacv1.ServiceAccountKind:
-				return user == "system:serviceaccount:"+s.Namespace+":"+s.Name
-			}
-			return false
-		}) {
+	var granted []rbacv1.PolicyRule
+	for _, o := range buildDeploy(t, "base") {
+		gvr, ok := deployResources[o.kind]
+		if !ok {
 			continue
 		}
-		for _, r := range a.roles[b.RoleRef.Name].Rules {
-			if matchesRBAC(r.Verbs, verb) && matchesRBAC(r.APIGroups, group) && matchesRBAC(r.Resources, resource) &&
-				(len(r.ResourceNames) == 0 || slices.Contains(r.ResourceNames, name)) {
-				return true
+		switch r := o.obj.(type) {
+		case *rbacv1.ClusterRole:
+			r = r.DeepCopy()
+			if edit != nil {
+				r.Rules = edit(r.Name, r.Rules)
+			}
+			granted = append(granted, r.Rules...)
+			o.obj = r
+		case *rbacv1.Role:
+			r = r.DeepCopy()
+			if edit != nil {
+				r.Rules = edit(r.Name, r.Rules)
+			}
+			granted = append(granted, r.Rules...)
+			o.obj = r
+		}
+		m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(o.obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		u := &unstructured.Unstructured{Object: m}
+		u.SetAPIVersion(o.apiVersion)
+		u.SetKind(o.kind)
+		_, err = dyn.Resource(gvr).Namespace(u.GetNamespace()).Create(t.Context(), u, metav1.CreateOptions{})
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("applying %s: %v", o.key(), err)
+		}
+	}
+	ns, name, _ := strings.Cut(strings.TrimPrefix(user, "system:serviceaccount:"), ":")
+	// The authorizer reads roles and bindings from its informers: wait
+	// until it grants the account each rule, asked as the agent would be.
+	for _, r := range granted {
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				for _, v := range r.Verbs {
+					waitUntil(t, 30*time.Second, fmt.Sprintf("RBAC grants %s %s.%s", v, res, g), func() error {
+						return accessAllowed(t, dyn, user, ns, g, res, v)
+					})
+				}
 			}
 		}
 	}
-	return false
+	req := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+		"metadata": map[string]any{"name": name, "namespace": ns},
+		"spec":     map[string]any{"expirationSeconds": int64(3600)},
+	}}
+	tr, err := dyn.Resource(deployResources["ServiceAccount"]).Namespace(ns).Create(t.Context(), req, metav1.CreateOptions{}, "token")
+	if err != nil {
+		t.Fatalf("TokenRequest for %s: %v", user, err)
+	}
+	token, _, _ := unstructured.NestedString(tr.Object, "status", "token")
+	if token == "" {
+		t.Fatalf("TokenRequest for %s gave no token", user)
+	}
+	return tokenKubeconfig(t, srv, token), user
 }
 
-func matchesRBAC(list []string, v string) bool {
-	return slices.Contains(list, rbacv1.ResourceAll) || slices.Contains(list, v)
-}
-
-// deniedRequests returns what the webhook refused, by request.
-func (a *clusterAuth) deniedRequests() map[apiRequest][]string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return maps.Clone(a.denied)
+// accessAllowed asks srv's authorizer (a SubjectAccessReview) whether the
+// ServiceAccount user of namespace ns may send verb on resource.group in
+// ns.
+func accessAllowed(t *testing.T, dyn dynamic.Interface, user, ns, group, resource, verb string) error {
+	sar := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+		"spec": map[string]any{
+			"user":   user,
+			"groups": []any{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
+			"resourceAttributes": map[string]any{
+				"namespace": ns, "verb": verb, "group": group, "resource": resource,
+			},
+		},
+	}}
+	got, err := dyn.Resource(schema.GroupVersionResource{Group: "authorization.k8s.io", Version: "v1", Resource: "subjectaccessreviews"}).
+		Create(t.Context(), sar, metav1.CreateOptions{})
+	if err != nil {
+		return err
+	}
+	if ok, _, _ := unstructured.NestedBool(got.Object, "status", "allowed"); !ok {
+		return fmt.Errorf("not allowed: %v", got.Object["status"])
+	}
+	return nil
 }
 
 // tokenKubeconfig writes a kubeconfig that authenticates to srv with a
@@ -213,41 +177,87 @@ func tokenKubeconfig(t *testing.T, srv *k8stest.Server, token string) string {
 	return path
 }
 
-// crdRequestsRefused counts, by verb, the requests on CRDs the webhook
-// refused to user.
-func crdRequestsRefused(a *clusterAuth, user string) map[string]int {
-	n := map[string]int{}
-	for r, users := range a.deniedRequests() {
-		if r.Group == "apiextensions.k8s.io" && r.Resource == "customresourcedefinitions" {
-			for _, u := range users {
-				if u == user {
-					n[r.Verb]++
-				}
+// refusedRequests reads the requests of user that the server refused
+// (403) from its audit log, with their number.
+func refusedRequests(t *testing.T, auditLog, user string) map[apiRequest]int {
+	t.Helper()
+	f, err := os.Open(auditLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	refused := map[apiRequest]int{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var ev struct {
+			Stage      string
+			Verb       string
+			RequestURI string `json:"requestURI"`
+			User       struct{ Username string }
+			ObjectRef  *struct {
+				Resource string `json:"resource"`
+				APIGroup string `json:"apiGroup"`
+			} `json:"objectRef"`
+			ResponseStatus *struct {
+				Code int `json:"code"`
+			} `json:"responseStatus"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
+			t.Fatalf("audit log: %v", err)
+		}
+		if ev.User.Username != user || ev.Stage != "ResponseComplete" || ev.ResponseStatus == nil || ev.ResponseStatus.Code != 403 {
+			continue
+		}
+		r := apiRequest{Verb: ev.Verb}
+		if ev.ObjectRef != nil && ev.ObjectRef.Resource != "" {
+			r.Group, r.Resource = ev.ObjectRef.APIGroup, ev.ObjectRef.Resource
+		} else {
+			r.Path, _, _ = strings.Cut(ev.RequestURI, "?")
+		}
+		refused[r]++
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return refused
+}
+
+// withoutVerb returns an edit for applyDeployRBAC that takes verb on
+// resource out of every rule that grants it (a rule left with no verb
+// goes).
+func withoutVerb(resource, verb string) func(string, []rbacv1.PolicyRule) []rbacv1.PolicyRule {
+	return func(_ string, rules []rbacv1.PolicyRule) []rbacv1.PolicyRule {
+		var out []rbacv1.PolicyRule
+		for _, r := range rules {
+			r = *r.DeepCopy()
+			if slices.Contains(r.Resources, resource) {
+				r.Verbs = slices.DeleteFunc(r.Verbs, func(v string) bool { return v == verb })
+			}
+			if len(r.Verbs) > 0 {
+				out = append(out, r)
 			}
 		}
+		return out
 	}
-	return n
 }
 
 // TestCRDModeAgentOnlyReadsCRDs runs the agent as deploy/base's
-// ServiceAccount, with a bearer token as in its pods, against an API
-// server whose authorizer evaluates deploy/base's ClusterRole and
-// ClusterRoleBinding. With the CRDs missing, the agent is refused the
-// create and its start fails naming the missing CRD and the right; with
-// deploy/crds installed but one CRD outdated, it is refused the update and
-// the start fails naming it; with deploy/crds current, as an
-// administrator installs them, it starts and allocates, refused nothing.
+// ServiceAccount, with a token of it from the API server's TokenRequest as
+// in its pods, against a kube-apiserver whose RBAC authorizer has
+// deploy/base's roles and bindings. With the CRDs missing, the agent is
+// refused the create and its start fails naming the missing CRD and the
+// right; with deploy/crds installed but one CRD outdated, it is refused
+// the update and the start fails naming it; with deploy/crds current, as
+// an administrator installs them, it starts and allocates, refused
+// nothing.
 func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("runs an API server and agent processes")
 	}
-	roles, bindings, saUser := deployRBAC(t)
-	ns, name, _ := strings.Cut(strings.TrimPrefix(saUser, "system:serviceaccount:"), ":")
-	const saToken = "token-of-the-deploy-service-account"
-	auth := startClusterAuth(t, roles, bindings, map[string]authUser{saToken: serviceAccountUser(ns, name)})
-	srv := k8stest.Start(t, auth.serverArgs())
-	kubeconfig := tokenKubeconfig(t, srv, saToken)
+	srv, auditLog := auditedServer(t)
+	kubeconfig, saUser := applyDeployRBAC(t, srv, nil)
 	startToExit := func(want ...string) {
 		t.Helper()
 		out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
@@ -261,11 +271,14 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 			}
 		}
 	}
+	crdRefusals := func(verb string) int {
+		return refusedRequests(t, auditLog, saUser)[apiRequest{Group: "apiextensions.k8s.io", Resource: "customresourcedefinitions", Verb: verb}]
+	}
 
 	// No CRD installed: the agent may not create one.
 	startToExit(crdstore.CiliumIdentityCRDName, `"create" on customresourcedefinitions.apiextensions.k8s.io`)
-	if n := crdRequestsRefused(auth, saUser); n["create"] == 0 {
-		t.Errorf("no create of a CRD was refused to %s: %v", saUser, n)
+	if crdRefusals("create") == 0 {
+		t.Errorf("no create of a CRD was refused to %s: %v", saUser, refusedRequests(t, auditLog, saUser))
 	}
 
 	// deploy/crds with the IdentityNode CRD of an older schema: the agent
@@ -284,8 +297,8 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 		t.Fatalf("deploy/crds has no %s", crdstore.IdentityNodeCRDName)
 	}
 	startToExit(crdstore.IdentityNodeCRDName, `"update" on customresourcedefinitions.apiextensions.k8s.io`)
-	if n := crdRequestsRefused(auth, saUser); n["update"] == 0 {
-		t.Errorf("no update of a CRD was refused to %s: %v", saUser, n)
+	if crdRefusals("update") == 0 {
+		t.Errorf("no update of a CRD was refused to %s: %v", saUser, refusedRequests(t, auditLog, saUser))
 	}
 
 	// The administrator brings it up to date from deploy/crds.
@@ -301,21 +314,46 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 	if _, err := cli.Update(t.Context(), old); err != nil {
 		t.Fatal(err)
 	}
-	refusals := func() int {
+	countRefusals := func() int {
 		n := 0
-		for _, users := range auth.deniedRequests() {
-			n += len(users)
+		for _, c := range refusedRequests(t, auditLog, saUser) {
+			n += c
 		}
 		return n
 	}
-	refusedBefore := refusals()
+	refusedBefore := countRefusals()
 	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), kubeconfig, "node-sa")
 	sh := sa.dial()
 	id := allocate(t, sh, "k8s:app=deployed")
 	sh.Close()
 	waitUntil(t, 30*time.Second, "the IdentityNode is written as the ServiceAccount", newAPIObjects(t, srv).lists("node-sa", id, true))
 	sa.stop(syscall.SIGTERM)
-	if refusals() != refusedBefore {
-		t.Errorf("deploy/base's role refused the agent with the CRDs installed: %v", auth.deniedRequests())
+	if countRefusals() != refusedBefore {
+		t.Errorf("deploy/base's roles refused the agent with the CRDs installed: %v", refusedRequests(t, auditLog, saUser))
+	}
+}
+
+// TestCRDModeAgentNeedsItsRoleRules: deploy/base's roles with one rule
+// the agent needs taken out (the get of the CRDs, which the agent checks
+// at start) leave the agent refused by the server's authorizer: its start
+// fails naming the request, and the server's audit log shows the 403.
+func TestCRDModeAgentNeedsItsRoleRules(t *testing.T) {
+	parallelProcess(t)
+	if testing.Short() {
+		t.Skip("runs an API server and agent processes")
+	}
+	srv, auditLog := auditedServer(t)
+	k8stest.InstallCRD(t, srv.RESTConfig(), findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")...)
+	kubeconfig, saUser := applyDeployRBAC(t, srv, withoutVerb("customresourcedefinitions", "get"))
+	out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
+		"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa")...)...)
+	if err == nil {
+		t.Fatalf("the agent started without the right to read the CRDs:\n%s", out)
+	}
+	if !strings.Contains(out, `"get" on customresourcedefinitions.apiextensions.k8s.io`) {
+		t.Errorf("the agent's error does not name the refused get of the CRDs:\n%s", out)
+	}
+	if n := refusedRequests(t, auditLog, saUser)[apiRequest{Group: "apiextensions.k8s.io", Resource: "customresourcedefinitions", Verb: "get"}]; n == 0 {
+		t.Errorf("the server refused no get of a CRD to %s: %v", saUser, refusedRequests(t, auditLog, saUser))
 	}
 }

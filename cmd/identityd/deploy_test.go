@@ -81,6 +81,10 @@ func newTyped(apiVersion, kind string) (metav1.Object, error) {
 		return &rbacv1.ClusterRole{}, nil
 	case "rbac.authorization.k8s.io/v1 ClusterRoleBinding":
 		return &rbacv1.ClusterRoleBinding{}, nil
+	case "rbac.authorization.k8s.io/v1 Role":
+		return &rbacv1.Role{}, nil
+	case "rbac.authorization.k8s.io/v1 RoleBinding":
+		return &rbacv1.RoleBinding{}, nil
 	case "apps/v1 DaemonSet":
 		return &appsv1.DaemonSet{}, nil
 	case "apiextensions.k8s.io/v1 CustomResourceDefinition":

@@ -334,8 +334,9 @@ func BenchmarkBareCreate(b *testing.B) {
 }
 
 // TestSharedOutlivesTestsAndStartsEmpty: the server of Shared is the same
-// across tests, outlives the test that started it, keeps its CRDs, and has
-// no custom object when a test gets it.
+// across tests, outlives the test that started it, keeps its CRDs and
+// namespaces, and has no custom object, Pod or Lease (but the server's own)
+// when a test gets it.
 func TestSharedOutlivesTestsAndStartsEmpty(t *testing.T) {
 	var first *k8stest.Server
 	t.Run("first", func(t *testing.T) {
@@ -344,6 +345,14 @@ func TestSharedOutlivesTestsAndStartsEmpty(t *testing.T) {
 		cli := widgetClient(t, first.RESTConfig())
 		createWidget(t, cli, "left-over", "red")
 		createWidget(t, cli, "another", "blue")
+		admin, err := dynamic.NewForConfig(first.RESTConfig())
+		if err != nil {
+			t.Fatal(err)
+		}
+		create(t, admin, namespaces, object("v1", "Namespace", "", "work", nil))
+		create(t, admin, pods, podObject("work", "web", "node-1"))
+		create(t, admin, leases, leaseObject("work", "lock", "node-1"))
+		create(t, admin, leases, leaseObject("default", "lock", "node-1"))
 	})
 	t.Run("second", func(t *testing.T) {
 		srv := k8stest.Shared(t)
@@ -363,6 +372,23 @@ func TestSharedOutlivesTestsAndStartsEmpty(t *testing.T) {
 		}
 		createWidget(t, cli, "left-over", "green")
 		wantColor(t, cli, "left-over", "green", "a new widget of an old name")
+		admin, err := dynamic.NewForConfig(srv.RESTConfig())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, gvr := range []schema.GroupVersionResource{pods, leases} {
+			left, err := admin.Resource(gvr).List(t.Context(), metav1.ListOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, obj := range left.Items {
+				if !strings.HasPrefix(obj.GetNamespace(), "kube-") {
+					t.Errorf("%s %s/%s left from the first test", gvr.Resource, obj.GetNamespace(), obj.GetName())
+				}
+			}
+		}
+		// The namespace stays: there is no controller to finish deleting one.
+		create(t, admin, leases, leaseObject("work", "lock", "node-2"))
 	})
 }
 

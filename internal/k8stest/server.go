@@ -2,9 +2,13 @@ package k8stest
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"net/http"
@@ -145,10 +149,9 @@ func Start(tb testing.TB, opts ...Option) *Server {
 	return s
 }
 
-// prepareFiles writes the certificates (kept for the server's life, so
-// that a restarted server is trusted by the same clients) and the
-// kubeconfig of the core API server the apiextensions-apiserver insists on
-// having, which points nowhere: this server answers everything itself.
+// prepareFiles writes the certificates and the service accounts' signing
+// key, kept for the server's life so that a restarted server is trusted by
+// the same clients and accepts the tokens it issued before.
 func (s *Server) prepareFiles() error {
 	certs, err := etcdtest.GenerateCerts(filepath.Join(s.dir, "certs"))
 	if err != nil {
@@ -177,14 +180,9 @@ func (s *Server) prepareFiles() error {
 	}
 	s.readyTLS.Certificates = []tls.Certificate{adminTLS}
 
-	core := clientcmdapi.NewConfig()
-	core.Clusters["none"] = &clientcmdapi.Cluster{Server: "https://127.0.0.1:1"}
-	core.AuthInfos["none"] = &clientcmdapi.AuthInfo{}
-	core.Contexts["none"] = &clientcmdapi.Context{Cluster: "none", AuthInfo: "none"}
-	core.CurrentContext = "none"
-	corePath := filepath.Join(s.dir, "core-unreachable.kubeconfig")
-	if err := clientcmd.WriteToFile(*core, corePath); err != nil {
-		return fmt.Errorf("k8stest: writing kubeconfig: %w", err)
+	saKey := filepath.Join(s.dir, "certs", "service-account-key.pem")
+	if err := writeSigningKey(saKey); err != nil {
+		return err
 	}
 	s.args = append([]string{
 		"--etcd-servers", strings.Join(s.etcd, ","),
@@ -193,17 +191,46 @@ func (s *Server) prepareFiles() error {
 		"--tls-cert-file", certs.ServerCertFile,
 		"--tls-private-key-file", certs.ServerKeyFile,
 		"--client-ca-file", certs.CAFile,
-		"--authentication-skip-lookup",
-		"--kubeconfig", corePath,
-		// Admission webhooks and policies, and priority and fairness,
-		// need objects of a core API server.
+		"--authorization-mode", "RBAC",
+		// Service account tokens (TokenRequest) are signed and checked
+		// with one key of the server's own.
+		"--service-account-issuer", "https://kubernetes.default.svc",
+		"--service-account-key-file", saKey,
+		"--service-account-signing-key-file", saKey,
+		"--service-cluster-ip-range", "10.96.0.0/24",
+		// No Service "kubernetes" with this server's address: clients
+		// here reach it by URL, and there is no network to route one.
+		"--endpoint-reconciler-type", "none",
 		"--enable-priority-and-fairness=false",
-		"--disable-admission-plugins", "NamespaceLifecycle,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ValidatingAdmissionPolicy,MutatingAdmissionPolicy",
+		// The ServiceAccount admission sets a pod's service account to
+		// "default" and refuses the pod until that account exists, which
+		// kube-controller-manager would create: tests run no controllers,
+		// and create the accounts they name themselves.
+		"--disable-admission-plugins", "ServiceAccount",
 		// A graceful stop ends open watches at once instead of waiting up to
 		// a minute for them, as clients see when a server goes away.
 		"--shutdown-watch-termination-grace-period=5s",
 		"--profiling=false",
 	}, s.opts.extraArgs...)
+	return nil
+}
+
+// writeSigningKey writes a new ECDSA P-256 private key (mode 0600) to
+// path, in PEM: the server signs service account tokens with it (ES256)
+// and checks them with its public half.
+func writeSigningKey(path string) error {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return fmt.Errorf("k8stest: generating the service account key: %w", err)
+	}
+	der, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		return fmt.Errorf("k8stest: %w", err)
+	}
+	b := pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		return fmt.Errorf("k8stest: writing the service account key: %w", err)
+	}
 	return nil
 }
 
@@ -312,8 +339,11 @@ func (s *Server) Kubeconfig() string { return s.kubecfg }
 
 // UserKubeconfig returns the path of a kubeconfig file (mode 0600) for
 // another user, authenticated by a client certificate with the given name
-// and groups. Unless groups include system:masters, the server's
-// authorizer forbids the user every request (403) but the health checks.
+// and groups. Unless groups include system:masters, the server's RBAC
+// authorizer allows the user what the cluster's default roles give every
+// authenticated user (discovery, the health checks, its own access
+// reviews) and what roles bound to the user or its groups grant, and
+// forbids every other request (403).
 func (s *Server) UserKubeconfig(tb testing.TB, user string, groups ...string) string {
 	tb.Helper()
 	s.userMu.Lock()

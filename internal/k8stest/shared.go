@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -29,8 +30,10 @@ var shared struct {
 // StopShared, which the package's TestMain calls after m.Run. Starting a
 // server and establishing CRDs on it is most of what a short test on a
 // server of its own costs. Every call deletes the objects of every CRD
-// the server serves before it returns, so that each test starts from
-// none; the CRDs themselves stay. Only tests that do not call t.Parallel
+// the server serves, and the Pods and Leases of every namespace but the
+// server's own (kube-system, kube-public, kube-node-lease), before it
+// returns, so that each test starts from none; the CRDs, namespaces and
+// the rest stay. Only tests that do not call t.Parallel
 // may use it, and none may stop, kill or restart it.
 func Shared(tb testing.TB, opts ...Option) *Server {
 	tb.Helper()
@@ -50,6 +53,9 @@ func Shared(tb testing.TB, opts ...Option) *Server {
 	ctx, cancel := context.WithTimeout(tb.Context(), InstallTimeout)
 	defer cancel()
 	if err := deleteCustomObjects(ctx, shared.srv); err != nil {
+		tb.Fatalf("k8stest: emptying the shared API server: %v", err)
+	}
+	if err := deleteWorkObjects(ctx, shared.srv); err != nil {
 		tb.Fatalf("k8stest: emptying the shared API server: %v", err)
 	}
 	return shared.srv
@@ -103,6 +109,54 @@ func deleteCustomObjects(ctx context.Context, srv *Server) error {
 				}
 			}
 			// An object with a finalizer, or one created since.
+			if err := sleep(ctx, 100*time.Millisecond); err != nil {
+				return fmt.Errorf("the %s are not gone: %w", gvr.Resource, err)
+			}
+		}
+	}
+	return nil
+}
+
+// The core resources Shared empties, and the namespaces it leaves alone:
+// the server's own, where it keeps its leases.
+var (
+	workResources = []schema.GroupVersionResource{
+		{Version: "v1", Resource: "pods"},
+		{Group: "coordination.k8s.io", Version: "v1", Resource: "leases"},
+	}
+	serverNamespaces = []string{"kube-system", "kube-public", "kube-node-lease"}
+)
+
+// deleteWorkObjects deletes the workResources outside serverNamespaces
+// and waits until none is listed. Pods go at once (no grace period):
+// no kubelet confirms the end of a pod bound to a node.
+func deleteWorkObjects(ctx context.Context, srv *Server) error {
+	dyn, err := dynamic.NewForConfig(srv.RESTConfig())
+	if err != nil {
+		return err
+	}
+	now := int64(0)
+	for _, gvr := range workResources {
+		res := dyn.Resource(gvr)
+		for {
+			list, err := res.List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return fmt.Errorf("listing the %s: %w", gvr.Resource, err)
+			}
+			left := 0
+			for _, obj := range list.Items {
+				if slices.Contains(serverNamespaces, obj.GetNamespace()) {
+					continue
+				}
+				left++
+				err := res.Namespace(obj.GetNamespace()).Delete(ctx, obj.GetName(), metav1.DeleteOptions{GracePeriodSeconds: &now})
+				if err != nil && !apierrors.IsNotFound(err) {
+					return fmt.Errorf("deleting %s %s/%s: %w", gvr.Resource, obj.GetNamespace(), obj.GetName(), err)
+				}
+			}
+			if left == 0 {
+				break
+			}
 			if err := sleep(ctx, 100*time.Millisecond); err != nil {
 				return fmt.Errorf("the %s are not gone: %w", gvr.Resource, err)
 			}

@@ -45,27 +45,53 @@ var (
 // to build first (PrebuildCommand), instead of a panic at go test's
 // -timeout with the go command left running.
 func Binary(deadline time.Time, name, pkg, env string, buildFlags ...string) (string, error) {
+	return cachedBinary(deadline, name, "", pkg, env, buildFlags)
+}
+
+// ModuleBinary is Binary for the main package of a module of its own in
+// the directory mod of this module's source (relative to its root, such as
+// "internal/k8stest/kubeapiserver"): a command whose dependencies must not
+// reach this module's go.mod. It is built in mod with mod's go.mod and
+// go.sum, which are part of the key with its Go files. The go command
+// leaves such a nested module out of this module's zip, so a module cache
+// holds none: outside a checkout of this module (or a replace target) env
+// must name the binary.
+func ModuleBinary(deadline time.Time, name, mod, env string, buildFlags ...string) (string, error) {
+	return cachedBinary(deadline, name, mod, ".", env, buildFlags)
+}
+
+// cachedBinary is Binary of the package pkg of the module in the
+// directory mod ("" for this module).
+func cachedBinary(deadline time.Time, name, mod, pkg, env string, buildFlags []string) (string, error) {
 	binariesMu.Lock()
 	defer binariesMu.Unlock()
-	if p, ok := binaries[pkg]; ok {
+	id := filepath.Join(mod, pkg)
+	if p, ok := binaries[id]; ok {
 		return p, nil
 	}
 	if p := os.Getenv(env); p != "" {
-		binaries[pkg] = p
+		binaries[id] = p
 		return p, nil
 	}
-	p, err := build(deadline, name, pkg, buildFlags)
+	p, err := build(deadline, name, mod, pkg, env, buildFlags)
 	if err != nil {
 		return "", err
 	}
-	binaries[pkg] = p
+	binaries[id] = p
 	return p, nil
 }
 
-func build(deadline time.Time, name, pkg string, buildFlags []string) (string, error) {
+func build(deadline time.Time, name, mod, pkg, env string, buildFlags []string) (string, error) {
 	root, err := moduleDir()
 	if err != nil {
 		return "", fmt.Errorf("testproc: cannot build %s: %w", name, err)
+	}
+	if mod != "" {
+		root = filepath.Join(root, mod)
+		if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
+			return "", fmt.Errorf("testproc: cannot build %s: its module %s is not in %s's source here (a module cache leaves nested modules out; build it in a checkout and set %s to the binary): %w",
+				name, mod, ModulePath, env, err)
+		}
 	}
 	key, err := sourceKey(root, pkg, buildFlags)
 	if err != nil {

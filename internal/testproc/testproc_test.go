@@ -314,7 +314,7 @@ func TestBuildStoppedBeforeDeadline(t *testing.T) {
 	}
 
 	began := time.Now()
-	_, err := build(time.Now().Add(DeadlineReserve/2), "etcd", pkg, nil)
+	_, err := build(time.Now().Add(DeadlineReserve/2), "etcd", "", pkg, "IDENTITYD_ETCD_BINARY", nil)
 	check(err, time.Second, began)
 	if n := processesWithEnv(t, "GOCACHE="+gocache); n != 0 {
 		t.Fatalf("%d processes of a build that should not have started", n)
@@ -322,7 +322,7 @@ func TestBuildStoppedBeforeDeadline(t *testing.T) {
 
 	// Long enough for the go command to start its compilers.
 	began = time.Now()
-	_, err = build(time.Now().Add(DeadlineReserve+4*time.Second), "etcd", pkg, nil)
+	_, err = build(time.Now().Add(DeadlineReserve+4*time.Second), "etcd", "", pkg, "IDENTITYD_ETCD_BINARY", nil)
 	check(err, 15*time.Second, began)
 	// The kernel delivers the group's SIGKILL to each compiler on its own;
 	// a compiler left running would go on for seconds.
@@ -342,7 +342,7 @@ func TestBuildStoppedBeforeDeadline(t *testing.T) {
 	<-held
 	defer close(release)
 	began = time.Now()
-	_, err = build(time.Now().Add(DeadlineReserve+time.Second), "etcd", pkg, nil)
+	_, err = build(time.Now().Add(DeadlineReserve+time.Second), "etcd", "", pkg, "IDENTITYD_ETCD_BINARY", nil)
 	check(err, 10*time.Second, began)
 }
 
@@ -368,4 +368,19 @@ func processesWithEnv(t *testing.T, kv string) int {
 		}
 	}
 	return n
+}
+
+// TestModuleBinaryWithoutItsModule: a nested module that is not in the
+// source (as in a module cache, which leaves nested modules out) fails
+// with an error that names the variable to set, and builds nothing.
+func TestModuleBinaryWithoutItsModule(t *testing.T) {
+	t.Setenv("XDG_CACHE_HOME", t.TempDir())
+	_, err := ModuleBinary(time.Time{}, "absent", "internal/no-such-module", "IDENTITYD_ABSENT_BINARY")
+	if err == nil || !strings.Contains(err.Error(), "IDENTITYD_ABSENT_BINARY") || !strings.Contains(err.Error(), "internal/no-such-module") {
+		t.Fatalf("err = %v, want one naming the module and IDENTITYD_ABSENT_BINARY", err)
+	}
+	t.Setenv("IDENTITYD_ABSENT_BINARY", "/bin/true")
+	if p, err := ModuleBinary(time.Time{}, "absent", "internal/no-such-module", "IDENTITYD_ABSENT_BINARY"); err != nil || p != "/bin/true" {
+		t.Fatalf("with the variable set: %q, %v; want /bin/true", p, err)
+	}
 }

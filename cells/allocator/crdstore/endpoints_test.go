@@ -18,8 +18,10 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 
@@ -114,6 +116,13 @@ func createObject(t *testing.T, cfg *rest.Config, doc string) {
 	var ri dynamic.ResourceInterface = dyn.Resource(gvr)
 	if ns := u.GetNamespace(); ns != "" {
 		ri = dyn.Resource(gvr).Namespace(ns)
+		// A namespaced object needs its namespace, which a cluster has
+		// before its pods.
+		nsObj := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "v1", "kind": "Namespace", "metadata": map[string]any{"name": ns}}}
+		_, err := dyn.Resource(schema.GroupVersionResource{Version: "v1", Resource: "namespaces"}).Create(t.Context(), nsObj, metav1.CreateOptions{})
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("creating namespace %s: %v", ns, err)
+		}
 	}
 	if _, err := ri.Create(t.Context(), &u, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("creating %s %s: %v", u.GetKind(), u.GetName(), err)

@@ -6,8 +6,9 @@
 // while go test compiled and ran the race-built tests took more CPU in all,
 // and the first tests waited for them behind the build lock.
 //
-// With -vet it vets the two servers instead, with the flags they are built
-// with, so that vet finds their dependencies compiled (`make vet-servers`).
+// With -vet it vets the two servers instead, in the mode they are built
+// in, so that vet finds their dependencies compiled (`make vet-servers`);
+// the API server in its own module (internal/k8stest/kubeapiserver).
 package main
 
 import (
@@ -35,13 +36,18 @@ func main() {
 }
 
 // vetServers runs go vet over the two servers' main packages in the mode
-// and with the flags they are built with. The flags of the API server
-// name none of the etcd server's packages, so one go vet serves both.
+// they are built with: the API server's in its own module.
 func vetServers() error {
-	args := append(append([]string{}, k8stest.ServerBuildFlags...), "./"+k8stest.ServerPackage, "./"+etcdtest.ServerPackage)
-	cmd := testproc.InImageMode("vet", args...)
-	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
-	return cmd.Run()
+	for _, v := range []struct{ dir, pkg string }{{".", "./" + etcdtest.ServerPackage}, {k8stest.ServerModule, "."}} {
+		cmd := testproc.InImageMode("vet", v.pkg)
+		cmd.Dir = v.dir
+		cmd.Env = append(cmd.Env, "GOWORK=off")
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("go vet %s in %s: %w", v.pkg, v.dir, err)
+		}
+	}
+	return nil
 }
 
 func buildAll() error {
