@@ -83,7 +83,9 @@ func (p workloadPod) group() string { return p.ns + "/" + p.app }
 // none); a relabelled pod's and a deleted pod's old identities are
 // released after the grace period, not before; a node killed with SIGKILL
 // and restarted gives every one of its pods the same number again, and
-// its map holds them all.
+// its map holds them all; a namespace's new labels move its pods on every
+// node to new shared identities and release the old ones after the grace
+// period, and leave the other namespace's pods alone.
 func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubeconfig string) []string) {
 	ctx := t.Context()
 	core, err := corev1client.NewForConfig(srv.RESTConfig())
@@ -246,6 +248,82 @@ func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubec
 		}
 	}
 	expectNodeMap(t, agents["node-0"], "node-0", byNode["node-0"], ids)
+
+	// A namespace's new labels move each of its pods, on every node, to
+	// the identity of its new label set, shared as before; the old ones
+	// go after the grace period; the other namespace's pods keep theirs.
+	nsObj, err := core.Namespaces().Get(ctx, "billing", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nsObj.Labels["team"] = "t9"
+	if _, err := core.Namespaces().Update(ctx, nsObj, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	nsRelabelled := time.Now()
+	oldBilling := map[int]bool{}
+	for _, p := range pods {
+		if p.ns == "billing" {
+			oldBilling[ids[p.key()]] = true
+		}
+	}
+	// Read before anything waits: the old identities are held still.
+	for _, node := range nodes {
+		for id := range oldBilling {
+			if refCount(t, agents[node], id) == 0 {
+				t.Logf("%s: identity %d not held right after the namespace relabel (a loaded machine)", node, id)
+			}
+			break
+		}
+	}
+	moved := map[string]int{}
+	for _, node := range nodes {
+		waitUntil(t, 60*time.Second, node+"'s billing pods on new identities", func() error {
+			for _, r := range listPods(t, agents[node]) {
+				if strings.HasPrefix(r.Name, "billing/") && (r.State != "ready" || oldBilling[r.Identity]) {
+					return fmt.Errorf("%s: %+v", r.Name, r)
+				}
+				moved[r.Name] = r.Identity
+			}
+			return nil
+		})
+	}
+	t.Logf("every billing pod on its new identity %s after the namespace relabel", time.Since(nsRelabelled).Round(time.Millisecond))
+	newGroup := map[string]int{}
+	for _, p := range pods {
+		if p.key() == gone.key() {
+			continue
+		}
+		id := moved[p.key()]
+		if p.ns != "billing" {
+			if id != ids[p.key()] {
+				t.Errorf("%s of another namespace moved from %d to %d", p.key(), ids[p.key()], id)
+			}
+			continue
+		}
+		if g, ok := newGroup[p.group()]; ok && g != id {
+			t.Errorf("%s has identity %d, another pod of its labels %d", p.key(), id, g)
+		}
+		newGroup[p.group()] = id
+		ids[p.key()] = id
+	}
+	for _, node := range nodes {
+		expectNodeMap(t, agents[node], node, byNode[node], ids)
+	}
+	for _, node := range nodes {
+		waitUntil(t, workloadsGrace+60*time.Second, node+" releases the old billing identities", func() error {
+			held := heldIdentities(t, agents[node])
+			for id := range oldBilling {
+				if held[id] > 0 {
+					return fmt.Errorf("identity %d has %d references", id, held[id])
+				}
+			}
+			return nil
+		})
+		if took := time.Since(nsRelabelled); took < workloadsGrace {
+			t.Errorf("%s released the old billing identities %s after the relabel, before the grace period of %s", node, took.Round(time.Millisecond), workloadsGrace)
+		}
+	}
 }
 
 // createPods creates the pods, each bound to its node, and writes their
@@ -408,6 +486,12 @@ func expectNodeMap(t *testing.T, a *healthAgent, node string, pods []workloadPod
 // not list it).
 func refCount(t *testing.T, a *healthAgent, id int) int {
 	t.Helper()
+	return heldIdentities(t, a)[id]
+}
+
+// heldIdentities is the agent's reference count of every identity it lists.
+func heldIdentities(t *testing.T, a *healthAgent) map[int]int {
+	t.Helper()
 	sh := a.dial()
 	defer sh.Close()
 	out, err := sh.Run(time.Now().Add(time.Minute), "identity/list", "-o", "json")
@@ -423,12 +507,11 @@ func refCount(t *testing.T, a *healthAgent, id int) int {
 	if err := json.Unmarshal([]byte(out), &entries); err != nil {
 		t.Fatalf("identity/list -o json: %v\n%s", err, out)
 	}
+	held := map[int]int{}
 	for _, e := range entries {
-		if e.Identity.ID == id {
-			return e.RefCount
-		}
+		held[e.Identity.ID] = e.RefCount
 	}
-	return 0
+	return held
 }
 
 // expectReleasedAfterGrace waits until the agent holds no reference on id
