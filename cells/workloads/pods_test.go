@@ -122,3 +122,40 @@ func TestPrefixDiff(t *testing.T) {
 		t.Fatalf("from nothing: add %v remove %v", add, remove)
 	}
 }
+
+// FuzzDecide: no pod or namespace input makes decide panic, and what it
+// keeps is sane: identity labels only when it serves the pod, host
+// prefixes only, sorted and unique.
+func FuzzDecide(f *testing.F) {
+	f.Add("app", "web", "team", "a", "10.0.0.1", "fd00::1", false, "Running")
+	f.Add("reserved:host", "", "$x", "y", "::ffff:1.2.3.4", "fe80::1%eth0", false, "Pending")
+	f.Add("io.cilium.k8s.policy.cluster", "other", "", "", "nonsense", "", true, "Succeeded")
+	filter, err := NewLabelFilter(nil, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, podKey, podValue, nsKey, nsValue, ip1, ip2 string, hostNetwork bool, phase string) {
+		pod := testPod("p", map[string]string{podKey: podValue}, ip1, ip2)
+		pod.Spec.HostNetwork = hostNetwork
+		pod.Status.Phase = corev1.PodPhase(phase)
+		pod.Status.PodIP = ip2
+		ns := testNamespace("ns", map[string]string{nsKey: nsValue})
+		w := decide(pod, ns, "n1", "c1", filter)
+		if w.skip != reasonNone && (len(w.labels) > 0 || len(w.prefixes) > 0) {
+			t.Fatalf("skipped pod (%s) keeps labels %v prefixes %v", w.skip, w.labels, w.prefixes)
+		}
+		for i, p := range w.prefixes {
+			if !p.IsValid() || p.Bits() != p.Addr().BitLen() || p.Addr().Is4In6() || p.Addr().Zone() != "" {
+				t.Fatalf("prefix %v is not a host prefix", p)
+			}
+			if i > 0 && comparePrefix(w.prefixes[i-1], p) >= 0 {
+				t.Fatalf("prefixes %v not sorted and unique", w.prefixes)
+			}
+		}
+		if w.skip == reasonNone {
+			if err := w.labels.Validate(); err != nil {
+				t.Fatalf("labels %v: %v", w.labels, err)
+			}
+		}
+	})
+}
