@@ -1,8 +1,11 @@
 package workloads
 
 import (
+	"log/slog"
 	"net/netip"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,6 +22,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/ipcache"
+	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
@@ -392,4 +396,49 @@ func TestMapPruneHeldUntilPodsServed(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestOffWithoutKubernetes: without a Kubernetes client (kvstore mode, no
+// kubeconfig) the cell provides no Workloads, starts nothing, and says so
+// once in the log.
+func TestOffWithoutKubernetes(t *testing.T) {
+	var (
+		w   *Workloads
+		out syncBuffer
+	)
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, statedir.Cell,
+		allocator.Cell, ipcache.Cell, k8sclient.Cell, Cell,
+		cell.Invoke(func(got *Workloads) { w = got }),
+	)
+	dir := t.TempDir()
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
+	if _, err := testhive.TryStart(t, h, slog.New(slog.NewTextHandler(&out, nil))); err != nil {
+		t.Fatal(err)
+	}
+	if w != nil {
+		t.Fatal("a Workloads without a Kubernetes client")
+	}
+	if n := strings.Count(out.String(), "pods get no identities from this node"); n != 1 {
+		t.Fatalf("the cell said it is off %d times, want once:\n%s", n, out.String())
+	}
+}
+
+// syncBuffer is a strings.Builder safe for the hive's concurrent logging.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
