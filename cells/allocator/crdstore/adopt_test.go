@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/uuid"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/internal/k8stest"
@@ -585,5 +586,44 @@ func TestAdoptDuplicatesRequests(t *testing.T) {
 		if got[i] != want[i] {
 			t.Errorf("%s: node-late answers %d, the rule %d", l, got[i], want[i])
 		}
+	}
+}
+
+// TestMirroredObjectAdopted: in a migration from etcd, a node that decides
+// identities in etcd (doublewrite-readkvstore) writes each one's
+// CiliumIdentity at etcd's ID, off the label set's probe sequence; a node
+// that reads the CRDs (doublewrite-readcrd) and allocates the set a moment
+// later must answer that ID, as the node reading etcd does, and create
+// nothing: an object identityd created ranks like one its walk placed.
+// Ranked as a Cilium agent's young object, it lost to the object the
+// second node created on the sequence.
+func TestMirroredObjectAdopted(t *testing.T) {
+	t.Parallel()
+	srv := startServer(t)
+	rc := srv.RESTConfig()
+	cli := newClient(t, rc)
+	cluster := identity.ClusterInfo{Name: "default"}
+	kv := startNode(t, rc, "node-kvstore")
+	crd := startNode(t, rc, "node-crd")
+	for i := range 3 {
+		l := labels.MustParse(fmt.Sprintf("k8s:app=mirrored-%d", i), "k8s:io.kubernetes.pod.namespace=migration")
+		id := idprobe.New(l.Canonical(), cluster).Slot(1000 + uint64(i))
+		ref := globalstore.NewReference(id, l, 0)
+		kv.refs.record(ref)
+		if err := kv.store.Mirror(context.Background(), ref); err != nil {
+			t.Fatal(err)
+		}
+		require(t, 30*time.Second, func() error {
+			if crd.store.ids.get(id) == nil {
+				return fmt.Errorf("node-crd has not seen %d yet", id)
+			}
+			return nil
+		})
+		if got, created := crd.allocate(t, l); got != id || created {
+			t.Errorf("%s: node-crd answers %d (created %v), etcd's ID %d", l, got, created, id)
+		}
+	}
+	if objs := cli.identities(t); len(objs) != 3 {
+		t.Errorf("%d CiliumIdentity objects for 3 label sets, want 3", len(objs))
 	}
 }

@@ -1,6 +1,7 @@
 package crdstore
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
@@ -25,6 +26,20 @@ type entry struct {
 	key  string // canonical labels
 	lbls labels.Labels
 	obj  *CiliumIdentity
+	// placed: identityd created the object (createdByIdentityd).
+	placed bool
+}
+
+// createdByIdentityd reports whether identityd created obj: its
+// managedFields name identityd's fieldManager as an owner of the
+// security-labels, which no writer changes after the create.
+func createdByIdentityd(obj *CiliumIdentity) bool {
+	for _, mf := range obj.ManagedFields {
+		if mf.Manager == fieldManager && mf.FieldsV1 != nil && bytes.Contains(mf.FieldsV1.Raw, []byte(`"f:security-labels"`)) {
+			return true
+		}
+	}
+	return false
 }
 
 func (e *entry) marked() bool {
@@ -168,7 +183,7 @@ func (c *identityCache) parse(obj *CiliumIdentity) (*entry, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &entry{id: id, key: lbls.Canonical(), lbls: lbls, obj: obj}, nil
+	return &entry{id: id, key: lbls.Canonical(), lbls: lbls, obj: obj, placed: createdByIdentityd(obj)}, nil
 }
 
 // parseName reads an object name as a numeric identity: decimal digits
@@ -524,12 +539,13 @@ const (
 	// half full is within the first few; a Cilium agent's random ID is
 	// there once in about a thousand.
 	seqReach = 64
-	// walkHeadStart is how much earlier than its creation an object on
-	// the sequence counts as created, against the objects off it. It
-	// exceeds the time from an object's creationTimestamp to its
-	// visibility (the API server's write to etcd), so that an object
-	// off the sequence that a node sees only after the object on it
-	// cannot overturn what that node answered.
+	// walkHeadStart is how much earlier than its creation an object
+	// identityd placed (on the sequence, or created by identityd: a
+	// migration's object at etcd's ID) counts as created, against the
+	// others. It exceeds the time from an object's creationTimestamp to
+	// its visibility (the API server's write to etcd), so that a Cilium
+	// agent's object that a node sees only after the object on the
+	// sequence cannot overturn what that node answered.
 	walkHeadStart = 30 * time.Second
 	// maxCacheLag is how far behind the API server a node's cache may
 	// be, its write of an object included (docs/crd-store.md): an object
@@ -597,8 +613,9 @@ func (c *identityCache) pickListed(key string, es []*entry) *entry {
 // more than one object where a writer that does not follow the placement
 // (a Cilium agent, a migration) created one. The pick is the object of
 // the earliest rank: its creation second, less walkHeadStart for an object
-// within seqReach of the start of the set's probe sequence; of the same
-// rank, the one earliest on the sequence. The rank depends on the object
+// within seqReach of the start of the set's probe sequence or created by
+// identityd (createdByIdentityd); of the same rank, the one earliest on
+// the sequence. The rank depends on the object
 // alone, never on the cache's other objects, so nodes whose caches differ
 // elsewhere pick alike, and an object created later than walkHeadStart
 // after the pick cannot overturn it. Under mu.
@@ -637,7 +654,7 @@ func rank(p idprobe.Sequence, e *entry) (at time.Time, pos uint64) {
 		pos = p.Len()
 	}
 	at = e.created()
-	if pos < seqReach {
+	if pos < seqReach || e.placed {
 		at = at.Add(-walkHeadStart)
 	}
 	return at, pos

@@ -631,8 +631,9 @@ func (a *allocation) listObjects(ctx context.Context) ([]*entry, error) {
 // the sequence is never adopted on the cache's word alone, since the
 // sequence's object, stamped in the same moment, may reach this node later
 // and win. Where an object created now could not win against the cache's
-// pick either, the walk only reads the slot the cache shows free: one
-// request, and no object that no node would use.
+// pick, or the pick is an object identityd created, the walk only reads
+// the slot the cache shows free: one request, and no object that no node
+// would use.
 func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	s := a.s
 	key := a.key
@@ -640,7 +641,10 @@ func (a *allocation) find(ctx context.Context, p idprobe.Sequence) (identity.Num
 		now := time.Now()
 		e, settled := s.ids.pickSettled(key, now)
 		if !settled {
-			a.readOnly = e != nil && s.ids.outranksNew(e, now)
+			// An object identityd created (at etcd's ID, in a
+			// migration) is adopted as the walk's own would be: the
+			// head start is for other writers' objects.
+			a.readOnly = e != nil && (e.placed || s.ids.outranksNew(e, now))
 			id, created, err := a.walk(ctx, p)
 			a.readOnly = false
 			if errors.Is(err, errRestart) {
@@ -904,8 +908,16 @@ const unparsedKey = "\x00"
 
 // create sends the CiliumIdentity of id for lbls.
 func (s *Store) create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) error {
-	return s.ciliumClient.Post().Resource("ciliumidentities").Body(newIdentityObject(id, lbls)).Do(ctx).Error()
+	return s.ciliumClient.Post().Resource("ciliumidentities").Param("fieldManager", fieldManager).
+		Body(newIdentityObject(id, lbls)).Do(ctx).Error()
 }
+
+// fieldManager is the name under which identityd creates CiliumIdentity
+// objects: the API server records it in the object's managedFields, as the
+// owner of the security-labels, which tells the objects identityd placed
+// (by its walk, or at etcd's ID in a migration) from a Cilium agent's
+// without a field of identityd's own in the object.
+const fieldManager = "identityd"
 
 // newIdentityObject returns the CiliumIdentity of id for lbls, as Cilium
 // writes it (with the object labels the API server accepts).
