@@ -19,6 +19,12 @@ import (
 type Churn struct {
 	Duration, Interval, Hold time.Duration
 	Rate, Limit              int
+	// Life, when set, makes the run a short one, checked by its level
+	// instead of its growth over 100 s: at the end, at most the new
+	// label sets the run delivered in Life (the longest an identity
+	// should stay: the hold, the collector's intervals and grace, and
+	// room for a loaded machine), sampled every second.
+	Life time.Duration
 }
 
 // ChurnFromEnv reads the churn of the environment: IDENTITYD_CHURN_SECONDS
@@ -114,7 +120,11 @@ func RunChurn(t *testing.T, c Churn, nodes []ChurnNode, count func() (identities
 		objects, deleted, sets int
 	}
 	var samples []sample
-	for tick := time.NewTicker(5 * time.Second); ctx.Err() == nil; {
+	every := 5 * time.Second
+	if c.Life > 0 {
+		every = time.Second
+	}
+	for tick := time.NewTicker(every); ctx.Err() == nil; {
 		select {
 		case <-tick.C:
 			objects, deleted := count()
@@ -129,6 +139,10 @@ func RunChurn(t *testing.T, c Churn, nodes []ChurnNode, count func() (identities
 	if failed.Load() > 0 {
 		t.Errorf("%d allocations failed", failed.Load())
 	}
+	if c.Life > 0 {
+		checkLevel(t, c, samples[len(samples)/2].at, samples[len(samples)/2].sets, samples[len(samples)-1].at, samples[len(samples)-1].sets, samples[len(samples)-1].objects)
+		return
+	}
 	if len(samples) < 21 {
 		t.Logf("the run is shorter than the 100 s window the check needs")
 		return
@@ -141,7 +155,37 @@ func RunChurn(t *testing.T, c Churn, nodes []ChurnNode, count func() (identities
 	// below the rate asked for.
 	churn := float64(last.sets-first.sets) / span
 	t.Logf("over the last %.0f s: identities %+.2f/s, deleted %.1f/s, level %d, new sets %.1f/s (asked %d/s)", span, growth, deletes, last.objects, churn, c.Rate)
+	// A churn that a loaded machine delivers unevenly moves the level
+	// with it; the age of what the collector deletes does not, while it
+	// keeps up.
+	lag := func(s sample) float64 {
+		for i := 1; i < len(samples); i++ {
+			a, b := samples[i-1], samples[i]
+			if b.sets >= s.deleted && b.sets > a.sets {
+				at := a.at + time.Duration(float64(b.at-a.at)*float64(s.deleted-a.sets)/float64(b.sets-a.sets))
+				return (s.at - at).Seconds()
+			}
+		}
+		return 0
+	}
+	t.Logf("the collector deleted what the run had created %.0f s before at %.0f s, %.0f s before at %.0f s", lag(first), first.at.Seconds(), lag(last), last.at.Seconds())
 	if growth >= 1 || deletes < 0.95*churn {
 		t.Fatalf("over the last %.0f s: identities %+.2f/s, deleted %.1f/s; want under +1/s and at least 95%% of the %.1f new sets/s", span, growth, deletes, churn)
+	}
+}
+
+// checkLevel fails t unless the identities at the end of a short run are
+// at most the new label sets delivered in c.Life, at the rate the run
+// delivered over its second half (from, fromSets to at, sets).
+func checkLevel(t *testing.T, c Churn, from time.Duration, fromSets int, at time.Duration, sets, objects int) {
+	t.Helper()
+	churn := float64(sets-fromSets) / (at - from).Seconds()
+	bound := churn * c.Life.Seconds()
+	t.Logf("at %.0f s: %d identities, new sets %.1f/s (asked %d/s) over the second half; at most %.0f (%s of them)", at.Seconds(), objects, churn, c.Rate, bound, c.Life)
+	if churn < 1 {
+		t.Fatalf("the run delivered %.1f new label sets a second over its second half: too few to check", churn)
+	}
+	if float64(objects) > bound {
+		t.Fatalf("%d identities at the end, more than the %.0f new label sets of %s at %.1f/s: the collector falls behind", objects, bound, c.Life, churn)
 	}
 }

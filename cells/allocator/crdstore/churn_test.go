@@ -2,8 +2,12 @@ package crdstore
 
 import (
 	"context"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
+
+	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/internal/allocatortest"
 	"github.com/identityd/identityd/labels"
@@ -22,11 +26,49 @@ func TestChurnLevelsOff(t *testing.T) {
 	c := allocatortest.ChurnFromEnv(t)
 	srv := startServer(t)
 	cfg := GCConfig{Interval: c.Interval, RateLimit: int64(c.Limit), RateInterval: time.Minute, HeartbeatTimeout: MinHeartbeatTimeout}
+	runChurn(t, c, srv.RESTConfig(), cfg, nil)
+}
+
+// TestChurnShort is TestChurnLevelsOff made short for make test, on an API
+// server slow to answer the patches of CiliumIdentity objects (60 ms
+// each): two nodes allocate the same 40 new label sets a second, each
+// held 2 s, for 40 s, collecting every second with a grace and step
+// window of a second; at the end there are at most the new sets of 12 s
+// (the hold, three intervals, the grace and the step window, and 5 s for
+// a loaded machine). With the collector's marks written one at a time,
+// at most 16 a second, the identities grow past it (checked).
+func TestChurnShort(t *testing.T) {
+	srv := serialServer(t)
+	slow := rest.CopyConfig(srv.RESTConfig())
+	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodPatch && strings.Contains(r.URL.Path, "/ciliumidentities/") {
+				time.Sleep(60 * time.Millisecond)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	c := allocatortest.Churn{Duration: 40 * time.Second, Interval: time.Second, Hold: 2 * time.Second, Rate: 40, Limit: 6000}
+	const grace = time.Second
+	c.Life = c.Hold + 3*c.Interval + 2*grace + 5*time.Second
+	cfg := GCConfig{Interval: c.Interval, RateLimit: int64(c.Limit), RateInterval: time.Minute, HeartbeatTimeout: grace}
+	runChurn(t, c, slow, cfg, func(n *gcNode) {
+		n.gc.minGrace, n.gc.stepWindow = grace, grace
+	})
+}
+
+// runChurn runs c on two nodes of cfg without Cilium agents; adjust, when
+// set, changes each node's store before it starts.
+func runChurn(t *testing.T, c allocatortest.Churn, rc *rest.Config, cfg GCConfig, adjust func(*gcNode)) {
+	t.Helper()
 	var nodes []*gcNode
 	var churn []allocatortest.ChurnNode
 	for _, name := range []string{"node-a", "node-b"} {
-		n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), name, cfg), refs: newTestRefs()}
+		n := &gcNode{Store: newGCStore(t, rc, name, cfg), refs: newTestRefs()}
 		n.cfg.IdentityGCCiliumAgents = false
+		if adjust != nil {
+			adjust(n)
+		}
 		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 		if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
 			t.Fatal(err)
