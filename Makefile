@@ -99,9 +99,10 @@ vet-servers:
 # The test etcd server (internal/etcdtest/etcdserver) has no tests of its
 # own: `go test` would compile it with -race only to print "no test
 # files". The tests build it without -race (internal/testproc); `make
-# vet-servers` (part of `make lint`) vets it. The API server
-# (internal/k8stest/kubeapiserver) is a module of its own, which `go list
-# ./...` does not list.
+# vet-servers` (part of `make lint`) vets it. The API server is a module
+# of its own, kept in internal/k8stest/kubeapiserver as go.mod.in,
+# go.sum.in and main.go.in (testproc.ModuleSource writes it out), which
+# `go list ./...` does not list.
 #
 # go test starts packages in the order it is given them, -p at a time.
 # The packages whose tests take longest come first, so that the longest

@@ -43,10 +43,9 @@
 // The servers run as processes, built with the go command from
 // identityd's module source (the directory `go list -m
 // github.com/identityd/identityd` names in the test's working directory:
-// the module cache, or a replace target) on first use (the API server from
-// its own module, internal/k8stest/kubeapiserver, which a module cache
-// leaves out: outside a checkout or replace target, build it there and set
-// IDENTITYD_APISERVER_BINARY) and cached under
+// the module cache, or a replace target) on first use (the API server in
+// a module of its own that identityd's source holds, written out beside
+// the cached binaries) and cached under
 // the user cache directory (identityd-testbin), keyed by that source and
 // the Go toolchain: the first build of the API server is long (it compiles
 // the Kubernetes API server libraries), later tests only start the

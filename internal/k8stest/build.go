@@ -16,8 +16,11 @@ func Binary(deadline time.Time) (string, error) {
 	return testproc.ModuleBinary(deadline, "kube-apiserver", ServerModule, "IDENTITYD_APISERVER_BINARY")
 }
 
-// ServerModule is the directory, relative to the module root, of the
-// module of its own whose main package is the API server: k8s.io/kubernetes
-// needs replace directives for its staging modules, which must stay out of
-// this module's go.mod and its importers'.
+// ServerModule is the directory, relative to the module root, that keeps
+// the module of its own whose main package is the API server
+// (testproc.ModuleSource): k8s.io/kubernetes needs replace directives for
+// its staging modules, which must stay out of this module's go.mod and its
+// importers'. Kept as files the go command does not take for a module, it
+// ships in identityd's module zip, so that an importer's tests (testenv)
+// build it from the module cache.
 const ServerModule = "internal/k8stest/kubeapiserver"

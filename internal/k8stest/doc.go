@@ -1,6 +1,6 @@
 // Package k8stest runs a real Kubernetes API server as a separate process
 // for tests: kube-apiserver, built from k8s.io/kubernetes in a module of
-// its own (internal/k8stest/kubeapiserver), backed by a real etcd
+// its own (kept in internal/k8stest/kubeapiserver), backed by a real etcd
 // (internal/etcdtest). It serves what a cluster's API server serves: the
 // core API (Namespaces, Pods and their status, Nodes, ServiceAccounts and
 // their tokens through TokenRequest), coordination.k8s.io Leases, RBAC,

@@ -48,14 +48,13 @@ func Binary(deadline time.Time, name, pkg, env string, buildFlags ...string) (st
 	return cachedBinary(deadline, name, "", pkg, env, buildFlags)
 }
 
-// ModuleBinary is Binary for the main package of a module of its own in
-// the directory mod of this module's source (relative to its root, such as
-// "internal/k8stest/kubeapiserver"): a command whose dependencies must not
-// reach this module's go.mod. It is built in mod with mod's go.mod and
-// go.sum, which are part of the key with its Go files. The go command
-// leaves such a nested module out of this module's zip, so a module cache
-// holds none: outside a checkout of this module (or a replace target) env
-// must name the binary.
+// ModuleBinary is Binary for the main package of a module of its own: a
+// command whose dependencies must not reach this module's go.mod. Its
+// files are kept in the directory mod of this module's source (relative
+// to its root, such as "internal/k8stest/kubeapiserver") under names the
+// go command does not take for a nested module (see ModuleSource), so
+// that they ship in this module's zip and a module cache holds them too.
+// The build runs in the module ModuleSource writes out.
 func ModuleBinary(deadline time.Time, name, mod, env string, buildFlags ...string) (string, error) {
 	return cachedBinary(deadline, name, mod, ".", env, buildFlags)
 }
@@ -87,10 +86,8 @@ func build(deadline time.Time, name, mod, pkg, env string, buildFlags []string) 
 		return "", fmt.Errorf("testproc: cannot build %s: %w", name, err)
 	}
 	if mod != "" {
-		root = filepath.Join(root, mod)
-		if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-			return "", fmt.Errorf("testproc: cannot build %s: its module %s is not in %s's source here (a module cache leaves nested modules out; build it in a checkout and set %s to the binary): %w",
-				name, mod, ModulePath, env, err)
+		if root, err = moduleSource(root, mod); err != nil {
+			return "", fmt.Errorf("testproc: cannot build %s (or set %s to a binary): %w", name, env, err)
 		}
 	}
 	key, err := sourceKey(root, pkg, buildFlags)
@@ -510,4 +507,78 @@ func (b *OnceBuild) Remove() {
 	if b.dir != "" {
 		os.RemoveAll(b.dir)
 	}
+}
+
+// moduleFileSuffix marks the files of a module kept inside this one: with
+// it, no go.mod makes their directory a nested module, which the go
+// command would leave out of this module's zip and its packages' lists.
+const moduleFileSuffix = ".in"
+
+// ModuleSource writes out the module kept in the directory mod of this
+// module's source (its files named with the suffix ".in": go.mod.in,
+// go.sum.in, main.go.in) as a module under the user's cache, once per
+// content, and returns its directory. The go command builds and vets it
+// there with its own go.mod and go.sum. To change the module (a new
+// version of a dependency), write it out, run the go command in that
+// directory, and copy go.mod and go.sum back as go.mod.in and go.sum.in.
+func ModuleSource(mod string) (string, error) {
+	root, err := moduleDir()
+	if err != nil {
+		return "", err
+	}
+	return moduleSource(root, mod)
+}
+
+func moduleSource(root, mod string) (string, error) {
+	src := filepath.Join(root, mod)
+	names, err := filepath.Glob(filepath.Join(src, "*"+moduleFileSuffix))
+	if err != nil || len(names) == 0 {
+		return "", fmt.Errorf("no module files (*%s) in %s of %s's source", moduleFileSuffix, mod, ModulePath)
+	}
+	slices.Sort(names)
+	files := map[string][]byte{}
+	h := sha256.New()
+	for _, n := range names {
+		b, err := os.ReadFile(n)
+		if err != nil {
+			return "", fmt.Errorf("reading the module of %s: %w", mod, err)
+		}
+		base := strings.TrimSuffix(filepath.Base(n), moduleFileSuffix)
+		files[base] = b
+		fmt.Fprintf(h, "%s %d\n", base, len(b))
+		h.Write(b)
+	}
+	if _, ok := files["go.mod"]; !ok {
+		return "", fmt.Errorf("the module of %s has no go.mod%s", mod, moduleFileSuffix)
+	}
+	cache, err := cacheDir()
+	if err != nil {
+		return "", err
+	}
+	dir := filepath.Join(cache, filepath.Base(mod)+"-module-"+hex.EncodeToString(h.Sum(nil))[:16])
+	if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+		return dir, nil
+	}
+	// Written aside and renamed, so that a directory under the final name
+	// is always whole, also with other test binaries writing it at once.
+	tmp, err := os.MkdirTemp(cache, filepath.Base(mod)+"-module-tmp")
+	if err != nil {
+		return "", fmt.Errorf("testproc: writing the module of %s: %w", mod, err)
+	}
+	defer os.RemoveAll(tmp)
+	for base, b := range files {
+		if err := os.WriteFile(filepath.Join(tmp, base), b, 0o644); err != nil {
+			return "", fmt.Errorf("testproc: writing the module of %s: %w", mod, err)
+		}
+	}
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return "", fmt.Errorf("testproc: writing the module of %s: %w", mod, err)
+	}
+	if err := os.Rename(tmp, dir); err != nil {
+		if _, serr := os.Stat(filepath.Join(dir, "go.mod")); serr == nil {
+			return dir, nil // written by another process meanwhile
+		}
+		return "", fmt.Errorf("testproc: writing the module of %s: %w", mod, err)
+	}
+	return dir, nil
 }

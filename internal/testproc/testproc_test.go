@@ -370,9 +370,9 @@ func processesWithEnv(t *testing.T, kv string) int {
 	return n
 }
 
-// TestModuleBinaryWithoutItsModule: a nested module that is not in the
-// source (as in a module cache, which leaves nested modules out) fails
-// with an error that names the variable to set, and builds nothing.
+// TestModuleBinaryWithoutItsModule: a module that is not in the source
+// fails with an error that names it and the variable to set, and builds
+// nothing.
 func TestModuleBinaryWithoutItsModule(t *testing.T) {
 	t.Setenv("XDG_CACHE_HOME", t.TempDir())
 	_, err := ModuleBinary(time.Time{}, "absent", "internal/no-such-module", "IDENTITYD_ABSENT_BINARY")
@@ -382,5 +382,42 @@ func TestModuleBinaryWithoutItsModule(t *testing.T) {
 	t.Setenv("IDENTITYD_ABSENT_BINARY", "/bin/true")
 	if p, err := ModuleBinary(time.Time{}, "absent", "internal/no-such-module", "IDENTITYD_ABSENT_BINARY"); err != nil || p != "/bin/true" {
 		t.Fatalf("with the variable set: %q, %v; want /bin/true", p, err)
+	}
+}
+
+// TestModuleSourceFromCopy: a module kept with ModuleSource's suffix is
+// written out whole, once per content, from any copy of this module's
+// source, such as a module cache's, which would hold no nested module.
+func TestModuleSourceFromCopy(t *testing.T) {
+	t.Setenv("XDG_CACHE_HOME", t.TempDir())
+	root := t.TempDir()
+	mod := filepath.Join(root, "kept")
+	if err := os.Mkdir(mod, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	files := map[string]string{
+		"go.mod.in":  "module example.com/kept\n\ngo 1.22\n",
+		"main.go.in": "package main\n\nfunc main() {}\n",
+	}
+	for n, c := range files {
+		if err := os.WriteFile(filepath.Join(mod, n), []byte(c), 0o444); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dir, err := moduleSource(root, "kept")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n, c := range files {
+		b, err := os.ReadFile(filepath.Join(dir, strings.TrimSuffix(n, ".in")))
+		if err != nil || string(b) != c {
+			t.Errorf("%s written out as %q, %v; want %q", n, b, err, c)
+		}
+	}
+	if again, err := moduleSource(root, "kept"); err != nil || again != dir {
+		t.Errorf("second write-out: %q, %v; want %q", again, err, dir)
+	}
+	if _, err := moduleSource(root, "absent"); err == nil || !strings.Contains(err.Error(), "absent") {
+		t.Errorf("a missing module: %v, want an error naming it", err)
 	}
 }

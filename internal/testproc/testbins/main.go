@@ -38,7 +38,11 @@ func main() {
 // vetServers runs go vet over the two servers' main packages in the mode
 // they are built with: the API server's in its own module.
 func vetServers() error {
-	for _, v := range []struct{ dir, pkg string }{{".", "./" + etcdtest.ServerPackage}, {k8stest.ServerModule, "."}} {
+	apiServer, err := testproc.ModuleSource(k8stest.ServerModule)
+	if err != nil {
+		return err
+	}
+	for _, v := range []struct{ dir, pkg string }{{".", "./" + etcdtest.ServerPackage}, {apiServer, "."}} {
 		cmd := testproc.InImageMode("vet", v.pkg)
 		cmd.Dir = v.dir
 		cmd.Env = append(cmd.Env, "GOWORK=off")
