@@ -143,12 +143,14 @@ test-unit:
 # range at the allocator (32,512 CiliumIdentity objects, over a minute),
 # which `make test` does not run. CI runs it after `make test`; with make
 # test's build cache it takes about two minutes, and the CRD exhaustion run
-# one and a half more (98 s on a loaded 2-core machine).
+# one and a half more (98 s on a loaded 2-core machine). The workloads
+# acceptance (cmd/identityd) runs with 3,000 pods instead of 300: about
+# 66 s for its two modes side by side.
 test-long:
-	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 \
+	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 WORKLOADS_PODS=3000 \
 	$(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m \
-	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD)$$' \
-	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint ./cells/allocator
+	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore)$$' \
+	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint ./cells/allocator ./cmd/identityd
 
 # The compose example is its own module that imports the cells from
 # outside, so the public API stays nameable by other agents. It is built
