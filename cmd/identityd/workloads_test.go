@@ -538,3 +538,20 @@ func expectReleasedAfterGrace(t *testing.T, a *healthAgent, id int, since time.T
 		time.Sleep(200 * time.Millisecond)
 	}
 }
+
+// TestWorkloadsManagementModeRefused: the agent refuses to start with an
+// identity management mode other than agent, with an error naming the
+// flag and the mode it serves, whether or not it has a Kubernetes client.
+func TestWorkloadsManagementModeRefused(t *testing.T) {
+	parallelProcess(t)
+	if testing.Short() {
+		t.Skip("starts agent processes")
+	}
+	for _, mode := range []string{"operator", "both"} {
+		out, err := runAgentToExit(t, "--state-dir", t.TempDir(), "--identity-management-mode", mode,
+			"--ipcache-map", "file", "--prometheus-serve-addr", "", "--log-level", "error")
+		if err == nil || !strings.Contains(out, "--identity-management-mode \""+mode+"\"") || !strings.Contains(out, `only "agent" is served`) {
+			t.Errorf("--identity-management-mode=%s: %v, want a refusal naming the flag and agent:\n%s", mode, err, out)
+		}
+	}
+}
