@@ -157,7 +157,8 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 			UpdateFunc: func(_, obj any) { podKey(obj) },
 			DeleteFunc: podKey,
 		},
-		Indexers: cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc},
+		Indexers:  cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc},
+		Transform: slimPod,
 	})
 	w.src.pods = podStore.(cache.Indexer)
 	nsName := func(obj any) string {
@@ -179,6 +180,7 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 			},
 			DeleteFunc: func(obj any) { w.markNamespace(nsName(obj)) },
 		},
+		Transform: slimNamespace,
 	})
 	w.src.namespaces = nsStore
 

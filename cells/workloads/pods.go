@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/identityd/identityd/labels"
 )
@@ -118,4 +119,32 @@ func prefixDiff(cur, next []netip.Prefix) (add, remove []netip.Prefix) {
 		}
 	}
 	return add, remove
+}
+
+// slimPod keeps of a pod what decide reads, so that the informer's copy
+// of every pod of the node costs little (no managed fields, annotations,
+// containers or conditions). Other objects pass as they are.
+func slimPod(obj any) (any, error) {
+	p, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: p.Name, Namespace: p.Namespace, UID: p.UID, ResourceVersion: p.ResourceVersion, Labels: p.Labels,
+		},
+		Spec:   corev1.PodSpec{NodeName: p.Spec.NodeName, HostNetwork: p.Spec.HostNetwork, ServiceAccountName: p.Spec.ServiceAccountName},
+		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIP: p.Status.PodIP, PodIPs: p.Status.PodIPs},
+	}, nil
+}
+
+// slimNamespace keeps of a namespace its name and labels.
+func slimNamespace(obj any) (any, error) {
+	ns, ok := obj.(*corev1.Namespace)
+	if !ok {
+		return obj, nil
+	}
+	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{
+		Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion, Labels: ns.Labels,
+	}}, nil
 }

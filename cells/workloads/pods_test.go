@@ -87,6 +87,19 @@ func TestDecide(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := decide(tc.pod, tc.ns, "n1", "c1", f)
+			// What the informers keep decides the same.
+			pod, ns := tc.pod, tc.ns
+			if pod != nil {
+				slim, _ := slimPod(pod.DeepCopy())
+				pod = slim.(*corev1.Pod)
+			}
+			if ns != nil {
+				slim, _ := slimNamespace(ns.DeepCopy())
+				ns = slim.(*corev1.Namespace)
+			}
+			if sw := decide(pod, ns, "n1", "c1", f); sw.skip != w.skip || !sw.labels.Equal(w.labels) || !slices.Equal(sw.prefixes, w.prefixes) {
+				t.Errorf("on the informers' copy: %+v, on the pod: %+v", sw, w)
+			}
 			if w.skip != tc.skip {
 				t.Fatalf("skip %q, want %q", w.skip, tc.skip)
 			}
