@@ -49,7 +49,8 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 	// No Cilium agent runs here: --identity-gc-cilium-agents=false allows
 	// the 2m timeout that keeps the run within minutes.
 	gcFlags := []string{"--identity-node-lease-ttl=25s", "--identity-gc-interval=3s",
-		"--identity-heartbeat-timeout=2m", "--identity-gc-cilium-agents=false", "--identity-restore-grace-period=1s"}
+		"--identity-heartbeat-timeout=2m", "--identity-gc-cilium-agents=false", "--identity-restore-grace-period=1s",
+		deployLeaseNamespace(agentUser)}
 	agents := map[string]*healthAgent{
 		"node-a": startCRDAgent(t, filepath.Join(dir, "a"), kubeconfig, "node-a", gcFlags...),
 		"node-b": startCRDAgent(t, filepath.Join(dir, "b"), kubeconfig, "node-b", gcFlags...),
@@ -233,9 +234,9 @@ var unexercised = map[apiRequest]string{
 	{Resource: "namespaces", Verb: "list"}: "the informer's initial list, which this server streams in the watch",
 }
 
-// checkClusterRole fails unless deploy/base/clusterrole.yaml grants every
-// request of seen, and every grant of it was used by seen or is in
-// unexercised.
+// checkClusterRole fails unless deploy/base's roles (clusterrole.yaml,
+// role.yaml) grant every request of seen, and every grant of them was used
+// by seen or is in unexercised.
 func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 	t.Helper()
 	roles, _, _ := deployRBAC(t)
@@ -244,7 +245,7 @@ func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 		for _, r := range role.Rules {
 			if len(r.NonResourceURLs) > 0 || len(r.ResourceNames) > 0 ||
 				slices.Contains(r.APIGroups, "*") || slices.Contains(r.Resources, "*") || slices.Contains(r.Verbs, "*") {
-				t.Errorf("deploy/base/clusterrole.yaml: rule %+v grants more than (group, resource, verb) triples", r)
+				t.Errorf("deploy/base role %s: rule %+v grants more than (group, resource, verb) triples", role.Name, r)
 			}
 			for _, g := range r.APIGroups {
 				for _, res := range r.Resources {
@@ -266,7 +267,7 @@ func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 			continue
 		}
 		if !granted[r] {
-			t.Errorf("the agent sent %s, which deploy/base/clusterrole.yaml does not grant", r)
+			t.Errorf("the agent sent %s, which deploy/base's roles do not grant", r)
 		}
 	}
 	sort.Strings(sent)
@@ -277,7 +278,7 @@ func checkClusterRole(t *testing.T, seen map[apiRequest]int) {
 				t.Logf("granted, not used in this run: %s (%s)", r, why)
 				continue
 			}
-			t.Errorf("deploy/base/clusterrole.yaml grants %s, which the agent never sent", r)
+			t.Errorf("deploy/base's roles grant %s, which the agent never sent", r)
 		}
 	}
 }

@@ -223,6 +223,14 @@ func refusedRequests(t *testing.T, auditLog, user string) map[apiRequest]int {
 	return refused
 }
 
+// deployLeaseNamespace is the flag that puts the collector's Lease where
+// deploy/base's Role grants it: the namespace of the ServiceAccount user,
+// which an agent in its pod finds by itself.
+func deployLeaseNamespace(user string) string {
+	ns, _, _ := strings.Cut(strings.TrimPrefix(user, "system:serviceaccount:"), ":")
+	return "--identity-gc-lease-namespace=" + ns
+}
+
 // withoutVerb returns an edit for applyDeployRBAC that takes verb on
 // resource out of every rule that grants it (a rule left with no verb
 // goes).
@@ -261,7 +269,7 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 	startToExit := func(want ...string) {
 		t.Helper()
 		out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
-			"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa")...)...)
+			"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa", deployLeaseNamespace(saUser))...)...)
 		if err == nil {
 			t.Fatalf("the agent started, want its start refused naming %q:\n%s", want, out)
 		}
@@ -322,7 +330,7 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 		return n
 	}
 	refusedBefore := countRefusals()
-	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), kubeconfig, "node-sa")
+	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), kubeconfig, "node-sa", deployLeaseNamespace(saUser))
 	sh := sa.dial()
 	id := allocate(t, sh, "k8s:app=deployed")
 	sh.Close()
@@ -356,4 +364,81 @@ func TestCRDModeAgentNeedsItsRoleRules(t *testing.T) {
 	if n := refusedRequests(t, auditLog, saUser)[apiRequest{Group: "apiextensions.k8s.io", Resource: "customresourcedefinitions", Verb: "get"}]; n == 0 {
 		t.Errorf("the server refused no get of a CRD to %s: %v", saUser, refusedRequests(t, auditLog, saUser))
 	}
+}
+
+// TestCRDModeCollectorNeedsLeaseRole: without deploy/base's Role on the
+// collector's Lease (its create taken out), the server refuses the agent
+// the Lease: the agent runs and allocates, but does not collect, and its
+// election's health names the refused Lease. With the Role as written, the
+// agent collects and the Lease in its namespace names it.
+func TestCRDModeCollectorNeedsLeaseRole(t *testing.T) {
+	parallelProcess(t)
+	if testing.Short() {
+		t.Skip("runs an API server and agent processes")
+	}
+	const leaderSeries = "identityd_crd_identity_gc_leader"
+	gcFlags := []string{"--identity-gc-interval=3s", "--identity-heartbeat-timeout=2m", "--identity-gc-cilium-agents=false"}
+	for _, c := range []struct {
+		name string
+		edit func(string, []rbacv1.PolicyRule) []rbacv1.PolicyRule
+	}{{"without create on leases", withoutVerb("leases", "create")}, {"as written", nil}} {
+		t.Run(c.name, func(t *testing.T) {
+			srv, auditLog := auditedServer(t)
+			k8stest.InstallCRD(t, srv.RESTConfig(), findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")...)
+			kubeconfig, saUser := applyDeployRBAC(t, srv, c.edit)
+			ns, _, _ := strings.Cut(strings.TrimPrefix(saUser, "system:serviceaccount:"), ":")
+			a := startCRDAgent(t, filepath.Join(t.TempDir(), "a"), kubeconfig, "node-a", append(gcFlags, deployLeaseNamespace(saUser))...)
+			sh := a.dial()
+			allocate(t, sh, "k8s:app=runs")
+			sh.Close()
+			leases := newLeaseClient(t, srv)
+			if c.edit == nil {
+				waitUntil(t, time.Minute, "the agent collects", func() error {
+					if v, _ := a.metricValue(leaderSeries); v != 1 {
+						return fmt.Errorf("%s = %v", leaderSeries, v)
+					}
+					return nil
+				})
+				lease, err := leases.Namespace(ns).Get(t.Context(), "identity-gc-0", metav1.GetOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if h, _, _ := unstructured.NestedString(lease.Object, "spec", "holderIdentity"); !strings.HasPrefix(h, "node-a"+"_") {
+					t.Errorf("the Lease %s/identity-gc-0 names %q, want node-a", ns, h)
+				}
+				return
+			}
+			refused := apiRequest{Group: "coordination.k8s.io", Resource: "leases", Verb: "create"}
+			waitUntil(t, time.Minute, "the server refuses the agent the Lease", func() error {
+				if n := refusedRequests(t, auditLog, saUser)[refused]; n == 0 {
+					return fmt.Errorf("no refused %s yet", refused)
+				}
+				return nil
+			})
+			want := "Creating Lease " + ns + "/identity-gc-0 failed, retrying"
+			waitUntil(t, 30*time.Second, "the election's health names the refused Lease", func() error {
+				sh := a.dial()
+				defer sh.Close()
+				out, _ := sh.Run(time.Now().Add(10*time.Second), "health")
+				if !strings.Contains(out, want) || !strings.Contains(out, "forbidden") {
+					return fmt.Errorf("health does not say %q and forbidden:\n%s", want, out)
+				}
+				return nil
+			})
+			if v, _ := a.metricValue(leaderSeries); v != 0 {
+				t.Errorf("the agent collects without the right to the Lease: %s = %v", leaderSeries, v)
+			}
+			a.stop(syscall.SIGTERM)
+		})
+	}
+}
+
+// newLeaseClient is an admin client of srv's Leases.
+func newLeaseClient(t *testing.T, srv *k8stest.Server) dynamic.NamespaceableResourceInterface {
+	t.Helper()
+	dyn, err := dynamic.NewForConfig(srv.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dyn.Resource(schema.GroupVersionResource{Group: "coordination.k8s.io", Version: "v1", Resource: "leases"})
 }

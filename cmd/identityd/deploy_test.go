@@ -871,14 +871,18 @@ func writeDeployCRDs(t *testing.T, crds []*apiextensionsv1.CustomResourceDefinit
 	}
 }
 
-// deployRBAC returns the ClusterRoles and ClusterRoleBindings of
-// deploy/base and the user its DaemonSet's pods authenticate as (their
-// ServiceAccount's), for the API server tests' authorizer.
+// deployRBAC returns the ClusterRoles of deploy/base, and its Roles as
+// ClusterRoles of the same rules (each grants them in its namespace), its
+// ClusterRoleBindings, and the user its DaemonSet's pods authenticate as
+// (their ServiceAccount's).
 func deployRBAC(t *testing.T) (roles []rbacv1.ClusterRole, bindings []rbacv1.ClusterRoleBinding, saUser string) {
 	t.Helper()
 	objs := buildDeploy(t, "base")
 	for _, r := range findObject[*rbacv1.ClusterRole](t, objs, "ClusterRole") {
 		roles = append(roles, *r)
+	}
+	for _, r := range findObject[*rbacv1.Role](t, objs, "Role") {
+		roles = append(roles, rbacv1.ClusterRole{ObjectMeta: r.ObjectMeta, Rules: r.Rules})
 	}
 	for _, b := range findObject[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding") {
 		bindings = append(bindings, *b)

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -117,18 +116,18 @@ func deleteCustomObjects(ctx context.Context, srv *Server) error {
 	return nil
 }
 
-// The core resources Shared empties, and the namespaces it leaves alone:
-// the server's own, where it keeps its leases.
+// The core resources Shared empties, and the label of the leases it
+// leaves alone: those of the API server's own identity, which it renews.
 var (
 	workResources = []schema.GroupVersionResource{
 		{Version: "v1", Resource: "pods"},
 		{Group: "coordination.k8s.io", Version: "v1", Resource: "leases"},
 	}
-	serverNamespaces = []string{"kube-system", "kube-public", "kube-node-lease"}
+	serverLeaseLabel = "apiserver.kubernetes.io/identity"
 )
 
-// deleteWorkObjects deletes the workResources outside serverNamespaces
-// and waits until none is listed. Pods go at once (no grace period):
+// deleteWorkObjects deletes the objects of workResources but the
+// server's leases, and waits until none is listed. Pods go at once (no grace period):
 // no kubelet confirms the end of a pod bound to a node.
 func deleteWorkObjects(ctx context.Context, srv *Server) error {
 	dyn, err := dynamic.NewForConfig(srv.RESTConfig())
@@ -145,7 +144,7 @@ func deleteWorkObjects(ctx context.Context, srv *Server) error {
 			}
 			left := 0
 			for _, obj := range list.Items {
-				if slices.Contains(serverNamespaces, obj.GetNamespace()) {
+				if _, ok := obj.GetLabels()[serverLeaseLabel]; ok {
 					continue
 				}
 				left++

@@ -2,6 +2,8 @@ package crdstore
 
 import (
 	"fmt"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -43,6 +45,10 @@ type Config struct {
 	// IdentityNode lists after a grace of half its interval (at least
 	// MinHeartbeatTimeout) rather than after the timeout.
 	IdentityGCCiliumAgents bool
+	// IdentityGCLeaseNamespace is the namespace of the Lease that elects
+	// the collector; "" for the namespace of the agent's pod (its service
+	// account's namespace file), or kube-system outside a pod.
+	IdentityGCLeaseNamespace string
 }
 
 // DefaultConfig is the default configuration of the CRD store.
@@ -57,6 +63,25 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 		"How long this node's IdentityNode record of the global identities it uses counts after its last renewal (renewed every third of it; at least 25s)")
 	flags.Bool("identity-gc-cilium-agents", def.IdentityGCCiliumAgents,
 		"Whether Cilium agents may use this cluster's CiliumIdentity objects (crd mode): --identity-heartbeat-timeout must then be at least 10m, as a Cilium agent removes the heartbeat mark of an identity it uses only when it allocates it or at its periodic sync (every 5m); false, only where no Cilium agent allocates, allows 2m and deletes a released identity half an --identity-gc-interval after its mark (at least 2m), whatever the timeout")
+	flags.String("identity-gc-lease-namespace", def.IdentityGCLeaseNamespace,
+		"The namespace of the coordination.k8s.io Lease identity-gc-<cluster ID> that elects the node collecting unused identities (crd mode; `kubectl get lease -n <namespace>` names it); empty for the namespace of the agent's pod, or kube-system outside a pod")
+}
+
+// serviceAccountNamespaceFile holds the namespace of the pod whose
+// service account token is mounted, in every pod that has one.
+var serviceAccountNamespaceFile = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+// leaseNamespace is the namespace of the collector's Lease.
+func (c Config) leaseNamespace() string {
+	if c.IdentityGCLeaseNamespace != "" {
+		return c.IdentityGCLeaseNamespace
+	}
+	if b, err := os.ReadFile(serviceAccountNamespaceFile); err == nil {
+		if ns := strings.TrimSpace(string(b)); ns != "" {
+			return ns
+		}
+	}
+	return "kube-system"
 }
 
 // Validate checks the configuration.

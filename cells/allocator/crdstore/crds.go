@@ -186,7 +186,7 @@ func IdentityLeaseCRD() *apiextensionsv1.CustomResourceDefinition {
 					{Name: "Renewed", Type: "date", Description: "When the holder last renewed the lock", JSONPath: ".spec.renewTime"},
 				},
 				Schema: &apiextensionsv1.CustomResourceValidation{OpenAPIV3Schema: &apiextensionsv1.JSONSchemaProps{
-					Description: "IdentityLease is a lock identityd's nodes elect a holder with, as coordination.k8s.io/v1's Lease: the holder of identity-gc-<cluster ID> runs the cluster's garbage collection of identities.",
+					Description: "Deprecated: IdentityLease is the lock earlier identityd versions elected the collector of unused identities with (the holder of identity-gc-<cluster ID>), with the fields of coordination.k8s.io/v1's Lease. The collector is now the holder of the Lease identity-gc-<cluster ID> in the agents' namespace, and holds this lock as well, so that nodes of an earlier version do not collect beside it during an upgrade.",
 					Type:        "object",
 					Required:    []string{"metadata", "spec"},
 					Properties: map[string]apiextensionsv1.JSONSchemaProps{

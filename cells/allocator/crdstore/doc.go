@@ -4,7 +4,7 @@
 // Cilium v1.16's CRD backend writes them, so that identityd nodes and
 // Cilium agents in CRD mode share one API server; each node's uses are its
 // identityd.io/v1 IdentityNode object; one node of the cluster, the holder
-// of an identityd.io/v1 IdentityLease, collects unused identities. The
+// of a coordination.k8s.io/v1 Lease, collects unused identities. The
 // design, and why racing nodes never give one label set two identities, is
 // docs/crd-store.md.
 //
@@ -46,8 +46,11 @@
 // identity-unmark (removes the heartbeat mark from identities this node
 // uses), identity-splits (reports label sets this node holds under another
 // ID than the rule's), and, unless the collection's interval is 0, identity-gc-election
-// (client-go's leader-election algorithm over the IdentityLease; its health names
-// the node that collects), identity-gc (the collection's timer, whose
+// (client-go's leader-election algorithm over the coordination.k8s.io Lease
+// identity-gc-<cluster ID> in --identity-gc-lease-namespace, and over the
+// deprecated IdentityLease of earlier versions, which the collector holds
+// as well so that they do not collect beside it during an upgrade; its
+// health names the node that collects), identity-gc (the collection's timer, whose
 // runs happen only on the elected node) and identity-gc-endpoints (its
 // health says whether the collector found Cilium's endpoint CRDs).
 //

@@ -2,6 +2,7 @@ package crdstore
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -12,16 +13,32 @@ import (
 	"github.com/cilium/hive/cell"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	"k8s.io/client-go/rest"
 )
 
 // One node per cluster runs the garbage collection: the holder of the
-// IdentityLease identity-gc-<cluster ID>. Others read the lock once per
-// retry period (a GET, no watch: a watch would bring every renewal to every
-// node) and take it when its holder has not renewed it for its lease
-// duration, or at once when the holder released it (a clean stop). The
-// collection's correctness does not rest on there being one collector
-// (RunGC's preconditions make two safe); the election only keeps the
-// cluster's listings and marks from growing with the number of nodes.
+// coordination.k8s.io/v1 Lease identity-gc-<cluster ID> in the namespace of
+// --identity-gc-lease-namespace (`kubectl get lease -n <namespace>` names
+// it). Others read the lock once per retry period (a GET, no watch: a
+// watch would bring every renewal to every node) and take it when its
+// holder has not renewed it for its lease duration, or at once when the
+// holder released it (a clean stop). The collection's correctness does not
+// rest on there being one collector (RunGC's preconditions make two safe);
+// the election only keeps the cluster's listings and marks from growing
+// with the number of nodes.
+//
+// Earlier versions elected the collector on an IdentityLease of the same
+// name (a CRD of identityd's own), and knew nothing of the Lease. So that
+// a cluster upgraded node by node never has two collectors, a node takes
+// and holds both locks, the IdentityLease first, and collects only while
+// it holds both: a node of an earlier version holding the IdentityLease
+// keeps every node of this one from the Lease, and a node of this one
+// holding the IdentityLease keeps the earlier ones from collecting. Every
+// node takes the locks in the same order, so no two nodes each hold one
+// and wait for the other.
 //
 // The election follows client-go's leader election (tools/leaderelection):
 // the same record, reads, writes and timings, except that a term ends
@@ -70,19 +87,25 @@ func (t electionTimings) validate() error {
 	return nil
 }
 
-// gcElection is this node's side of the election over an IdentityLease,
-// read with GET and written with POST and PUT, each PUT carrying the
-// resourceVersion of the last read or write as precondition.
+// gcElection is this node's side of the election over its locks (the
+// IdentityLease, then the Lease), each read with GET and written with POST
+// and PUT, each PUT carrying the resourceVersion of the last read or write
+// of that lock as precondition.
 type gcElection struct {
 	s *Store
-	// name is the lock object's, id this process's holder identity.
+	// name is the locks' name, id this process's holder identity.
 	name, id string
 	timings  electionTimings
+	// locks are taken in this order and released in the reverse one;
+	// err says why there are none (the Lease's client could not be built
+	// from the settings the store's other clients were built from).
+	locks []*electionLock
+	err   error
 
 	mu sync.Mutex
-	// cur is the lock as last read or written.
-	cur *IdentityLease
-	// holder is the holder identity cur names ("" when free or unknown).
+	// holder is the holder identity the locks name: the Lease's, or the
+	// IdentityLease's while the Lease names none ("" when free or
+	// unknown).
 	holder string
 	// term is the context of this node's term as collector, nil while
 	// another node (or none) collects; endTerm ends it.
@@ -91,6 +114,23 @@ type gcElection struct {
 	// h is the election job's health; reported is what it last said.
 	h        cell.Health
 	reported string
+}
+
+// electionLock is one lock of the election, an object with a Lease's
+// spec, and the elector's view of it.
+type electionLock struct {
+	// kind names the lock in messages and in the objects it writes;
+	// what is "<kind> <namespace>/<name>".
+	apiVersion, kind, what string
+	// resource and namespace ("" for a cluster-scoped kind) are where
+	// client finds it.
+	resource, namespace string
+	client              *rest.RESTClient
+
+	// cur is the lock as last read or written (nil: not read, or gone);
+	// holder the holder identity it names. Guarded by gcElection.mu.
+	cur    *IdentityLease
+	holder string
 
 	// The elector's own view, touched only by the run goroutine:
 	// observed is the record as last read (when it changed) or written,
@@ -116,13 +156,38 @@ type lockRecord struct {
 // holder identity; instances are hexadecimal.
 const holderSeparator = "_"
 
+// leaseGroupVersion is the group and version of the Lease.
+var leaseGroupVersion = schema.GroupVersion{Group: "coordination.k8s.io", Version: "v1"}
+
 func newGCElection(s *Store, timings electionTimings) *gcElection {
-	return &gcElection{
+	e := &gcElection{
 		s:       s,
 		name:    fmt.Sprintf("identity-gc-%d", s.cluster.ID),
 		id:      s.node + holderSeparator + s.claim.Instance,
 		timings: timings,
 	}
+	e.locks, e.err = electionLocks(s.rest, s.nodeClient, s.cfg.leaseNamespace(), e.name)
+	return e
+}
+
+// electionLocks are the election's locks named name, in the order they
+// are taken: the IdentityLease, which own reads and writes, and the Lease
+// in namespace ns on the API server of cfg.
+func electionLocks(cfg *rest.Config, own *rest.RESTClient, ns, name string) ([]*electionLock, error) {
+	// The client decodes the API server's errors (a Status) in the
+	// Lease's group version; the lock itself is read as JSON.
+	scheme := newScheme()
+	metav1.AddToGroupVersion(scheme, leaseGroupVersion)
+	leases, err := restClient(cfg, leaseGroupVersion, serializer.NewCodecFactory(scheme))
+	if err != nil {
+		return nil, err
+	}
+	return []*electionLock{
+		{apiVersion: IdentityGroup + "/" + IdentityVersion, kind: "IdentityLease", what: "IdentityLease " + name,
+			resource: "identityleases", client: own},
+		{apiVersion: leaseGroupVersion.String(), kind: "Lease", what: "Lease " + ns + "/" + name,
+			resource: "leases", namespace: ns, client: leases},
+	}, nil
 }
 
 // holderNode is the node name in a holder identity.
@@ -140,8 +205,12 @@ func (e *gcElection) run(ctx context.Context, h cell.Health) {
 	e.mu.Lock()
 	e.h = h
 	e.mu.Unlock()
-	if err := e.timings.validate(); err != nil {
+	err := e.err
+	if err == nil {
 		// The timings are derived from a validated lease.
+		err = e.timings.validate()
+	}
+	if err != nil {
 		e.s.log.Error("Cannot run the garbage collection's election", "error", err)
 		if h != nil {
 			h.Degraded("Election of the collector", err)
@@ -220,31 +289,46 @@ func (e *gcElection) renew(ctx context.Context) (lost bool) {
 	}
 }
 
-// release gives the lock up when this node holds it, so that another node
-// takes it at once instead of after the lease: a record without a holder
-// and with a lease of one second. It runs after the store's stop too, so
-// its requests have their own deadline.
+// release gives the locks up that this node holds, the Lease first, so
+// that another node takes them at once instead of after the lease: a
+// record without a holder and with a lease of one second. It runs after
+// the store's stop too, so its requests have their own deadline.
 func (e *gcElection) release() {
-	if e.observed.holder != e.id {
-		return
+	for i := len(e.locks) - 1; i >= 0; i-- {
+		l := e.locks[i]
+		if l.observed.holder != e.id {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), e.timings.renewDeadline)
+		now := time.Now()
+		rec := lockRecord{leaseSeconds: 1, acquired: now, renewed: now, transitions: l.observed.transitions}
+		if err := e.update(ctx, l, rec); err != nil {
+			e.s.log.Info("Failed to release the collector lock", "lock", l.what, "error", err)
+		} else {
+			l.setObserved(rec)
+		}
+		cancel()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), e.timings.renewDeadline)
-	defer cancel()
-	now := time.Now()
-	rec := lockRecord{leaseSeconds: 1, acquired: now, renewed: now, transitions: e.observed.transitions}
-	if err := e.update(ctx, rec); err != nil {
-		e.s.log.Info("Failed to release the collector lock", "lock", e.name, "error", err)
-		return
-	}
-	e.setObserved(rec)
 }
 
-// tryAcquireOrRenew is one try, as client-go's of the same name: a holder
-// whose lease has not passed (on this node's clock) renews with a PUT
-// alone; otherwise the lock is read, created when missing, left alone when
-// another holder's lease has not passed, and written (taken or renewed)
-// with the read's resourceVersion as precondition.
+// tryAcquireOrRenew takes or renews every lock, in order, and reports
+// whether this node holds them all: a lock held by another node ends the
+// try, leaving the ones after it alone.
 func (e *gcElection) tryAcquireOrRenew(ctx context.Context) bool {
+	for _, l := range e.locks {
+		if !e.tryLock(ctx, l) {
+			return false
+		}
+	}
+	return true
+}
+
+// tryLock is one try on lock l, as client-go's tryAcquireOrRenew: a
+// holder whose lease has not passed (on this node's clock) renews with a
+// PUT alone; otherwise the lock is read, created when missing, left alone
+// when another holder's lease has not passed, and written (taken or
+// renewed) with the read's resourceVersion as precondition.
+func (e *gcElection) tryLock(ctx context.Context, l *electionLock) bool {
 	now := time.Now()
 	rec := lockRecord{
 		holder:       e.id,
@@ -252,31 +336,31 @@ func (e *gcElection) tryAcquireOrRenew(ctx context.Context) bool {
 		acquired:     now,
 		renewed:      now,
 	}
-	if e.observed.holder == e.id && e.leaseValid(now) {
-		rec.acquired, rec.transitions = e.observed.acquired, e.observed.transitions
-		if err := e.update(ctx, rec); err == nil {
-			e.setObserved(rec)
+	if l.observed.holder == e.id && l.leaseValid(now) {
+		rec.acquired, rec.transitions = l.observed.acquired, l.observed.transitions
+		if err := e.update(ctx, l, rec); err == nil {
+			l.setObserved(rec)
 			return true
 		}
 		// Read the lock and try again below.
 	}
 
-	old, raw, err := e.get(ctx)
+	old, raw, err := e.get(ctx, l)
 	switch {
 	case apierrors.IsNotFound(err):
-		if err := e.create(ctx, rec); err != nil {
+		if err := e.create(ctx, l, rec); err != nil {
 			return false
 		}
-		e.setObserved(rec)
+		l.setObserved(rec)
 		return true
 	case err != nil:
 		return false
 	}
-	if raw != e.observedRaw {
-		e.setObserved(*old)
-		e.observedRaw = raw
+	if raw != l.observedRaw {
+		l.setObserved(*old)
+		l.observedRaw = raw
 	}
-	if old.holder != "" && old.holder != e.id && e.leaseValid(now) {
+	if old.holder != "" && old.holder != e.id && l.leaseValid(now) {
 		return false
 	}
 	if old.holder == e.id {
@@ -284,21 +368,21 @@ func (e *gcElection) tryAcquireOrRenew(ctx context.Context) bool {
 	} else {
 		rec.transitions = old.transitions + 1
 	}
-	if err := e.update(ctx, rec); err != nil {
+	if err := e.update(ctx, l, rec); err != nil {
 		return false
 	}
-	e.setObserved(rec)
+	l.setObserved(rec)
 	return true
 }
 
 // leaseValid: the observed holder's lease, counted from when this node saw
 // the record, has not passed.
-func (e *gcElection) leaseValid(now time.Time) bool {
-	return e.observedTime.Add(time.Duration(e.observed.leaseSeconds) * time.Second).After(now)
+func (l *electionLock) leaseValid(now time.Time) bool {
+	return l.observedTime.Add(time.Duration(l.observed.leaseSeconds) * time.Second).After(now)
 }
 
-func (e *gcElection) setObserved(r lockRecord) {
-	e.observed, e.observedTime = r, time.Now()
+func (l *electionLock) setObserved(r lockRecord) {
+	l.observed, l.observedTime = r, time.Now()
 }
 
 // sleepCtx waits d; false when ctx ended first.
@@ -365,16 +449,20 @@ func (e *gcElection) leader() (string, bool) {
 	return holderNode(e.holder), e.term != nil
 }
 
-// observe records the lock as read or written: a holder other than this
-// node ends its term.
-func (e *gcElection) observe(l *IdentityLease) {
+// observe records lock l as read or written (nil: found missing): a
+// holder other than this node, of either lock, ends its term.
+func (e *gcElection) observe(l *electionLock, obj *IdentityLease) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.cur, e.holder = l, ""
-	if l != nil && l.Spec.HolderIdentity != nil {
-		e.holder = *l.Spec.HolderIdentity
+	l.cur, l.holder = obj, ""
+	if obj != nil && obj.Spec.HolderIdentity != nil {
+		l.holder = *obj.Spec.HolderIdentity
 	}
-	if e.holder != e.id {
+	e.holder = ""
+	for i := len(e.locks) - 1; i >= 0 && e.holder == ""; i-- {
+		e.holder = e.locks[i].holder
+	}
+	if l.holder != e.id {
 		e.stopLeadingLocked()
 	}
 	switch {
@@ -389,11 +477,11 @@ func (e *gcElection) observe(l *IdentityLease) {
 	}
 }
 
-// failed reports a request on the lock that failed.
-func (e *gcElection) failed(what string, err error) {
+// failed reports a request on lock l that failed.
+func (e *gcElection) failed(l *electionLock, what string, err error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.reportLocked(what+" IdentityLease "+e.name+" failed", err)
+	e.reportLocked(what+" "+l.what+" failed", err)
 }
 
 // reportLocked tells the election job's health, once per change.
@@ -424,25 +512,62 @@ func (e *gcElection) requestTimeout() time.Duration {
 	return max(time.Second, e.timings.renewDeadline/2)
 }
 
-// get is one GET of the lock, and its resourceVersion, which every write
+// request is r on the object name ("" for the collection) of lock l's
+// kind, as JSON: both kinds have a Lease's metadata and spec, which
+// IdentityLease decodes.
+func (l *electionLock) request(r *rest.Request, name string) *rest.Request {
+	r = r.Resource(l.resource).SetHeader("Content-Type", runtime.ContentTypeJSON)
+	if l.namespace != "" {
+		r = r.Namespace(l.namespace)
+	}
+	if name != "" {
+		r = r.Name(name)
+	}
+	return r
+}
+
+// doRaw sends r and returns the answer's body, or the API server's error
+// as its Status says it (Raw alone leaves an error "unknown").
+func doRaw(ctx context.Context, r *rest.Request) ([]byte, error) {
+	res := r.Do(ctx)
+	body, err := res.Raw()
+	if err != nil {
+		return nil, res.Error()
+	}
+	return body, nil
+}
+
+// decodeLock decodes the answer of a request on a lock.
+func decodeLock(body []byte, l *electionLock) (*IdentityLease, error) {
+	var obj IdentityLease
+	if err := json.Unmarshal(body, &obj); err != nil {
+		return nil, fmt.Errorf("decoding %s: %w", l.what, err)
+	}
+	return &obj, nil
+}
+
+// get is one GET of lock l, and its resourceVersion, which every write
 // changes.
-func (e *gcElection) get(ctx context.Context) (*lockRecord, string, error) {
+func (e *gcElection) get(ctx context.Context, l *electionLock) (*lockRecord, string, error) {
 	ctx, cancel := context.WithTimeout(ctx, e.requestTimeout())
 	defer cancel()
-	var l IdentityLease
-	err := e.s.nodeClient.Get().Resource("identityleases").Name(e.name).Do(ctx).Into(&l)
+	body, err := doRaw(ctx, l.request(l.client.Get(), e.name))
+	var obj *IdentityLease
+	if err == nil {
+		obj, err = decodeLock(body, l)
+	}
 	switch {
 	case apierrors.IsNotFound(err):
-		e.observe(nil)
+		e.observe(l, nil)
 		return nil, "", err
 	case err != nil:
 		if ctx.Err() == nil {
-			e.failed("Reading", err)
+			e.failed(l, "Reading", err)
 		}
 		return nil, "", err
 	}
-	e.observe(&l)
-	r := leaseRecord(&l.Spec)
+	e.observe(l, obj)
+	r := leaseRecord(&obj.Spec)
 	if p := e.s.predecessor.Load(); p != nil && r.holder == *p {
 		// The gone agent of this node name (killed: it released
 		// nothing) holds the lock. Waiting for its lease to run out
@@ -451,41 +576,49 @@ func (e *gcElection) get(ctx context.Context) (*lockRecord, string, error) {
 		// an IdentityNode lease: a lock shown without a holder is taken
 		// at once, and the PUT's precondition still refuses it if anyone
 		// wrote the lock since this read.
-		e.s.log.Info("Taking over the collector lock from the gone agent of this node name", "lock", e.name, "previous", *p)
+		e.s.log.Info("Taking over the collector lock from the gone agent of this node name", "lock", l.what, "previous", *p)
 		r.holder = ""
 	}
-	return r, l.ResourceVersion, nil
+	return r, obj.ResourceVersion, nil
 }
 
-// create is the first holder's POST of the lock.
-func (e *gcElection) create(ctx context.Context, r lockRecord) error {
+// create is the first holder's POST of lock l.
+func (e *gcElection) create(ctx context.Context, l *electionLock, r lockRecord) error {
 	ctx, cancel := context.WithTimeout(ctx, e.requestTimeout())
 	defer cancel()
 	obj := &IdentityLease{
-		TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityLease"},
-		ObjectMeta: metav1.ObjectMeta{Name: e.name},
+		TypeMeta:   metav1.TypeMeta{APIVersion: l.apiVersion, Kind: l.kind},
+		ObjectMeta: metav1.ObjectMeta{Name: e.name, Namespace: l.namespace},
 		Spec:       leaseSpec(r),
 	}
-	var got IdentityLease
-	if err := e.s.nodeClient.Post().Resource("identityleases").Body(obj).Do(ctx).Into(&got); err != nil {
+	body, err := json.Marshal(obj)
+	if err != nil {
+		return err
+	}
+	answer, err := doRaw(ctx, l.request(l.client.Post(), "").Body(body))
+	var got *IdentityLease
+	if err == nil {
+		got, err = decodeLock(answer, l)
+	}
+	if err != nil {
 		if !apierrors.IsAlreadyExists(err) && ctx.Err() == nil {
-			e.failed("Creating", err)
+			e.failed(l, "Creating", err)
 		}
 		return err
 	}
-	e.observe(&got)
+	e.observe(l, got)
 	return nil
 }
 
 // errLockNotRead: an update needs the lock's resourceVersion.
-var errLockNotRead = errors.New("the IdentityLease was not read yet")
+var errLockNotRead = errors.New("the lock was not read yet")
 
-// update is a PUT with the resourceVersion of the last read or write,
-// which the API server refuses (Conflict) when another node wrote the lock
-// since.
-func (e *gcElection) update(ctx context.Context, r lockRecord) error {
+// update is a PUT of lock l with the resourceVersion of its last read or
+// write, which the API server refuses (Conflict) when another node wrote
+// the lock since.
+func (e *gcElection) update(ctx context.Context, l *electionLock, r lockRecord) error {
 	e.mu.Lock()
-	cur := e.cur
+	cur := l.cur
 	e.mu.Unlock()
 	if cur == nil {
 		return errLockNotRead
@@ -493,15 +626,24 @@ func (e *gcElection) update(ctx context.Context, r lockRecord) error {
 	ctx, cancel := context.WithTimeout(ctx, e.requestTimeout())
 	defer cancel()
 	obj := cur.DeepCopy()
+	obj.APIVersion, obj.Kind = l.apiVersion, l.kind
 	obj.Spec = leaseSpec(r)
-	var got IdentityLease
-	if err := e.s.nodeClient.Put().Resource("identityleases").Name(e.name).Body(obj).Do(ctx).Into(&got); err != nil {
+	body, err := json.Marshal(obj)
+	if err != nil {
+		return err
+	}
+	answer, err := doRaw(ctx, l.request(l.client.Put(), e.name).Body(body))
+	var got *IdentityLease
+	if err == nil {
+		got, err = decodeLock(answer, l)
+	}
+	if err != nil {
 		if !apierrors.IsConflict(err) && ctx.Err() == nil {
-			e.failed("Writing", err)
+			e.failed(l, "Writing", err)
 		}
 		return err
 	}
-	e.observe(&got)
+	e.observe(l, got)
 	return nil
 }
 

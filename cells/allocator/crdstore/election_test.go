@@ -10,6 +10,8 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -21,6 +23,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/prometheus/client_golang/prometheus"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
@@ -273,12 +276,17 @@ func TestGCOneCollector(t *testing.T) {
 	if err := old.Stop(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	lock, err := newClient(t, srv.RESTConfig()).lease(t, "identity-gc-0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if h := lock.Spec.HolderIdentity; h == nil || holderNode(*h) != old.name {
-		t.Fatalf("the killed collector's lock names %v, want it still held by %s", h, old.name)
+	// `kubectl get lease` names the collector: the Lease, and the
+	// IdentityLease that nodes of earlier versions read.
+	legacy, lease := testLocks(t, srv.RESTConfig())
+	for _, k := range []testLock{lease, legacy} {
+		lock, err := k.get(t)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h := lock.Spec.HolderIdentity; h == nil || holderNode(*h) != old.name {
+			t.Fatalf("the killed collector's %s names %v, want it still held by %s", k.what, h, old.name)
+		}
 	}
 	next := others[collector(t, others, MinIdentityNodeLeaseTTL)]
 	took := time.Since(killed)
@@ -403,15 +411,11 @@ func TestGCKilledCollectorRestarted(t *testing.T) {
 	if err := cli.nodes.Post().Resource("identitynodes").Body(record).Do(t.Context()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	holder, dur, transitions := "node-a"+holderSeparator+"deadbeef", int32(60), int32(1)
-	lock := &IdentityLease{
-		TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityLease"},
-		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("identity-gc-%d", gcCluster.ID)},
-		Spec: IdentityLeaseSpec{HolderIdentity: &holder, LeaseDurationSeconds: &dur, AcquireTime: &now, RenewTime: &now,
-			LeaseTransitions: &transitions},
-	}
-	if err := cli.nodes.Post().Resource("identityleases").Body(lock).Do(t.Context()).Error(); err != nil {
-		t.Fatal(err)
+	legacy, lease := testLocks(t, srv.RESTConfig())
+	for _, k := range []testLock{legacy, lease} {
+		if err := k.write(t, nil, heldSpec("node-a"+holderSeparator+"deadbeef", time.Minute, 1)); err != nil {
+			t.Fatal(err)
+		}
 	}
 
 	cfg := gcTestConfig
@@ -433,12 +437,63 @@ func TestGCKilledCollectorRestarted(t *testing.T) {
 	t.Logf("the restarted node-a collects %s after its start", time.Since(started).Round(time.Millisecond))
 }
 
-// lease reads the IdentityLease name.
-func (c *client) lease(tb testing.TB, name string) (*IdentityLease, error) {
+// testLock is one of the election's locks, as an administrator (or a
+// node of an earlier version, for the IdentityLease) reads and writes it.
+type testLock struct {
+	*electionLock
+	name string
+}
+
+// testLocks returns the locks of the test cluster's election on the API
+// server of rc: the IdentityLease and the Lease, in the namespace the
+// nodes' default configuration names outside a pod.
+func testLocks(tb testing.TB, rc *rest.Config) (legacy, lease testLock) {
 	tb.Helper()
-	var obj IdentityLease
-	err := c.nodes.Get().Resource("identityleases").Name(name).Do(context.Background()).Into(&obj)
-	return &obj, err
+	name := fmt.Sprintf("identity-gc-%d", gcCluster.ID)
+	locks, err := electionLocks(rc, newClient(tb, rc).nodes, Config{}.leaseNamespace(), name)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return testLock{locks[0], name}, testLock{locks[1], name}
+}
+
+func (k testLock) get(tb testing.TB) (*IdentityLease, error) {
+	tb.Helper()
+	body, err := doRaw(context.Background(), k.request(k.client.Get(), k.name))
+	if err != nil {
+		return nil, err
+	}
+	return decodeLock(body, k.electionLock)
+}
+
+// write creates the lock with spec (cur nil), or updates cur with it.
+func (k testLock) write(tb testing.TB, cur *IdentityLease, spec IdentityLeaseSpec) error {
+	tb.Helper()
+	obj := &IdentityLease{ObjectMeta: metav1.ObjectMeta{Name: k.name, Namespace: k.namespace}}
+	if cur != nil {
+		obj = cur.DeepCopy()
+	}
+	obj.APIVersion, obj.Kind, obj.Spec = k.apiVersion, k.kind, spec
+	body, err := json.Marshal(obj)
+	if err != nil {
+		return err
+	}
+	if cur == nil {
+		return k.request(k.client.Post(), "").Body(body).Do(context.Background()).Error()
+	}
+	return k.request(k.client.Put(), k.name).Body(body).Do(context.Background()).Error()
+}
+
+func (k testLock) delete(tb testing.TB) error {
+	tb.Helper()
+	return k.request(k.client.Delete(), k.name).Do(context.Background()).Error()
+}
+
+// heldSpec is a lock's spec held by holder for lease, renewed now.
+func heldSpec(holder string, lease time.Duration, transitions int32) IdentityLeaseSpec {
+	now := metav1.NewMicroTime(time.Now())
+	dur := int32(lease / time.Second)
+	return IdentityLeaseSpec{HolderIdentity: &holder, LeaseDurationSeconds: &dur, AcquireTime: &now, RenewTime: &now, LeaseTransitions: &transitions}
 }
 
 // TestLeaseSpecForms: the lock's times are written with microseconds and
@@ -509,18 +564,15 @@ func TestGCStopsWithLostLock(t *testing.T) {
 
 	// Another holder takes the lock (an administrator, or a node that
 	// judged the lease ended).
-	cli := newClient(t, srv.RESTConfig())
-	other, lease := "node-x_1", int32(60)
+	_, lease := testLocks(t, srv.RESTConfig())
 	// node-a renews the lock every retry period: a write that meets one
 	// of its renewals reads the lock again.
 	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		lock, err := cli.lease(t, "identity-gc-0")
+		lock, err := lease.get(t)
 		if err != nil {
 			return err
 		}
-		now := metav1.NewMicroTime(time.Now())
-		lock.Spec.HolderIdentity, lock.Spec.LeaseDurationSeconds, lock.Spec.RenewTime = &other, &lease, &now
-		return cli.nodes.Put().Resource("identityleases").Name("identity-gc-0").Body(lock).Do(t.Context()).Error()
+		return lease.write(t, lock, heldSpec("node-x_1", time.Minute, 2))
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -564,8 +616,8 @@ func TestGCElectionTimings(t *testing.T) {
 	}
 }
 
-// TestGCLockDeletedOrEdited: the collector's lock deleted by hand (kubectl
-// delete identitylease) or rewritten without a holder under a running
+// TestGCLockDeletedOrEdited: the collector's Lease deleted by hand (kubectl
+// delete lease) or rewritten without a holder under a running
 // cluster of three nodes: within one lock lease (and the others' reads)
 // one node collects again, its runs advance, it deletes an identity
 // marked long ago, and the gauge and health say so. Before, the holder
@@ -573,7 +625,7 @@ func TestGCElectionTimings(t *testing.T) {
 // node collected again, and no other node could take the lock.
 func TestGCLockDeletedOrEdited(t *testing.T) {
 	srv := serialServer(t)
-	cli := newClient(t, srv.RESTConfig())
+	_, lease := testLocks(t, srv.RESTConfig())
 	cfg := gcTestConfig
 	cfg.Interval = 100 * time.Millisecond
 	// Longer than testElection's: the bound below is a time, and this
@@ -584,7 +636,6 @@ func TestGCLockDeletedOrEdited(t *testing.T) {
 		ns = append(ns, startElectionNode(t, srv.RESTConfig(), name, cfg, timings))
 	}
 	collector(t, ns, 15*time.Second)
-	lockName := fmt.Sprintf("identity-gc-%d", gcCluster.ID)
 	longAgo := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
 	// A collector is back within the lock's lease and 4.4 retry periods
 	// (the others' jittered reads), with 3 s for a loaded machine.
@@ -592,19 +643,20 @@ func TestGCLockDeletedOrEdited(t *testing.T) {
 
 	tamper := map[string]func() error{
 		"deleted": func() error {
-			return cli.nodes.Delete().Resource("identityleases").Name(lockName).Do(t.Context()).Error()
+			return lease.delete(t)
 		},
 		"rewritten without a holder": func() error {
 			// The holder renews every retry period: a write that meets
 			// a renewal reads the lock again.
 			return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-				lock, err := cli.lease(t, lockName)
+				lock, err := lease.get(t)
 				if err != nil {
 					return err
 				}
+				spec := lock.Spec
 				none := ""
-				lock.Spec.HolderIdentity = &none
-				return cli.nodes.Put().Resource("identityleases").Name(lockName).Body(lock).Do(t.Context()).Error()
+				spec.HolderIdentity = &none
+				return lease.write(t, lock, spec)
 			})
 		},
 	}
@@ -634,5 +686,161 @@ func TestGCLockDeletedOrEdited(t *testing.T) {
 		if took > MinIdentityNodeLeaseTTL {
 			t.Errorf("lock %s: the unused identity was deleted %s later, more than one IdentityNode lease (%s)", what, took, MinIdentityNodeLeaseTTL)
 		}
+	}
+}
+
+// TestGCUpgradeFromIdentityLease: a cluster upgraded node by node from the
+// election on the IdentityLease alone keeps one collector. A node of the
+// earlier version (played by the test: it holds the IdentityLease and
+// renews it every retry period, as that version does) collects while nodes
+// of this version start: none of them collects, and none takes the Lease.
+// When it is killed (no release), one of them takes both locks once its
+// lease has passed, and renews the IdentityLease as long as it collects,
+// so that a node of the earlier version, which reads only that lock,
+// finds it held and does not collect. At no moment do two nodes collect.
+func TestGCUpgradeFromIdentityLease(t *testing.T) {
+	srv := serialServer(t)
+	legacy, lease := testLocks(t, srv.RESTConfig())
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	const oldHolder = "node-old" + holderSeparator + "01d"
+	if err := legacy.write(t, nil, heldSpec(oldHolder, testElection.lease, 0)); err != nil {
+		t.Fatal(err)
+	}
+	var (
+		oldCollects atomic.Bool
+		mu          sync.Mutex
+		violations  []string
+	)
+	violation := func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		violations = append(violations, fmt.Sprintf(format, args...))
+	}
+	oldCollects.Store(true)
+	kill, killed := make(chan struct{}), make(chan struct{})
+	killOld := sync.OnceFunc(func() { close(kill) })
+	t.Cleanup(func() { killOld(); <-killed })
+	go func() {
+		defer close(killed)
+		for {
+			select {
+			case <-kill:
+				oldCollects.Store(false)
+				return
+			case <-time.After(testElection.retry):
+			}
+			lock, err := legacy.get(t)
+			if err != nil {
+				continue // a failed renewal is retried, as the old election does
+			}
+			if h := lock.Spec.HolderIdentity; h == nil || *h != oldHolder {
+				violation("the IdentityLease of the live earlier-version collector was taken: holder %v", h)
+				oldCollects.Store(false)
+				return
+			}
+			legacy.write(t, lock, heldSpec(oldHolder, testElection.lease, 0))
+		}
+	}()
+	var ns []*electionNode
+	stopWatch := make(chan struct{})
+	watched := make(chan struct{})
+	t.Cleanup(func() { close(stopWatch); <-watched })
+	go func() {
+		defer close(watched)
+		for {
+			select {
+			case <-stopWatch:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			mu.Lock()
+			nodes := slices.Clone(ns)
+			mu.Unlock()
+			var collecting []string
+			if oldCollects.Load() {
+				collecting = append(collecting, "node-old")
+			}
+			for _, n := range nodes {
+				if _, self := n.GCLeader(); self {
+					collecting = append(collecting, n.name)
+				}
+			}
+			if len(collecting) > 1 {
+				violation("%v collect at once", collecting)
+			}
+		}
+	}()
+	for _, name := range []string{"node-a", "node-b", "node-c"} {
+		n := startElectionNode(t, srv.RESTConfig(), name, cfg, testElection)
+		mu.Lock()
+		ns = append(ns, n)
+		mu.Unlock()
+	}
+
+	// Three of the old collector's leases: the new nodes read the
+	// IdentityLease held, and leave the Lease alone.
+	time.Sleep(3 * testElection.lease)
+	for _, n := range ns {
+		if h, self := n.GCLeader(); self || h != "node-old" {
+			t.Errorf("%s names %q as the collector (self %v), want node-old", n.name, h, self)
+		}
+	}
+	if _, err := lease.get(t); !apierrors.IsNotFound(err) {
+		t.Errorf("the Lease was written while a node of the earlier version collects: %v", err)
+	}
+
+	killOld()
+	<-killed
+	diedAt := time.Now()
+	next := ns[collector(t, ns, testElection.lease+44*testElection.retry/10+5*time.Second)]
+	t.Logf("%s collects %s after the earlier-version collector was killed", next.name, time.Since(diedAt).Round(10*time.Millisecond))
+	// While it collects, both locks name it, and the IdentityLease stays
+	// renewed: an earlier-version node reading it never finds it free.
+	deadline := time.Now().Add(3 * testElection.lease)
+	for time.Now().Before(deadline) {
+		for _, k := range []testLock{lease, legacy} {
+			lock, err := k.get(t)
+			if err != nil {
+				t.Fatalf("%s: %v", k.what, err)
+			}
+			holder, renewed := "", lock.Spec.RenewTime
+			if h := lock.Spec.HolderIdentity; h != nil {
+				holder = *h
+			}
+			if holderNode(holder) != next.name {
+				t.Fatalf("%s names %q, want the collector %s", k.what, holder, next.name)
+			}
+			if renewed == nil || time.Since(renewed.Time) > testElection.lease {
+				t.Fatalf("%s was last renewed at %v, more than a lease (%s) ago: an earlier-version node would take it", k.what, renewed, testElection.lease)
+			}
+		}
+		time.Sleep(testElection.retry)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, v := range violations {
+		t.Error(v)
+	}
+}
+
+// TestGCLeaseNamespace: the Lease is in the namespace the flag names, or
+// else in the agent pod's (its service account's namespace file), or
+// else in kube-system.
+func TestGCLeaseNamespace(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "namespace")
+	defer func(f string) { serviceAccountNamespaceFile = f }(serviceAccountNamespaceFile)
+	serviceAccountNamespaceFile = file
+	if ns := (Config{}).leaseNamespace(); ns != "kube-system" {
+		t.Errorf("outside a pod: %q, want kube-system", ns)
+	}
+	if err := os.WriteFile(file, []byte("identityd\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if ns := (Config{}).leaseNamespace(); ns != "identityd" {
+		t.Errorf("in a pod of namespace identityd: %q", ns)
+	}
+	if ns := (Config{IdentityGCLeaseNamespace: "ops"}).leaseNamespace(); ns != "ops" {
+		t.Errorf("with --identity-gc-lease-namespace=ops: %q", ns)
 	}
 }

@@ -203,11 +203,13 @@ func (in *IdentityNodeList) DeepCopyObject() runtime.Object {
 	return out
 }
 
-// IdentityLease is a lock that identityd's nodes elect a holder with: the
-// holder of the one named identity-gc-<cluster ID> runs the cluster's
-// garbage collection. Its spec is coordination.k8s.io/v1's LeaseSpec (the
-// fields client-go's leader election writes), as an identityd CRD: an API
-// server that serves CRDs alone has no Lease.
+// IdentityLease is the lock earlier versions elected the collector with
+// (deprecated): the holder of the one named identity-gc-<cluster ID> ran
+// the cluster's garbage collection. The collector now holds the
+// coordination.k8s.io/v1 Lease of that name and this lock as well (see
+// election.go). Its spec is coordination.k8s.io/v1's LeaseSpec (the fields
+// client-go's leader election writes), which the election also decodes
+// Leases into.
 type IdentityLease struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata"`
