@@ -351,6 +351,9 @@ func (w *Workloads) decidePod(ctx context.Context, key string, now time.Time) bo
 // allocated applies the outcome of the allocation of lbls for the pod of
 // key.
 func (w *Workloads) allocated(ctx context.Context, key string, lbls labels.Labels, res allocator.Result, now time.Time) {
+	if res.Err != nil && ctx.Err() != nil {
+		return // stopping: not a failure of the store
+	}
 	w.mu.Lock()
 	st := w.pods[key]
 	if res.Err != nil {
