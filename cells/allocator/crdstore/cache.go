@@ -685,6 +685,26 @@ func (e *entry) created() time.Time {
 	return e.obj.CreationTimestamp.Time.Truncate(time.Second)
 }
 
+// snapshot returns the cache's objects, in no order, and the IDs of this
+// cluster's range held by objects it leaves out (security-labels that do
+// not parse), read under one lock: a state the API server had, as the
+// cache is a consistent prefix of its history. The garbage collection
+// decides on it (gc.go, RunGC).
+func (c *identityCache) snapshot() (es []*entry, unparsed []identity.NumericIdentity) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	es = make([]*entry, 0, len(c.byID))
+	for _, e := range c.byID {
+		es = append(es, e)
+	}
+	for name := range c.ignored {
+		if id, err := parseName(name); err == nil && c.rng.contains(id) && c.byID[id] == nil {
+			unparsed = append(unparsed, id)
+		}
+	}
+	return es, unparsed
+}
+
 // Objects returns every object of the cache, with the resourceVersion the
 // cache reflects; the garbage collection decides on them.
 func (c *identityCache) Objects() ([]Object, string) {
