@@ -527,6 +527,11 @@ func TestDeployDaemonSet(t *testing.T) {
 				if mode != "kvstore" {
 					t.Errorf("--identity-allocation-mode=%s, want kvstore", mode)
 				}
+				// Without a Kubernetes client a kvstore agent reads no
+				// pod, and gives no workload an identity.
+				if api, _ := s.value("k8s-api-server"); !strings.HasPrefix(api, "https://") {
+					t.Errorf("--k8s-api-server=%q: a kvstore agent needs the API server for its pods", api)
+				}
 				checkEtcdTLS(t, s, spec, c)
 			}
 
