@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -191,10 +192,13 @@ func (c answerCounter) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil || !writeVerbs[req.Method] {
 		return resp, err
 	}
-	// /apis/<group>/<version>/<resource>[/<name>[/<subresource>]]
+	// /apis/<group>/<version>[/namespaces/<namespace>]/<resource>[/<name>[/<subresource>]]
 	parts := strings.Split(strings.Trim(req.URL.Path, "/"), "/")
 	if len(parts) < 4 || parts[0] != "apis" {
 		return resp, err
+	}
+	if parts[3] == "namespaces" && len(parts) >= 6 {
+		parts = slices.Delete(parts, 3, 5)
 	}
 	key := req.Method + " " + parts[3]
 	v, ok := writeAnswers.Load(key)
