@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -110,8 +111,11 @@ type gcState struct {
 	// identity.
 	beforeDelete func(*gcObject)
 	// stepWindow is how long a step annotation defers a delete
-	// (maxWalkAge; tests make it short).
+	// (gcStepWindow; tests make it short).
 	stepWindow time.Duration
+	// deletesInFlight bounds the deletes sent and not yet answered
+	// (deletesInFlight of the configuration).
+	deletesInFlight int
 	// minGrace is the shortest grace without Cilium agents
 	// (MinHeartbeatTimeout; tests make it short).
 	minGrace time.Duration
@@ -120,7 +124,7 @@ type gcState struct {
 func newGCState(cfg GCConfig) *gcState {
 	perDeletion := cfg.RateInterval / time.Duration(max(cfg.RateLimit, 1))
 	// A burst of one keeps every window of the interval within the limit.
-	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: maxWalkAge, minGrace: MinHeartbeatTimeout}
+	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: gcStepWindow, minGrace: MinHeartbeatTimeout, deletesInFlight: cfg.deletesInFlight()}
 }
 
 // SetGCConfig replaces the garbage collection's configuration; it takes
@@ -213,12 +217,37 @@ type gcObject struct {
 	obj CiliumIdentity
 }
 
-// RunGC is one collection. It decides on its own consistent listing of
-// CiliumIdentity and IdentityNode objects (made at the start of the run,
-// so it shows every write that happened before the run's time), never on
-// the watch cache, whose resourceVersion only moves with its own
-// resource's events or a bookmark. It runs only once the store's cache of
-// identities has its first listing. The store's timer calls it while this
+// RunGC is one collection. It decides on the store's watch cache of
+// CiliumIdentity objects, read under one lock at the start of the run (a
+// state the API server had: the cache is a consistent prefix of its
+// history), and on its own listing of IdentityNode objects made after it
+// (they are few). It lists no CiliumIdentity: on a crowded cluster that
+// listing took seconds per run, during which nothing was deleted.
+//
+// A cache that lags costs no safety, because every reason to keep an
+// identity that the cache could miss is written to the identity's object
+// itself, and every write changes its resourceVersion, which the mark and
+// the delete carry as precondition: an allocation that adopts a marked
+// identity removes the mark; a walk that steps over a marked identity
+// writes its step annotation before it creates an object further on; a
+// Cilium agent removes the mark of what it uses. A mark or delete planned
+// on a stale entry fails its precondition (Conflict, or NotFound for an
+// object gone), is counted as skipped, and the next run decides again.
+// The reasons that are not on the object are read after the cache:
+// IdentityNode records and Cilium's endpoint objects (listed) and this
+// node's own holds. The fence depends on other objects, the young ones
+// after a free slot; the store assumes that a node's cache lags by less
+// than maxCacheLag (docs/crd-store.md), so the cache shows every object
+// created maxCacheLag before the run: an object whose walk saw a slot
+// unmarked was created within maxWalkAge of that look, before the slot's
+// mark, and the mark is at least MinHeartbeatTimeout old when the slot is
+// deleted, which leaves the object maxWalkAge, as long as maxCacheLag, to
+// reach the cache before the run; one whose walk saw it marked
+// announced the step, which defers the delete for gcStepWindow, by when
+// the object is in the cache too.
+//
+// It runs only once the store's cache of identities has its first
+// listing. The store's timer calls it while this
 // node holds the collector's lock; a direct call collects whatever the
 // lock says, and two collectors at once are safe.
 //
@@ -243,16 +272,13 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		return res, fmt.Errorf("%w: the CiliumIdentity objects are not listed yet", globalstore.ErrUnavailable)
 	}
 	now := time.Now()
-	objs, err := s.listGCIdentities(ctx)
-	if err != nil {
-		return res, err
-	}
+	objs := s.gcIdentities()
 	nodes, err := s.listGCNodes(ctx)
 	if err != nil {
 		return res, err
 	}
-	// Listed after the identities: an identity created since is not
-	// in objs, and one in objs that an endpoint took since was
+	// Listed after the cache was read: an identity created since is
+	// not in objs, and one in objs that an endpoint took since was
 	// allocated by its agent, which removed the mark (and so changed the
 	// object under the delete's precondition).
 	named, err := s.listEndpointIdentities(ctx)
@@ -322,9 +348,10 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 			continue
 		}
 		if stepped(&o.obj, now.Add(-gc.stepWindow)) {
-			// A walk stepped over it less than maxWalkAge ago and
-			// may still create an object that depends on the slot
-			// and is not in this listing; the next run decides.
+			// A walk stepped over it less than gcStepWindow ago
+			// and may still create an object that depends on the
+			// slot and that the cache does not show yet; a later
+			// run decides.
 			res.Deferred++
 			continue
 		}
@@ -461,14 +488,38 @@ func (s *Store) gcWriteMarks(ctx context.Context, marks, unmarks []*gcObject) (m
 	return marked, unmarked, firstErr
 }
 
-// gcDeletesInFlight bounds the deletes a run has sent and not seen
-// answered: the rate limit paces when each starts, so that a slow answer
-// does not lower the pace below the limit.
-const gcDeletesInFlight = 8
+// gcAnswerTime is the longest answer to a delete at which the collector
+// still deletes at its rate limit: a loaded API server answered in 100 ms
+// and more, and 8 deletes in flight then held 125 a second to about 60.
+const gcAnswerTime = time.Second
+
+// minDeletesInFlight is the fewest deletes in flight, whatever the limit.
+const minDeletesInFlight = 8
+
+// maxDeletesInFlight bounds the deletes in flight of a very high limit.
+const maxDeletesInFlight = 512
+
+// deletesInFlight is how many deletes may await their answers at once:
+// the deletes the rate limit starts within gcAnswerTime, so that answers
+// up to that slow do not lower the pace below the limit (Little's law:
+// in flight = rate × answer time), between minDeletesInFlight and
+// maxDeletesInFlight.
+func (c GCConfig) deletesInFlight() int {
+	perSecond := float64(c.RateLimit) / c.RateInterval.Seconds()
+	n := math.Ceil(perSecond * gcAnswerTime.Seconds())
+	return int(min(max(n, minDeletesInFlight), maxDeletesInFlight))
+}
+
+// gcStepWindow is how long a step annotation defers the delete of the
+// identity it is on: the walk that wrote it creates its object within
+// maxWalkAge, and the collector's cache shows that object within
+// maxCacheLag more, after which the fence keeps the slot while the object
+// is young.
+const gcStepWindow = maxWalkAge + maxCacheLag
 
 // gcDelete deletes the identities of deletes, paced by the rate limit,
 // each with its UID and listed resourceVersion as preconditions. The
-// limit paces the starts; up to gcDeletesInFlight wait for their answers
+// limit paces the starts; up to deletesInFlight wait for their answers
 // at once.
 func (s *Store) gcDelete(ctx context.Context, deletes []*gcObject, res *GCResult) error {
 	gc := s.gc
@@ -487,7 +538,7 @@ func (s *Store) gcDelete(ctx context.Context, deletes []*gcObject, res *GCResult
 		mu.Unlock()
 		cancel()
 	}
-	sem := make(chan struct{}, gcDeletesInFlight)
+	sem := make(chan struct{}, gc.deletesInFlight)
 	for _, o := range deletes {
 		if err := gc.limiter.Wait(ctx); err != nil {
 			fail(err)
@@ -666,45 +717,25 @@ func young(obj *CiliumIdentity, since time.Time) bool {
 	return obj.CreationTimestamp.Add(time.Second).After(since)
 }
 
-// listGCIdentities lists the CiliumIdentity objects of this cluster's
-// range: the first page without a resourceVersion (a consistent read),
-// the next ones from the same snapshot.
-func (s *Store) listGCIdentities(ctx context.Context) ([]gcObject, error) {
-	var out []gcObject
-	opts := metav1.ListOptions{Limit: gcListPageSize}
-	for {
-		var list CiliumIdentityList
-		err := s.ciliumClient.Get().Resource("ciliumidentities").VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(&list)
-		if apierrors.IsResourceExpired(err) && opts.Continue != "" {
-			// The snapshot is gone (compacted): list again from now.
-			out, opts = nil, metav1.ListOptions{Limit: gcListPageSize}
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("%w: listing CiliumIdentity objects: %w", globalstore.ErrUnavailable, err)
-		}
-		for i := range list.Items {
-			obj := list.Items[i]
-			id, err := parseName(obj.Name)
-			if err != nil || !s.ids.rng.contains(id) {
-				continue
-			}
-			o := gcObject{id: id, obj: obj}
-			if e, err := s.ids.parse(&o.obj); err == nil {
-				o.e = e
-			}
-			out = append(out, o)
-		}
-		if list.Continue == "" {
-			slices.SortFunc(out, func(a, b gcObject) int { return cmp.Compare(a.id, b.id) })
-			return out, nil
-		}
-		opts.Continue = list.Continue
+// gcIdentities returns the CiliumIdentity objects of this cluster's range
+// that the store's cache shows, by ID: those whose labels do not parse
+// without their object, as they only hold their IDs.
+func (s *Store) gcIdentities() []gcObject {
+	es, unparsed := s.ids.snapshot()
+	out := make([]gcObject, 0, len(es)+len(unparsed))
+	for _, e := range es {
+		out = append(out, gcObject{id: e.id, e: e, obj: *e.obj})
 	}
+	for _, id := range unparsed {
+		out = append(out, gcObject{id: id})
+	}
+	slices.SortFunc(out, func(a, b gcObject) int { return cmp.Compare(a.id, b.id) })
+	return out
 }
 
-// listGCNodes lists the IdentityNode objects, as listGCIdentities lists
-// identities.
+// listGCNodes lists the IdentityNode objects, in pages of gcListPageSize:
+// the first page without a resourceVersion (a consistent read), the next
+// ones from the same snapshot.
 func (s *Store) listGCNodes(ctx context.Context) ([]IdentityNode, error) {
 	var out []IdentityNode
 	opts := metav1.ListOptions{Limit: gcListPageSize}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -231,13 +232,47 @@ func createIdentity(t *testing.T, s *Store, id identity.NumericIdentity, lbls la
 	}
 }
 
+// runGC runs one collection on s once its cache shows what the API server
+// holds: the collector decides on the cache, and a test that wrote
+// objects just before wants the run to see them.
 func runGC(t *testing.T, s *Store) GCResult {
 	t.Helper()
+	waitCacheCurrent(t, s)
 	res, err := s.RunGC(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// waitCacheCurrent waits until s's cache of identities holds every
+// CiliumIdentity object of its range at the resourceVersion a consistent
+// listing gives, and nothing else.
+func waitCacheCurrent(t *testing.T, s *Store) {
+	t.Helper()
+	eventually.True(t, "the cache of identities shows the API server's objects", func() bool {
+		var list CiliumIdentityList
+		if err := s.ciliumClient.Get().Resource("ciliumidentities").Do(t.Context()).Into(&list); err != nil {
+			t.Fatal(err)
+		}
+		want := map[identity.NumericIdentity]string{}
+		for i := range list.Items {
+			if e, err := s.ids.parse(&list.Items[i]); err == nil {
+				want[e.id] = list.Items[i].ResourceVersion
+			}
+		}
+		s.ids.mu.RLock()
+		defer s.ids.mu.RUnlock()
+		if len(s.ids.byID) != len(want) {
+			return false
+		}
+		for id, rv := range want {
+			if e := s.ids.byID[id]; e == nil || e.obj.ResourceVersion != rv {
+				return false
+			}
+		}
+		return true
+	})
 }
 
 // waitTimeout waits until a mark made now is older than the heartbeat
@@ -675,6 +710,100 @@ func TestGCMarksKeepPaceWithSlowAnswers(t *testing.T) {
 	}
 }
 
+// TestGCListsNoIdentities: a run decides on the store's cache of
+// identities and sends no listing of CiliumIdentity objects, however many
+// there are: here 60 to mark and 20 to delete, all marked and deleted
+// with no LIST of ciliumidentities at the API server from the run. With
+// the run's own listing, it sends one per 500 objects (checked).
+func TestGCListsNoIdentities(t *testing.T) {
+	srv := serialServer(t)
+	var lists atomic.Int64
+	counted := rest.CopyConfig(srv.RESTConfig())
+	counted.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/ciliumidentities") && r.URL.Query().Get("watch") == "" {
+				lists.Add(1)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	a := startGCNode(t, counted, "node-a", gcTestConfig)
+	old := oldMark()
+	const markable, deletable = 60, 20
+	for i := range markable + deletable {
+		mark := ""
+		if i < deletable {
+			mark = old
+		}
+		// Every other ID, so that no object fences another.
+		createIdentity(t, a.Store, identity.NumericIdentity(45000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=unlisted-%d", i)), mark)
+	}
+	waitCacheCurrent(t, a.Store)
+	before := lists.Load()
+	res, err := a.RunGC(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Marked != markable || res.Deleted != deletable {
+		t.Fatalf("run: %+v, want %d marked and %d deleted", res, markable, deletable)
+	}
+	if n := lists.Load() - before; n != 0 {
+		t.Fatalf("the run listed the CiliumIdentity objects %d times, want none: it decides on the cache", n)
+	}
+}
+
+// TestGCDeletesReachLimitWithSlowAnswers: on an API server that answers
+// each delete in 250 ms, a collector limited to 200 deletes a second
+// deletes at that pace: its deletes in flight follow the limit (200 at
+// once here, the limit's deletes within a second). 120 deletes take the
+// limit's 0.6 s, the answer and some room, under 2 s; with 8 deletes in
+// flight they take 120/8 answers, 3.75 s (checked).
+func TestGCDeletesReachLimitWithSlowAnswers(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.RateLimit, cfg.RateInterval = 200, time.Second
+	const answer = 250 * time.Millisecond
+	slow := rest.CopyConfig(srv.RESTConfig())
+	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodDelete && strings.Contains(r.URL.Path, "/ciliumidentities/") {
+				time.Sleep(answer)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	a := startGCNode(t, slow, "node-a", cfg)
+	old := oldMark()
+	const n = 120
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			// Every other ID, so that no object fences another.
+			createIdentity(t, a.Store, identity.NumericIdentity(50000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=slow-limit-%d", i)), old)
+		}()
+	}
+	wg.Wait()
+	waitCacheCurrent(t, a.Store)
+	start := time.Now()
+	res, err := a.RunGC(t.Context())
+	took := time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Deleted != n {
+		t.Fatalf("run: %+v, want %d deleted", res, n)
+	}
+	pace := time.Duration(n-1) * cfg.RateInterval / time.Duration(cfg.RateLimit)
+	t.Logf("%d deletes answered in %s each took %s (the limit's pace: %s, %d in flight)", n, answer, took, pace, a.gc.deletesInFlight)
+	if limit := 2 * time.Second; took > limit {
+		t.Fatalf("%d deletes took %s, want under %s: the limit's %s and the answer", n, took, limit, pace)
+	}
+}
+
 // TestGCNotBeforeListing: a store whose caches have not listed the objects
 // yet does not collect: nothing is marked.
 func TestGCNotBeforeListing(t *testing.T) {
@@ -708,6 +837,67 @@ func TestGCJob(t *testing.T) {
 	eventually.True(t, "the job counts its deletion", func() bool { return a.GCStats().Deleted == 1 })
 	if st := a.GCStats(); st.Marked != 1 || st.Failed != 0 {
 		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestGCRunsBackToBack: the interval counts from the start of a run, so a
+// run whose paced deletes outlast it is followed by the next at once, not
+// an interval after its end. The first run deletes 40 identities at 20 a
+// second (2 s, twice the interval); 20 more, made due during it, are
+// deleted by the next run, whose first delete starts less than half an
+// interval after the first run's last.
+func TestGCRunsBackToBack(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval, cfg.RateLimit, cfg.RateInterval = time.Second, 20, time.Second
+	a := newGCStore(t, srv.RESTConfig(), "node-a", cfg)
+	old := oldMark()
+	const first, second = 40, 20
+	for i := range first {
+		// Every other ID, so that no object fences another.
+		createIdentity(t, a, identity.NumericIdentity(52000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=back-%d", i)), old)
+	}
+	var (
+		mu    sync.Mutex
+		times = map[uint64][]time.Time{}
+		added sync.Once
+	)
+	a.gc.beforeDelete = func(*gcObject) {
+		mu.Lock()
+		run := a.gc.runs.Load()
+		times[run] = append(times[run], time.Now())
+		mu.Unlock()
+		added.Do(func() {
+			go func() {
+				for i := range second {
+					createIdentity(t, a, identity.NumericIdentity(53000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=back-late-%d", i)), old)
+				}
+			}()
+		})
+	}
+	n := &gcNode{Store: a, refs: newTestRefs()}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(context.Background()) })
+	eventually.True(t, "both runs delete", func() bool { return a.GCStats().Deleted == first+second })
+	mu.Lock()
+	defer mu.Unlock()
+	var runs []uint64
+	for r := range times {
+		runs = append(runs, r)
+	}
+	slices.Sort(runs)
+	if len(runs) < 2 || len(times[runs[0]]) != first {
+		t.Fatalf("deletes by run: %d runs, the first with %d, want %d", len(runs), len(times[runs[0]]), first)
+	}
+	firstRun := times[runs[0]]
+	gap := times[runs[1]][0].Sub(firstRun[len(firstRun)-1])
+	t.Logf("the first run's deletes spanned %s; the next run's first delete came %s after its last", firstRun[len(firstRun)-1].Sub(firstRun[0]), gap)
+	if gap > cfg.Interval/2 {
+		t.Fatalf("the next run's first delete came %s after the first run's last, want under half the %s interval", gap, cfg.Interval)
 	}
 }
 

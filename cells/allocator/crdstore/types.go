@@ -35,7 +35,7 @@ const (
 	// stepAnnotation is the time (RFC 3339) a node last wrote, before
 	// creating an identity further along a probe sequence, on a marked
 	// identity its walk stepped over: the collection does not delete a
-	// marked identity whose step annotation is younger than maxWalkAge
+	// marked identity whose step annotation is younger than gcStepWindow
 	// (docs/crd-store.md, "Garbage collection").
 	stepAnnotation = "identityd.io/stepped-over"
 )
