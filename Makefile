@@ -41,7 +41,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-churn bench-cilium bench-cilium-mixed bench-scale interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-churn bench-cilium bench-cilium-mixed bench-scale bench-relabel interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -230,6 +230,22 @@ bench-cilium-mixed:
 # SCALE_* variables of the package's documentation change the sweep.
 bench-scale:
 	IDENTITYD_BENCH_SCALE=1 $(GO) test -run '^$$' -bench '^BenchmarkScale$$' -benchtime 1x -count 1 -timeout 8h ./internal/scalebench
+
+# Runs the relabel storm of issue 50 (internal/scalebench,
+# BenchmarkRelabelStorm, which other targets skip): N simulated nodes, each
+# with the allocator, the CRD store and the workloads cell on a client of
+# its own, against a real kube-apiserver; 20,000 pods bound to the nodes,
+# half of them in one namespace whose label then changes, so that each of
+# those pods needs a new identity. Reports the time until every pod is on
+# its new identity, duplicate CiliumIdentity objects, the requests and
+# watch events the server counted by kind, the CiliumIdentity WATCH
+# requests against nodes+20 and the growth of the totals over N
+# (docs/benchmarks.md, "Relabel storm"). The default is the issue's full
+# size, N = 8 to 64: hours on two cores. RELABEL_NODES, RELABEL_PODS,
+# RELABEL_NAMESPACES, RELABEL_DEPLOYMENTS, RELABEL_GRACE and
+# RELABEL_TIMEOUT change it.
+bench-relabel:
+	IDENTITYD_BENCH_RELABEL=1 $(GO) test -run '^$$' -bench '^BenchmarkRelabelStorm$$' -benchtime 1x -count 1 -timeout 8h ./internal/scalebench
 
 # Runs the fault-injection test: 3 etcd members and 3 agents as processes,
 # a random workload, faults, and the checker over the history
