@@ -170,7 +170,9 @@ func (e *env) seedObject(t *testing.T, id identity.NumericIdentity, lbls labels.
 	if err := crdstore.RegisterCRDs(t.Context(), e.api.RESTConfig()); err != nil {
 		t.Fatal(err)
 	}
-	// As Cilium writes them: the k8s labels also as object labels.
+	// As identityd writes them in a migration (Mirror, identityd migrate):
+	// Cilium's format, the k8s labels also as object labels, created under
+	// identityd's field manager, which the CRD store ranks as its own.
 	sl, ol := map[string]any{}, map[string]any{}
 	for _, l := range lbls {
 		sl[l.Source+":"+l.Key] = l.Value
@@ -183,7 +185,7 @@ func (e *env) seedObject(t *testing.T, id identity.NumericIdentity, lbls labels.
 		"metadata":        map[string]any{"name": id.String(), "labels": ol},
 		"security-labels": sl,
 	}}
-	if _, err := e.dyn.Resource(crdstore.CiliumIdentityResource).Create(t.Context(), obj, metav1.CreateOptions{}); err != nil {
+	if _, err := e.dyn.Resource(crdstore.CiliumIdentityResource).Create(t.Context(), obj, metav1.CreateOptions{FieldManager: "identityd"}); err != nil {
 		t.Fatal(err)
 	}
 }
