@@ -22,6 +22,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	clientv3 "go.etcd.io/etcd/client/v3"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -30,8 +31,10 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/k8sclient"
+	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/cells/workloads"
 	"github.com/identityd/identityd/identity"
@@ -46,6 +49,9 @@ const relabelEnv = "IDENTITYD_BENCH_RELABEL"
 // relabelConfig is one relabel storm sweep's settings.
 type relabelConfig struct {
 	nodes []int
+	// modes are the stores of the identities: crd, etcd (the pods are
+	// read from the API server in both).
+	modes []string
 	// pods are spread over namespaces namespaces, the first of which
 	// (the one relabelled) holds half of them; the pods of a namespace
 	// belong to deployments deployments, whose pods share their labels.
@@ -60,7 +66,17 @@ type relabelConfig struct {
 // loadRelabelConfig reads the RELABEL_* variables over the defaults, the
 // full size of the relabel storm: 8 to 64 nodes, 20,000 pods.
 func loadRelabelConfig() (relabelConfig, error) {
-	c := relabelConfig{nodes: []int{8, 16, 32, 64}}
+	c := relabelConfig{nodes: []int{8, 16, 32, 64}, modes: []string{modeCRD}}
+	if v := os.Getenv("RELABEL_MODES"); v != "" {
+		c.modes = nil
+		for f := range strings.SplitSeq(v, ",") {
+			m := strings.TrimSpace(f)
+			if m != modeCRD && m != modeEtcd {
+				return c, fmt.Errorf("RELABEL_MODES=%q: %q is neither %s nor %s", v, f, modeCRD, modeEtcd)
+			}
+			c.modes = append(c.modes, m)
+		}
+	}
 	if v := os.Getenv("RELABEL_NODES"); v != "" {
 		c.nodes = nil
 		for f := range strings.SplitSeq(v, ",") {
@@ -151,20 +167,35 @@ type stormNode struct {
 	w    *workloads.Workloads
 }
 
-func startStormNode(ctx context.Context, tb testing.TB, log *slog.Logger, srv *k8stest.Server, i int, cfg relabelConfig) (*stormNode, error) {
+func startStormNode(ctx context.Context, tb testing.TB, log *slog.Logger, srv *k8stest.Server, etcd []string, i int, cfg relabelConfig) (*stormNode, error) {
 	n := &stormNode{name: nodeName(i), log: log}
 	// Its own user (a member of system:masters): its own client
 	// certificate, hence its own transport in client-go's cache.
 	kubeconfig := srv.UserKubeconfig(tb, "system:node:"+n.name, "system:masters")
 	dir := tb.TempDir()
-	n.h = hive.New(
+	cells := []cell.Cell{
 		cell.SimpleHealthCell, job.Cell, statedb.Cell, statedir.Cell, k8sclient.Cell, allocator.Cell, crdstore.Cell, ipcache.Cell, workloads.Cell,
-		cell.Provide(func() identity.NodeName { return identity.NodeName(n.name) }),
 		cell.Invoke(func(w *workloads.Workloads) { n.w = w }),
-	)
+	}
+	mode := identity.AllocationModeCRD
+	if etcd != nil {
+		// The kvstore client provides the node name.
+		mode = identity.AllocationModeKVStore
+		cells = append(cells, kvstore.Cell, etcdstore.Cell)
+	} else {
+		cells = append(cells, cell.Provide(func() identity.NodeName { return identity.NodeName(n.name) }))
+	}
+	n.h = hive.New(cells...)
+	if etcd != nil {
+		hive.AddConfigOverride(n.h, func(c *kvstore.Config) {
+			c.KVStoreEndpoints = etcd
+			c.NodeName = n.name
+			c.KVStoreDialTimeout = time.Minute
+		})
+	}
 	hive.AddConfigOverride(n.h, func(c *statedir.Config) { c.StateDir = dir })
 	hive.AddConfigOverride(n.h, func(c *k8sclient.Config) { c.K8sKubeconfigPath = kubeconfig })
-	hive.AddConfigOverride(n.h, func(c *allocator.Config) { c.IdentityAllocationMode = identity.AllocationModeCRD })
+	hive.AddConfigOverride(n.h, func(c *allocator.Config) { c.IdentityAllocationMode = mode })
 	hive.AddConfigOverride(n.h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
 	if cfg.grace > 0 {
 		hive.AddConfigOverride(n.h, func(c *workloads.Config) { c.IdentityChangeGracePeriod = cfg.grace })
@@ -181,6 +212,7 @@ func startStormNode(ctx context.Context, tb testing.TB, log *slog.Logger, srv *k
 
 // relabelResult is one run of the storm: n nodes.
 type relabelResult struct {
+	mode                    string
 	nodes, pods, relabelled int
 	setup                   time.Duration
 	// converge is the time from the relabel until every pod of the
@@ -188,24 +220,32 @@ type relabelResult struct {
 	converge time.Duration
 	// window is what the server counted from the relabel until the
 	// grace period after the convergence ended (the releases included).
-	window      time.Duration
-	requests    map[string]float64 // "VERB resource" -> requests
-	events      map[string]float64 // resource -> watch events
-	identities  int                // CiliumIdentity objects after the storm
-	duplicates  int                // of them, objects whose labels another one has
-	split       int                // label sets nodes hold under different identities
-	ciWatches   float64            // CiliumIdentity WATCH requests over the run
-	newIDs      int                // identities of the relabelled pods' new label sets
-	totalReq    float64
-	totalEvents float64
+	window     time.Duration
+	requests   map[string]float64 // "VERB resource" -> requests
+	events     map[string]float64 // resource -> watch events
+	identities int                // identities in the store after the storm
+	duplicates int                // of them, ones whose labels another one has
+	split      int                // label sets nodes hold under different identities
+	ciWatches  float64            // CiliumIdentity WATCH requests over the run (crd mode)
+	// ciWatchesEnded and ciWatchesOpen are ciWatches' watches that
+	// ended, and those still open at the end of the window.
+	ciWatchesEnded, ciWatchesOpen float64
+	newIDs                        int // identities of the relabelled pods' new label sets
+	totalReq                      float64
+	totalEvents                   float64
 }
 
-// runRelabel runs the storm with n nodes on an API server of its own.
-func runRelabel(tb testing.TB, n int, cfg relabelConfig, out io.Writer) (*relabelResult, error) {
+// runRelabel runs the storm with n nodes on an API server of its own, the
+// identities in the store of mode (in etcd mode, an etcd of its own).
+func runRelabel(tb testing.TB, mode string, n int, cfg relabelConfig, out io.Writer) (*relabelResult, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	res := &relabelResult{nodes: n, pods: cfg.pods}
+	res := &relabelResult{mode: mode, nodes: n, pods: cfg.pods, ciWatches: math.NaN()}
 	srv := k8stest.Start(tb)
+	var es *etcdServer
+	if mode == modeEtcd {
+		es = startEtcd(tb, n)
+	}
 	admin := srv.RESTConfig()
 	core, err := kubernetes.NewForConfig(admin)
 	if err != nil {
@@ -218,8 +258,11 @@ func runRelabel(tb testing.TB, n int, cfg relabelConfig, out io.Writer) (*relabe
 	if err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(out, "\n== relabel storm, N=%d, %d pods in %d namespaces (%s: %d), %d label sets per namespace: API server at %s\n",
-		n, cfg.pods, cfg.namespaces, stormNamespace, cfg.pods/2, cfg.deployments, srv.URL())
+	fmt.Fprintf(out, "\n== relabel storm, %s mode, N=%d, %d pods in %d namespaces (%s: %d), %d label sets per namespace: API server at %s\n",
+		mode, n, cfg.pods, cfg.namespaces, stormNamespace, cfg.pods/2, cfg.deployments, srv.URL())
+	if es != nil {
+		fmt.Fprintf(out, "   %s\n", es.describe())
+	}
 
 	setupStart := time.Now()
 	setupCtx, setupCancel := context.WithTimeout(ctx, cfg.timeout)
@@ -241,14 +284,18 @@ func runRelabel(tb testing.TB, n int, cfg relabelConfig, out io.Writer) (*relabe
 	}
 	fmt.Fprintf(out, "   %d pods created in %s\n", len(pods), time.Since(setupStart).Round(100*time.Millisecond))
 
-	logs := newCappedLog(os.Stderr, fmt.Sprintf("relabel/N=%d", n), 20)
+	logs := newCappedLog(os.Stderr, fmt.Sprintf("relabel/%s/N=%d", mode, n), 20)
 	nodes := make([]*stormNode, n)
 	idx := make([]int, n)
 	for i := range idx {
 		idx[i] = i
 	}
 	err = forEachIndex(idx, 8, func(i int) error {
-		nd, err := startStormNode(setupCtx, tb, logs.logger(nodeName(i)), srv, i, cfg)
+		var endpoints []string
+		if es != nil {
+			endpoints = es.c.Endpoints()
+		}
+		nd, err := startStormNode(setupCtx, tb, logs.logger(nodeName(i)), srv, endpoints, i, cfg)
 		nodes[i] = nd
 		return err
 	})
@@ -273,7 +320,24 @@ func runRelabel(tb testing.TB, n int, cfg relabelConfig, out io.Writer) (*relabe
 
 	// The storm: the namespace's label changes, and so does every
 	// identity label set of its pods.
-	before, err := scrape(ctx, metrics, srv.URL()+"/metrics")
+	// In etcd mode the identities' traffic is etcd's: its series join
+	// the API server's under names of their own.
+	scrapeAll := func() (snapshot, error) {
+		snap, err := scrape(ctx, metrics, srv.URL()+"/metrics")
+		if err != nil || es == nil {
+			return snap, err
+		}
+		e, err := es.scrape(ctx)
+		if err != nil {
+			return nil, err
+		}
+		for k, v := range e {
+			v.name = "etcd " + v.name
+			snap["etcd "+k] = v
+		}
+		return snap, nil
+	}
+	before, err := scrapeAll()
 	if err != nil {
 		return nil, err
 	}
@@ -298,7 +362,7 @@ func runRelabel(tb testing.TB, n int, cfg relabelConfig, out io.Writer) (*relabe
 		grace = workloads.DefaultConfig.IdentityChangeGracePeriod
 	}
 	sleep(ctx, grace+5*time.Second)
-	after, err := scrape(ctx, metrics, srv.URL()+"/metrics")
+	after, err := scrapeAll()
 	if err != nil {
 		return nil, err
 	}
@@ -310,19 +374,36 @@ func runRelabel(tb testing.TB, n int, cfg relabelConfig, out io.Writer) (*relabe
 	for _, v := range res.events {
 		res.totalEvents += v
 	}
-	res.ciWatches = watchRequests(after, ciliumIdentitiesWatch)
+	if es == nil {
+		res.ciWatchesEnded, res.ciWatchesOpen = watchRequests(after, ciliumIdentitiesWatch)
+		res.ciWatches = res.ciWatchesEnded + res.ciWatchesOpen
+	}
 
 	var split map[string][]identity.NumericIdentity
 	split, res.newIDs = heldByLabels(nodes)
 	res.split = len(split)
-	var objs []ciliumIdentity
-	if err := k8stest.GetJSON(ctx, admin, ciliumIdentitiesPath, &struct {
-		Items *[]ciliumIdentity `json:"items"`
-	}{&objs}); err != nil {
-		return nil, fmt.Errorf("listing the CiliumIdentity objects: %w", err)
+	var sets []string
+	if es == nil {
+		var objs []ciliumIdentity
+		if err := k8stest.GetJSON(ctx, admin, ciliumIdentitiesPath, &struct {
+			Items *[]ciliumIdentity `json:"items"`
+		}{&objs}); err != nil {
+			return nil, fmt.Errorf("listing the CiliumIdentity objects: %w", err)
+		}
+		for _, o := range objs {
+			sets = append(sets, o.labelSet())
+		}
+	} else {
+		resp, err := es.cli.Get(ctx, etcdstore.MasterKeyPrefix, clientv3.WithPrefix())
+		if err != nil {
+			return nil, fmt.Errorf("listing the master keys: %w", err)
+		}
+		for _, kv := range resp.Kvs {
+			sets = append(sets, string(kv.Value))
+		}
 	}
-	res.identities = len(objs)
-	res.duplicates = duplicates(objs)
+	res.identities = len(sets)
+	res.duplicates = duplicates(sets)
 	if logged := logs.count.Load(); logged > 0 {
 		fmt.Fprintf(out, "   the nodes logged %d warnings and errors\n", logged)
 	}
@@ -419,18 +500,24 @@ type ciliumIdentity struct {
 	SecurityLabels map[string]string `json:"security-labels"`
 }
 
-// duplicates counts the objects beyond the first of each label set: a
-// label set given two identities is what Cilium's design document counted
-// 4,999 of after one relabel at 5,000 nodes.
-func duplicates(objs []ciliumIdentity) int {
+// labelSet is the object's labels in one canonical string.
+func (o ciliumIdentity) labelSet() string {
+	keys := make([]string, 0, len(o.SecurityLabels))
+	for k, v := range o.SecurityLabels {
+		keys = append(keys, k+"="+v)
+	}
+	sort.Strings(keys)
+	return strings.Join(keys, ",")
+}
+
+// duplicates counts the identities beyond the first of each label set
+// (each given as one canonical string): a label set given two identities
+// is what Cilium's design document counted 4,999 of after one relabel at
+// 5,000 nodes.
+func duplicates(sets []string) int {
 	seen := map[string]int{}
-	for _, o := range objs {
-		keys := make([]string, 0, len(o.SecurityLabels))
-		for k, v := range o.SecurityLabels {
-			keys = append(keys, k+"="+v)
-		}
-		sort.Strings(keys)
-		seen[strings.Join(keys, ",")]++
+	for _, s := range sets {
+		seen[s]++
 	}
 	d := 0
 	for _, c := range seen {
@@ -452,6 +539,10 @@ func countStorm(d snapshot) (requests, events map[string]float64) {
 			res += "/" + s
 		}
 		switch x.name {
+		case "etcd grpc_server_msg_received_total":
+			requests["etcd "+x.labels["grpc_method"]] += x.value
+		case "etcd etcd_debugging_mvcc_events_total":
+			events["etcd (identity keys)"] += x.value
 		case "apiserver_request_total":
 			if res == "" {
 				// Non-resource paths: the benchmark's own scrapes of
@@ -469,19 +560,22 @@ func countStorm(d snapshot) (requests, events map[string]float64) {
 // watchRequests is the number of WATCH requests of resource the server
 // saw: the API server counts a watch in apiserver_request_total only when
 // it ends, and the ones still open in apiserver_longrunning_requests.
-func watchRequests(s snapshot, resource string) float64 {
+func watchRequests(s snapshot, resource string) (ended, open float64) {
 	match := func(l map[string]string) bool {
 		return l["verb"] == "WATCH" && l["resource"] == resource && l["subresource"] == ""
 	}
-	return s.sum("apiserver_request_total", match) + s.sum("apiserver_longrunning_requests", match)
+	return s.sum("apiserver_request_total", match), s.sum("apiserver_longrunning_requests", match)
 }
 
 func printRelabelRun(out io.Writer, r *relabelResult) {
 	fmt.Fprintf(out, "   relabel of %s (%d pods): every pod on its new identity after %s; window %s (grace period and 5s after)\n",
 		stormNamespace, r.relabelled, r.converge.Round(10*time.Millisecond), r.window.Round(100*time.Millisecond))
-	fmt.Fprintf(out, "   CiliumIdentity objects %d, duplicates %d; label sets held under two identities %d; identities of the new label sets %d\n",
+	fmt.Fprintf(out, "   identities in the store %d, duplicates %d; label sets held under two identities %d; identities of the new label sets %d\n",
 		r.identities, r.duplicates, r.split, r.newIDs)
-	fmt.Fprintf(out, "   CiliumIdentity WATCH requests over the run: %.0f (bound nodes+20 = %d)\n", r.ciWatches, r.nodes+20)
+	if !math.IsNaN(r.ciWatches) {
+		fmt.Fprintf(out, "   CiliumIdentity WATCH requests over the run: %.0f, %.0f ended and %.0f open (bound nodes+20 = %d)\n",
+			r.ciWatches, r.ciWatchesEnded, r.ciWatchesOpen, r.nodes+20)
+	}
 	fmt.Fprintf(out, "   %-48s %10s %10s\n", "in the window, at the server", "total", "per node")
 	for _, k := range slices.Sorted(maps.Keys(r.requests)) {
 		fmt.Fprintf(out, "   %-48s %10.0f %10.1f\n", k, r.requests[k], r.requests[k]/float64(r.nodes))
@@ -496,12 +590,19 @@ func printRelabelRun(out io.Writer, r *relabelResult) {
 // printRelabelSummary prints the runs by N and the fitted exponents of
 // the window's totals over N (1: flat per node).
 func printRelabelSummary(out io.Writer, rs []*relabelResult) {
-	fmt.Fprintf(out, "\n== relabel storm by N\n")
+	if len(rs) == 0 {
+		return
+	}
+	fmt.Fprintf(out, "\n== relabel storm, %s mode, by N\n", rs[0].mode)
 	fmt.Fprintf(out, "   %5s %7s %10s %6s %9s %9s %11s %11s %8s\n", "N", "pods", "converge", "dups", "CI watch", "N+20", "req/node", "events/node", "setup")
 	var x, req, ev []float64
 	for _, r := range rs {
-		fmt.Fprintf(out, "   %5d %7d %10s %6d %9.0f %9d %11.1f %11.1f %8s\n", r.nodes, r.pods, r.converge.Round(10*time.Millisecond),
-			r.duplicates, r.ciWatches, r.nodes+20, r.totalReq/float64(r.nodes), r.totalEvents/float64(r.nodes), r.setup.Round(time.Second))
+		watches := "-"
+		if !math.IsNaN(r.ciWatches) {
+			watches = fmt.Sprintf("%.0f", r.ciWatches)
+		}
+		fmt.Fprintf(out, "   %5d %7d %10s %6d %9s %9d %11.1f %11.1f %8s\n", r.nodes, r.pods, r.converge.Round(10*time.Millisecond),
+			r.duplicates, watches, r.nodes+20, r.totalReq/float64(r.nodes), r.totalEvents/float64(r.nodes), r.setup.Round(time.Second))
 		x = append(x, float64(r.nodes))
 		req = append(req, r.totalReq)
 		ev = append(ev, r.totalEvents)
@@ -550,25 +651,32 @@ func BenchmarkRelabelStorm(b *testing.B) {
 		b.Fatal(err)
 	}
 	out := io.Writer(os.Stdout)
-	fmt.Fprintf(out, "relabel storm: nodes %v, %d pods, %d namespaces, %d label sets per namespace\n", cfg.nodes, cfg.pods, cfg.namespaces, cfg.deployments)
-	var results []*relabelResult
-	for _, n := range cfg.nodes {
-		b.Run(fmt.Sprintf("N=%d", n), func(b *testing.B) {
-			for range b.N {
-				r, err := runRelabel(b, n, cfg, out)
-				if err != nil {
-					b.Fatalf("%d nodes: %v", n, err)
+	fmt.Fprintf(out, "relabel storm: modes %v, nodes %v, %d pods, %d namespaces, %d label sets per namespace\n",
+		cfg.modes, cfg.nodes, cfg.pods, cfg.namespaces, cfg.deployments)
+	results := map[string][]*relabelResult{}
+	for _, mode := range cfg.modes {
+		for _, n := range cfg.nodes {
+			b.Run(fmt.Sprintf("%s/N=%d", mode, n), func(b *testing.B) {
+				for range b.N {
+					r, err := runRelabel(b, mode, n, cfg, out)
+					if err != nil {
+						b.Fatalf("%s mode, %d nodes: %v", mode, n, err)
+					}
+					results[mode] = append(results[mode], r)
+					checkRelabel(b, r)
+					b.ReportMetric(r.converge.Seconds(), "converge-s")
+					b.ReportMetric(r.totalReq/float64(n), "req/node")
+					b.ReportMetric(r.totalEvents/float64(n), "events/node")
+					if !math.IsNaN(r.ciWatches) {
+						b.ReportMetric(r.ciWatches, "ci-watches")
+					}
 				}
-				results = append(results, r)
-				checkRelabel(b, r)
-				b.ReportMetric(r.converge.Seconds(), "converge-s")
-				b.ReportMetric(r.totalReq/float64(n), "req/node")
-				b.ReportMetric(r.totalEvents/float64(n), "events/node")
-				b.ReportMetric(r.ciWatches, "ci-watches")
-			}
-		})
+			})
+		}
 	}
-	printRelabelSummary(out, results)
+	for _, mode := range cfg.modes {
+		printRelabelSummary(out, results[mode])
+	}
 }
 
 // checkRelabel fails tb on what a storm must never do: duplicate
@@ -590,41 +698,51 @@ func checkRelabel(tb testing.TB, r *relabelResult) {
 	}
 }
 
-// TestRelabelStormSmoke runs the storm with two nodes and a few pods: every
-// pod of the relabelled namespace gets the identity of its new labels, no
-// identity is duplicated, and the window's counters show what the storm
-// must cost: the new identities' creates, their watch events on every
-// node, the namespace's patch.
+// TestRelabelStormSmoke runs the storm in both stores with two nodes and a
+// few pods: every pod of the relabelled namespace gets the identity of its
+// new labels, no identity is duplicated, and the window's counters show
+// what the storm must cost: the new identities' creates, their watch
+// events on every node, the namespace's patch.
 func TestRelabelStormSmoke(t *testing.T) {
 	if testing.Short() {
-		t.Skip("starts an API server")
+		t.Skip("starts an API server and etcd")
 	}
 	cfg := relabelConfig{nodes: []int{2}, pods: 24, namespaces: 2, deployments: 3, grace: time.Second, timeout: 3 * time.Minute}
 	var out strings.Builder
-	r, err := runRelabel(t, 2, cfg, &out)
-	if err != nil {
-		t.Fatal(err)
+	for _, mode := range []string{modeCRD, modeEtcd} {
+		r, err := runRelabel(t, mode, 2, cfg, &out)
+		if err != nil {
+			t.Fatalf("%s: %v", mode, err)
+		}
+		checkRelabel(t, r)
+		if r.relabelled != cfg.pods/2 || r.converge <= 0 || r.window < r.converge {
+			t.Errorf("%s: relabelled %d pods (want %d), converged after %s, window %s", mode, r.relabelled, cfg.pods/2, r.converge, r.window)
+		}
+		if r.newIDs != cfg.deployments {
+			t.Errorf("%s: %d identities of the new label sets, want %d (one per deployment)", mode, r.newIDs, cfg.deployments)
+		}
+		// A new identity is one create (a POST, a transaction) at least,
+		// and one watch event on each node.
+		creates, events := r.requests["POST ciliumidentities"], r.events["ciliumidentities"]
+		if mode == modeEtcd {
+			creates, events = r.requests["etcd Txn"], r.events["etcd (identity keys)"]
+			if !math.IsNaN(r.ciWatches) {
+				t.Errorf("etcd: %v CiliumIdentity watches counted, want none (not counted)", r.ciWatches)
+			}
+		} else if r.ciWatches < 2 {
+			t.Errorf("crd: %v CiliumIdentity WATCH requests counted, want at least one per node", r.ciWatches)
+		}
+		if creates < float64(cfg.deployments) {
+			t.Errorf("%s: %v creates in the window, want at least %d", mode, creates, cfg.deployments)
+		}
+		if events < float64(cfg.deployments*2) {
+			t.Errorf("%s: %v identity watch events in the window, want at least %d (each new identity on each node)", mode, events, cfg.deployments*2)
+		}
+		if got := r.requests["PATCH namespaces"]; got != 1 {
+			t.Errorf("%s: %v namespace patches in the window, want the relabel's 1", mode, got)
+		}
+		printRelabelSummary(&out, []*relabelResult{r})
 	}
-	checkRelabel(t, r)
-	if r.relabelled != cfg.pods/2 || r.converge <= 0 || r.window < r.converge {
-		t.Errorf("relabelled %d pods (want %d), converged after %s, window %s", r.relabelled, cfg.pods/2, r.converge, r.window)
-	}
-	if r.newIDs != cfg.deployments {
-		t.Errorf("%d identities of the new label sets, want %d (one per deployment)", r.newIDs, cfg.deployments)
-	}
-	if got := r.requests["POST ciliumidentities"]; got < float64(cfg.deployments) {
-		t.Errorf("%v creates of CiliumIdentity objects in the window, want at least %d", got, cfg.deployments)
-	}
-	if got := r.events["ciliumidentities"]; got < float64(cfg.deployments*2) {
-		t.Errorf("%v CiliumIdentity watch events in the window, want at least %d (each new identity on each node)", got, cfg.deployments*2)
-	}
-	if got := r.requests["PATCH namespaces"]; got != 1 {
-		t.Errorf("%v namespace patches in the window, want the relabel's 1", got)
-	}
-	if r.ciWatches < 2 {
-		t.Errorf("%v CiliumIdentity WATCH requests counted, want at least one per node", r.ciWatches)
-	}
-	printRelabelSummary(&out, []*relabelResult{r})
 	if t.Failed() || testing.Verbose() {
 		t.Log("\n" + out.String())
 	}
