@@ -416,13 +416,15 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 // waits for its answer: on an API server that answers a patch in 12 ms a
 // run marks at most 80 identities a second, less than a churn the limit
 // lets it delete, and a collector that cannot mark as fast as identities
-// are released falls behind however fast it deletes.
+// are released falls behind however fast it deletes. A run keeps as many
+// marks in flight as deletes (deletesInFlight) where that is more: it
+// marks what the limit lets it delete, on an API server as slow.
 const gcMarksInFlight = 8
 
 // gcWriteMarks removes the mark of the identities of unmarks and marks
-// those of marks, up to gcMarksInFlight requests at once, each with the
-// listed resourceVersion as precondition: an object changed since the
-// listing is left to the next run.
+// those of marks, up to max(gcMarksInFlight, deletesInFlight) requests at
+// once, each with the resourceVersion the cache showed as precondition:
+// an object changed since is left to the next run.
 func (s *Store) gcWriteMarks(ctx context.Context, marks, unmarks []*gcObject) (marked, unmarked int, _ error) {
 	gc := s.gc
 	ctx, cancel := context.WithCancel(ctx)
@@ -444,7 +446,7 @@ func (s *Store) gcWriteMarks(ctx context.Context, marks, unmarks []*gcObject) (m
 		next     atomic.Int64
 		firstErr error
 	)
-	for range min(gcMarksInFlight, len(writes)) {
+	for range min(max(gcMarksInFlight, gc.deletesInFlight), len(writes)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

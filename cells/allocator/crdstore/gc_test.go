@@ -804,6 +804,55 @@ func TestGCDeletesReachLimitWithSlowAnswers(t *testing.T) {
 	}
 }
 
+// TestGCMarksReachLimitWithSlowAnswers: on an API server that answers
+// each patch in 250 ms, a collector limited to 200 deletes a second marks
+// as many identities in flight as it deletes (200 here), so that it marks
+// what its limit lets it delete: 200 marks take about one answer, under
+// 2.5 s; 8 at a time take 200/8 answers, 6.25 s (checked).
+func TestGCMarksReachLimitWithSlowAnswers(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.RateLimit, cfg.RateInterval = 200, time.Second
+	const answer = 250 * time.Millisecond
+	slow := rest.CopyConfig(srv.RESTConfig())
+	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodPatch && strings.Contains(r.URL.Path, "/ciliumidentities/") {
+				time.Sleep(answer)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	a := startGCNode(t, slow, "node-a", cfg)
+	const n = 200
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			// Every other ID, so that no object fences another.
+			createIdentity(t, a.Store, identity.NumericIdentity(55000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=slow-mark-limit-%d", i)), "")
+		}()
+	}
+	wg.Wait()
+	waitCacheCurrent(t, a.Store)
+	start := time.Now()
+	res, err := a.RunGC(t.Context())
+	took := time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Marked != n {
+		t.Fatalf("run: %+v, want %d marked", res, n)
+	}
+	t.Logf("%d marks answered in %s each took %s", n, answer, took)
+	if limit := 2500 * time.Millisecond; took > limit {
+		t.Fatalf("%d marks took %s, want under %s", n, took, limit)
+	}
+}
+
 // TestGCNotBeforeListing: a store whose caches have not listed the objects
 // yet does not collect: nothing is marked.
 func TestGCNotBeforeListing(t *testing.T) {
