@@ -1177,6 +1177,70 @@ func TestGCFullRangeRecovers(t *testing.T) {
 	}
 }
 
+// TestWalkAnnouncesOldMarksOnly: a walk writes the step annotation only on
+// the marked objects it stepped over that a collector could delete before
+// the walk's object is in the collector's cache. Over stepNotesInFlight+4
+// objects of other label sets marked just now, the allocation sends no
+// patch at all (without the age rule, one per object: checked); over as
+// many marked ten minutes ago, it annotates each with the time of the walk,
+// and the new object goes past them.
+func TestWalkAnnouncesOldMarksOnly(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	// The collector does not run; the timeouts are the production floor.
+	cfg.Interval, cfg.HeartbeatTimeout = 0, DefaultGCConfig.HeartbeatTimeout
+	n := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
+	if n.stepNoteAge() <= 0 {
+		t.Fatalf("stepNoteAge %s: every step announced", n.stepNoteAge())
+	}
+	const stepped = stepNotesInFlight + 4
+	walk := func(name string, markedAt time.Time) (patches float64) {
+		t.Helper()
+		lbls := mustLabels(t, "k8s:app="+name)
+		p := n.ids.rng.probe(lbls.Canonical())
+		var others []identity.NumericIdentity
+		for i := range uint64(stepped) {
+			id := p.Slot(i)
+			createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=%s-other-%d", name, i)), markedAt.UTC().Format(time.RFC3339Nano))
+			others = append(others, id)
+		}
+		waitCacheCurrent(t, n.Store)
+		before := serverRequests(t, srv)
+		walkStart := time.Now()
+		if id := n.allocate(t, lbls); id != p.Slot(stepped) {
+			t.Fatalf("%s got %d, want %d, past the %d marked objects", name, id, p.Slot(stepped), stepped)
+		}
+		after := serverRequests(t, srv)
+		if got := after["POST"] - before["POST"]; got != 1 {
+			t.Errorf("%s: %v creates, want 1", name, got)
+		}
+		for _, id := range others {
+			obj := readIdentity(t, n.Store, id)
+			if obj == nil {
+				t.Fatalf("%s: stepped-over identity %d is gone", name, id)
+			}
+			if _, ok := obj.Annotations[HeartbeatAnnotation]; !ok {
+				t.Errorf("%s: the walk removed the mark of %d", name, id)
+			}
+			note, announced := obj.Annotations[stepAnnotation]
+			if young := time.Since(markedAt) < n.stepNoteAge(); announced == young {
+				t.Errorf("%s: identity %d marked %s before the walk: step annotation %q", name, id, walkStart.Sub(markedAt).Round(time.Second), note)
+			} else if announced {
+				if at, err := time.Parse(time.RFC3339Nano, note); err != nil || at.Before(walkStart) || time.Since(at) > time.Minute {
+					t.Errorf("%s: identity %d's step annotation %q: %v, want the time of the walk", name, id, note, err)
+				}
+			}
+		}
+		return after["PATCH"] - before["PATCH"]
+	}
+	if got := walk("young", time.Now()); got != 0 {
+		t.Errorf("a walk over %d objects marked just now sent %v patches, want none", stepped, got)
+	}
+	if got := walk("old", time.Now().Add(-10*time.Minute)); got != stepped {
+		t.Errorf("a walk over %d objects marked ten minutes ago sent %v patches, want one each", stepped, got)
+	}
+}
+
 // TestGCFenceYoungOnly: the fence decision on a full range. Only an
 // object that may have been created after the run's start minus the
 // heartbeat timeout fences the slots before it; an old one, however far

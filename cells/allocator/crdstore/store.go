@@ -818,23 +818,28 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 }
 
 // announceSteps writes the step annotation on each marked object the walk
-// stepped over, with its resourceVersion as precondition, before the walk
-// creates an object that depends on those slots staying held: a collector
-// that listed the object before the write leaves it until the
-// announcement is older than maxWalkAge, by when the create is in its
-// listing and the fence keeps the slot; one that listed it after fails its
-// delete on the changed resourceVersion. A walk that finds no free slot,
-// or the label set's object, writes nothing: it depends on no slot.
-// errRestart: an object changed or went since the cache showed it.
+// stepped over that a collector could delete before the walk's object is
+// in its cache (stepNoteAge), with its resourceVersion as precondition,
+// before the walk creates an object that depends on those slots staying
+// held: a collector that listed the object before the write leaves it
+// until the announcement is older than gcStepWindow, by when the create
+// is in its cache and the fence keeps the slot; one that listed it after
+// fails its delete on the changed resourceVersion. The writes go
+// stepNotesInFlight at a time. A walk that finds no free slot, or the
+// label set's object, writes nothing: it depends on no slot. An object
+// whose mark is too young to need the annotation stays in a.stepped, so
+// that it is weighed again at the walk's next create, or after the
+// writes, which take time. errRestart: an object changed or went since
+// the cache showed it.
 func (a *allocation) announceSteps(ctx context.Context) error {
-	for len(a.stepped) > 0 {
-		e := a.stepped[0]
-		patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:%q}}}`,
-			e.obj.ResourceVersion, stepAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
-		_, err := patchMetadataOnly(ctx, a.s.ciliumClient, "ciliumidentities", e.id.String(), patch)
+	for {
+		due := a.dueSteps(time.Now())
+		if len(due) == 0 {
+			return nil
+		}
+		left, err := a.s.announce(ctx, due)
 		switch {
 		case err == nil:
-			a.stepped = a.stepped[1:]
 			continue
 		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
 			a.stepped = nil
@@ -843,11 +848,120 @@ func (a *allocation) announceSteps(ctx context.Context) error {
 			}
 			return errRestart
 		}
+		a.stepped = append(a.stepped, left...)
 		if err := a.retry(ctx, err); err != nil {
 			return err
 		}
 	}
-	return nil
+}
+
+// Why a young mark needs no step annotation: an identityd collector
+// deletes a marked object only when its mark is at least its timeout old,
+// and no collector's timeout is shorter than MinHeartbeatTimeout (Validate;
+// the grace without Cilium agents is at least that too). A walk checks the
+// marks it stepped over just before it creates (nothing but the create
+// comes between the check and the request, as for the fence's maxWalkAge
+// check). An object whose mark is then younger than the timeout less
+// maxCacheLag and stepClockMargin is deleted, if ever, after a run that
+// started at least maxCacheLag after the create, whose cache therefore
+// shows the walk's object: the fence keeps the slot while that object is
+// young, and once it is old every node's cache shows it, as for a slot the
+// walk saw unmarked (docs/crd-store.md). stepClockMargin covers the
+// difference between the walking node's clock and the collecting node's,
+// which compares the same mark with its own. A Cilium operator's
+// collection ignores the annotation anyway.
+const (
+	// stepClockMargin is how far the nodes' clocks may disagree.
+	stepClockMargin = 10 * time.Second
+	// stepNotesInFlight bounds the step annotations a walk has sent and
+	// not seen answered, as gcMarksInFlight bounds the collector's marks.
+	stepNotesInFlight = 8
+)
+
+// stepNoteAge is the age of a heartbeat mark, at the walk's create, from
+// which the walk announces its step over the object: the shortest timeout
+// any collector may use (shorter where tests shorten the store's own) less
+// the lag of the collector's cache and the clocks' margin. A negative age
+// announces every step.
+func (s *Store) stepNoteAge() time.Duration {
+	return min(MinHeartbeatTimeout, s.gc.cfg.HeartbeatTimeout, s.gc.minGrace) - maxCacheLag - stepClockMargin
+}
+
+// dueSteps takes out of a.stepped, and returns, the objects that need the
+// step annotation at now: those whose mark is at least stepNoteAge old,
+// or cannot be dated.
+func (a *allocation) dueSteps(now time.Time) []*entry {
+	noteAge := a.s.stepNoteAge()
+	var due []*entry
+	young := a.stepped[:0]
+	for _, e := range a.stepped {
+		at, err := time.Parse(time.RFC3339Nano, e.obj.Annotations[HeartbeatAnnotation])
+		if err == nil && now.Sub(at) < noteAge {
+			young = append(young, e)
+		} else {
+			due = append(due, e)
+		}
+	}
+	a.stepped = young
+	return due
+}
+
+// announce writes the step annotation on each object of due,
+// stepNotesInFlight at a time. left holds those not written; err is a
+// Conflict or NotFound if one came, else the first other failure.
+func (s *Store) announce(ctx context.Context, due []*entry) (left []*entry, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errs := make([]error, len(due))
+	var (
+		wg   sync.WaitGroup
+		next atomic.Int64
+	)
+	for range min(stepNotesInFlight, len(due)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= len(due) {
+					return
+				}
+				if errs[i] = ctx.Err(); errs[i] != nil {
+					continue
+				}
+				e := due[i]
+				patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q,"annotations":{%q:%q}}}`,
+					e.obj.ResourceVersion, stepAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
+				if _, errs[i] = patchMetadataOnly(ctx, s.ciliumClient, "ciliumidentities", e.id.String(), patch); errs[i] != nil {
+					// The walk restarts or waits: the others need
+					// not be sent.
+					cancel()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	rank := func(err error) int {
+		switch {
+		case err == nil:
+			return 0
+		case errors.Is(err, context.Canceled):
+			return 1
+		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+			return 3
+		}
+		return 2
+	}
+	for i, e := range due {
+		if errs[i] == nil {
+			continue
+		}
+		left = append(left, e)
+		if rank(errs[i]) > rank(err) {
+			err = errs[i]
+		}
+	}
+	return left, err
 }
 
 // adopt takes e, an object of the label set, removing its heartbeat mark

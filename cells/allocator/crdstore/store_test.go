@@ -529,12 +529,15 @@ func TestHeartbeatMarks(t *testing.T) {
 		t.Error("adopting a marked identity left the mark")
 	}
 
-	// Another label set at the first slot of web(3), marked.
+	// Another label set at the first slot of web(3), marked long enough
+	// ago that a collector could delete it before the walk's object is in
+	// its cache (a younger mark needs no announcement:
+	// TestWalkAnnouncesOldMarksOnly).
 	lbls := web(3)
 	p := idprobe.New(lbls.Canonical(), a.store.cluster)
 	skipped := p.Slot(0)
 	cli.create(t, &CiliumIdentity{ObjectMeta: metav1.ObjectMeta{Name: skipped.String(),
-		Annotations: map[string]string{HeartbeatAnnotation: time.Now().UTC().Format(time.RFC3339)}},
+		Annotations: map[string]string{HeartbeatAnnotation: time.Now().Add(-10 * time.Minute).UTC().Format(time.RFC3339)}},
 		SecurityLabels: securityLabels(web(1000))})
 	require(t, 10*time.Second, func() error {
 		if a.store.ids.get(skipped) == nil {
