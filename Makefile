@@ -231,19 +231,19 @@ bench-cilium-mixed:
 bench-scale:
 	IDENTITYD_BENCH_SCALE=1 $(GO) test -run '^$$' -bench '^BenchmarkScale$$' -benchtime 1x -count 1 -timeout 8h ./internal/scalebench
 
-# Runs the relabel storm of issue 50 (internal/scalebench,
+# Runs the relabel storm (internal/scalebench,
 # BenchmarkRelabelStorm, which other targets skip): N simulated nodes, each
-# with the allocator, the CRD store and the workloads cell on a client of
-# its own, against a real kube-apiserver; 20,000 pods bound to the nodes,
-# half of them in one namespace whose label then changes, so that each of
-# those pods needs a new identity. Reports the time until every pod is on
-# its new identity, duplicate CiliumIdentity objects, the requests and
-# watch events the server counted by kind, the CiliumIdentity WATCH
-# requests against nodes+20 and the growth of the totals over N
-# (docs/benchmarks.md, "Relabel storm"). The default is the issue's full
-# size, N = 8 to 64: hours on two cores. RELABEL_NODES, RELABEL_PODS,
-# RELABEL_NAMESPACES, RELABEL_DEPLOYMENTS, RELABEL_GRACE and
-# RELABEL_TIMEOUT change it.
+# with the allocator, the store and the workloads cell on a client of its
+# own, against a real kube-apiserver; 20,000 pods bound to the nodes, half
+# of them in one namespace whose label then changes, so that each of those
+# pods needs a new identity. Reports the time until every pod is on its new
+# identity, duplicate identities, the requests and watch events the
+# servers counted by kind, the CiliumIdentity WATCH requests against
+# nodes+20 and the growth of the totals over N (docs/benchmarks.md,
+# "Relabel storm"). The default is the issue's full size, N = 8 to 64 in
+# crd mode: about 7 minutes on two cores. RELABEL_MODES (crd, etcd),
+# RELABEL_NODES, RELABEL_PODS, RELABEL_NAMESPACES, RELABEL_DEPLOYMENTS,
+# RELABEL_GRACE and RELABEL_TIMEOUT change it.
 bench-relabel:
 	IDENTITYD_BENCH_RELABEL=1 $(GO) test -run '^$$' -bench '^BenchmarkRelabelStorm$$' -benchtime 1x -count 1 -timeout 8h ./internal/scalebench
 

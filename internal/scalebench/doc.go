@@ -31,8 +31,9 @@
 //
 // BenchmarkRelabelStorm (`make bench-relabel`) is the relabel storm of a
 // cluster (docs/benchmarks.md, "Relabel storm"): N simulated nodes, each a
-// hive with the allocator, the CRD store, the ipcache and the workloads
-// cell, with its own client (a client certificate of its own, hence its
+// hive with the allocator, the store (the CRD store; in etcd mode the etcd
+// store, on an etcd of its own), the ipcache and the workloads cell, with
+// its own Kubernetes client (a client certificate of its own, hence its
 // own connections) and node name, against a real kube-apiserver. Pods are
 // created bound to the nodes (spec.nodeName) with their IPs written
 // through the status subresource; the pods of a deployment share their
@@ -40,14 +41,15 @@
 // identity, a label of the namespace holding half of the pods changes, and
 // each of its pods needs the identity of its new labels. It measures the
 // time until every pod of that namespace is on its new identity on its
-// node, counts the requests and watch events at the server's /metrics from
-// the relabel until the grace period after it, the CiliumIdentity WATCH
-// requests of the run (the API server counts a watch when it ends, an open
-// one in apiserver_longrunning_requests: their sum), the CiliumIdentity
-// objects whose labels another one has, and the label sets the nodes hold
-// under more than one identity; the last three fail the run when above
-// nodes+20, 0 and 0. Its settings are environment variables:
+// node, counts the requests and watch events at the servers' /metrics
+// from the relabel until the grace period after it, the CiliumIdentity
+// WATCH requests of the run in crd mode (the API server counts a watch
+// when it ends, an open one in apiserver_longrunning_requests: their sum),
+// the identities whose labels another one has, and the label sets the
+// nodes hold under more than one identity; the last three fail the run
+// when above nodes+20, 0 and 0. Its settings are environment variables:
 //
+//	RELABEL_MODES        stores: crd, etcd or both (crd)
 //	RELABEL_NODES        node counts, comma-separated (8,16,32,64)
 //	RELABEL_PODS         pods, half in the relabelled namespace (20000)
 //	RELABEL_NAMESPACES   namespaces, the relabelled one included (4)
@@ -57,6 +59,6 @@
 //	RELABEL_TIMEOUT      bound of the setup and of the storm, each (1h)
 //
 // It runs only with IDENTITYD_BENCH_RELABEL=1, which its make target sets;
-// TestRelabelStormSmoke runs it with two nodes and a few pods. The package
-// has no code outside its tests.
+// TestRelabelStormSmoke runs it in both modes with two nodes and a few
+// pods. The package has no code outside its tests.
 package scalebench
