@@ -1168,7 +1168,7 @@ func TestGCFullRangeRecovers(t *testing.T) {
 		i++
 	}
 	elapsed := time.Since(start)
-	t.Logf("%d of %d released, the same number of new label sets got IDs %s after the release (two intervals, the timeout and the step window: %s; as many allocations took %s in the fill)", released, size, elapsed, bound, allocations)
+	t.Logf("%d of %d released, the same number of new label sets got IDs %s after the release (two intervals, the timeout and the step window: %s; as many allocations took %s in the fill; collection: %+v)", released, size, elapsed, bound, allocations, n.GCStats())
 	if elapsed > bound+slack {
 		t.Fatalf("the new label sets got IDs %s after the release, want within %s plus %s", elapsed, bound, slack)
 	}
