@@ -81,13 +81,16 @@
 // # Garbage collection
 //
 // The collector (gc.go), one node per cluster (election.go), decides on
-// its own consistent listing of both kinds of objects, made after the time
-// it measures marks against, and on a listing of Cilium's CiliumEndpoint
+// the store's cache of CiliumIdentity objects, read after the time it
+// measures marks against (a stale entry only fails a write's
+// resourceVersion precondition), on its own consistent listing of
+// IdentityNode objects, and on a listing of Cilium's CiliumEndpoint
 // and CiliumEndpointSlice objects (endpoints.go), which name the
 // identities Cilium agents use: it marks identities no live IdentityNode
 // lists, no endpoint object names and no fence needs (a fence lasts while
 // the object that needs it is young), deletes those marked a heartbeat timeout
-// earlier, unless a walk announced a step over them in the last minute,
+// earlier, unless a walk announced a step over them in the last two
+// minutes,
 // with their UID and resourceVersion as preconditions, paced by a
 // rate limit, and deletes IdentityNode objects a lease after their lease
 // ended. Its settings are a GCConfig (DefaultGCConfig unless the hive

@@ -107,7 +107,7 @@ func (s *Store) listEndpointIdentities(ctx context.Context) (map[identity.Numeri
 }
 
 // listEndpointSource adds to named the IDs src's objects name, in pages as
-// listGCIdentities lists; false when the API server does not serve src.
+// listGCNodes lists; false when the API server does not serve src.
 func (s *Store) listEndpointSource(ctx context.Context, src endpointSource, named map[identity.NumericIdentity]struct{}) (bool, error) {
 	found := map[identity.NumericIdentity]struct{}{}
 	opts := metav1.ListOptions{Limit: s.gc.pageSize}
