@@ -950,6 +950,30 @@ func TestGCRunsBackToBack(t *testing.T) {
 	}
 }
 
+// TestGCDeletesInFlight: the deletes in flight are those the limit starts
+// in a second, between 8 and 512 (docs/crd-store.md).
+func TestGCDeletesInFlight(t *testing.T) {
+	for _, c := range []struct {
+		limit    int64
+		interval time.Duration
+		want     int
+	}{
+		{2500, time.Minute, 42},
+		{3600, time.Minute, 60},
+		{7500, time.Minute, 125},
+		{60, time.Minute, minDeletesInFlight},
+		{1e6, time.Second, maxDeletesInFlight},
+	} {
+		cfg := GCConfig{RateLimit: c.limit, RateInterval: c.interval}
+		if got := cfg.deletesInFlight(); got != c.want {
+			t.Errorf("%d per %s: %d deletes in flight, want %d", c.limit, c.interval, got, c.want)
+		}
+		if got := newGCState(cfg).deletesInFlight; got != c.want {
+			t.Errorf("%d per %s: the collector keeps %d in flight, want %d", c.limit, c.interval, got, c.want)
+		}
+	}
+}
+
 func TestGCConfigValidate(t *testing.T) {
 	if err := DefaultGCConfig.Validate(); err != nil {
 		t.Fatal(err)
