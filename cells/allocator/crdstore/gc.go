@@ -726,6 +726,12 @@ func (s *Store) gcIdentities() []gcObject {
 	es, unparsed := s.ids.snapshot()
 	out := make([]gcObject, 0, len(es)+len(unparsed))
 	for _, e := range es {
+		if e.obj == nil {
+			// No object to write preconditions from: it holds its
+			// ID, and nothing is written to it.
+			out = append(out, gcObject{id: e.id})
+			continue
+		}
 		out = append(out, gcObject{id: e.id, e: e, obj: *e.obj})
 	}
 	for _, id := range unparsed {
