@@ -242,9 +242,11 @@ type gcObject struct {
 // unmarked was created within maxWalkAge of that look, before the slot's
 // mark, and the mark is at least MinHeartbeatTimeout old when the slot is
 // deleted, which leaves the object maxWalkAge, as long as maxCacheLag, to
-// reach the cache before the run; one whose walk saw it marked
-// announced the step, which defers the delete for gcStepWindow, by when
-// the object is in the cache too.
+// reach the cache before the run; one whose walk saw it marked recently
+// (younger than stepNoteAge) is the same case, as the mark cannot reach
+// the timeout before the object is in the cache; one whose walk saw an
+// older mark announced the step, which defers the delete for
+// gcStepWindow, by when the object is in the cache too.
 //
 // It runs only once the store's cache of identities has its first
 // listing. The store's timer calls it while this
