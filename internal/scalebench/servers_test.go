@@ -273,7 +273,7 @@ func (s *etcdServer) afterChurn(ctx context.Context) error {
 	return nil
 }
 
-// crdServer is a Kubernetes API server (apiextensions-apiserver, its own
+// crdServer is a Kubernetes API server (kube-apiserver of internal/k8stest, its own
 // etcd, which is not counted: nodes never talk to it). Its /metrics counts
 // requests by verb and resource, response sizes, request body sizes and
 // watch events and their sizes by resource.
@@ -316,7 +316,7 @@ func startCRD(ctx context.Context, tb testing.TB) (*crdServer, error) {
 }
 
 func (s *crdServer) describe() string {
-	return "API server at " + s.srv.URL() + " (apiextensions-apiserver; its own etcd, fsync off, is not counted)"
+	return "API server at " + s.srv.URL() + " (kube-apiserver; its own etcd, fsync off, is not counted)"
 }
 
 // scrape reads the server's /metrics and adds the nodes' count of the
