@@ -598,22 +598,12 @@ func TestGCMarksBesideDeletes(t *testing.T) {
 	a := startGCNode(t, srv.RESTConfig(), "node-a", cfg)
 	old := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
 	const deletable, markable = 50, 600
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 8)
-	for i := range deletable + markable {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			mark := ""
-			if i%13 == 0 && i/13 < deletable {
-				mark = old
-			}
-			// Every other ID, so that no object fences another.
-			createIdentity(t, a.Store, identity.NumericIdentity(20000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=paced-mark-%d", i)), mark)
-		}()
-	}
-	wg.Wait()
+	createSpaced(t, a.Store, 20000, deletable+markable, "paced-mark", func(i int) string {
+		if i%13 == 0 && i/13 < deletable {
+			return old
+		}
+		return ""
+	})
 	var times []time.Time
 	a.gc.beforeDelete = func(*gcObject) { times = append(times, time.Now()) }
 	start := time.Now()
@@ -638,15 +628,7 @@ func TestGCDeletesKeepPaceWithSlowAnswers(t *testing.T) {
 	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.RateLimit, cfg.RateInterval = 50, time.Second
-	slow := rest.CopyConfig(srv.RESTConfig())
-	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
-			if r.Method == http.MethodDelete {
-				time.Sleep(60 * time.Millisecond)
-			}
-			return rt.RoundTrip(r)
-		})
-	})
+	slow := slowAnswers(srv.RESTConfig(), 60*time.Millisecond, func(r *http.Request) bool { return r.Method == http.MethodDelete })
 	a := startGCNode(t, slow, "node-a", cfg)
 	old := time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)
 	const n = 30
@@ -674,29 +656,10 @@ func TestGCDeletesKeepPaceWithSlowAnswers(t *testing.T) {
 // With one mark at a time the run takes those 7.2 s (checked).
 func TestGCMarksKeepPaceWithSlowAnswers(t *testing.T) {
 	srv := serialServer(t)
-	slow := rest.CopyConfig(srv.RESTConfig())
-	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
-			if r.Method == http.MethodPatch {
-				time.Sleep(60 * time.Millisecond)
-			}
-			return rt.RoundTrip(r)
-		})
-	})
+	slow := slowAnswers(srv.RESTConfig(), 60*time.Millisecond, func(r *http.Request) bool { return r.Method == http.MethodPatch })
 	a := startGCNode(t, slow, "node-a", gcTestConfig)
 	const n = 120
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 8)
-	for i := range n {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			// Every other ID, so that no object fences another.
-			createIdentity(t, a.Store, identity.NumericIdentity(40000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=slow-mark-%d", i)), "")
-		}()
-	}
-	wg.Wait()
+	createSpaced(t, a.Store, 40000, n, "slow-mark", nil)
 	start := time.Now()
 	res := runGC(t, a.Store)
 	took := time.Since(start)
@@ -763,30 +726,13 @@ func TestGCDeletesReachLimitWithSlowAnswers(t *testing.T) {
 	cfg := gcTestConfig
 	cfg.RateLimit, cfg.RateInterval = 200, time.Second
 	const answer = 250 * time.Millisecond
-	slow := rest.CopyConfig(srv.RESTConfig())
-	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
-			if r.Method == http.MethodDelete && strings.Contains(r.URL.Path, "/ciliumidentities/") {
-				time.Sleep(answer)
-			}
-			return rt.RoundTrip(r)
-		})
+	slow := slowAnswers(srv.RESTConfig(), answer, func(r *http.Request) bool {
+		return r.Method == http.MethodDelete && strings.Contains(r.URL.Path, "/ciliumidentities/")
 	})
 	a := startGCNode(t, slow, "node-a", cfg)
 	old := oldMark()
 	const n = 120
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 8)
-	for i := range n {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			// Every other ID, so that no object fences another.
-			createIdentity(t, a.Store, identity.NumericIdentity(50000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=slow-limit-%d", i)), old)
-		}()
-	}
-	wg.Wait()
+	createSpaced(t, a.Store, 50000, n, "slow-limit", func(int) string { return old })
 	waitCacheCurrent(t, a.Store)
 	start := time.Now()
 	res, err := a.RunGC(t.Context())
@@ -814,29 +760,12 @@ func TestGCMarksReachLimitWithSlowAnswers(t *testing.T) {
 	cfg := gcTestConfig
 	cfg.RateLimit, cfg.RateInterval = 200, time.Second
 	const answer = 250 * time.Millisecond
-	slow := rest.CopyConfig(srv.RESTConfig())
-	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
-			if r.Method == http.MethodPatch && strings.Contains(r.URL.Path, "/ciliumidentities/") {
-				time.Sleep(answer)
-			}
-			return rt.RoundTrip(r)
-		})
+	slow := slowAnswers(srv.RESTConfig(), answer, func(r *http.Request) bool {
+		return r.Method == http.MethodPatch && strings.Contains(r.URL.Path, "/ciliumidentities/")
 	})
 	a := startGCNode(t, slow, "node-a", cfg)
 	const n = 200
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 8)
-	for i := range n {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			// Every other ID, so that no object fences another.
-			createIdentity(t, a.Store, identity.NumericIdentity(55000+2*i), mustLabels(t, fmt.Sprintf("k8s:app=slow-mark-limit-%d", i)), "")
-		}()
-	}
-	wg.Wait()
+	createSpaced(t, a.Store, 55000, n, "slow-mark-limit", nil)
 	waitCacheCurrent(t, a.Store)
 	start := time.Now()
 	res, err := a.RunGC(t.Context())
@@ -1482,4 +1411,42 @@ func TestGCNodeLease(t *testing.T) {
 				now.Sub(c.n.Spec.RenewTime.Time), c.n.Spec.LeaseDurationSeconds, live, gone, c.live, c.gone)
 		}
 	}
+}
+
+// slowAnswers is rc with every request that match selects answered delay
+// later, as by a loaded API server.
+func slowAnswers(rc *rest.Config, delay time.Duration, match func(*http.Request) bool) *rest.Config {
+	slow := rest.CopyConfig(rc)
+	slow.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if match(r) {
+				time.Sleep(delay)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	return slow
+}
+
+// createSpaced creates n identities in s, 8 at a time, at every other ID
+// from first, so that no object fences another, with the labels
+// k8s:app=<prefix>-<i> and, unless mark is nil, the heartbeat mark
+// mark(i).
+func createSpaced(t *testing.T, s *Store, first identity.NumericIdentity, n int, prefix string, mark func(i int) string) {
+	t.Helper()
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			m := ""
+			if mark != nil {
+				m = mark(i)
+			}
+			createIdentity(t, s, first+identity.NumericIdentity(2*i), mustLabels(t, fmt.Sprintf("k8s:app=%s-%d", prefix, i)), m)
+		}()
+	}
+	wg.Wait()
 }
