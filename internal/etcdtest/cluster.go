@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -101,6 +102,9 @@ type Member struct {
 	done   chan struct{}
 	exit   *error // written by the waiter before done is closed
 	paused bool
+	// release lets go of the member's ports, held while its process is
+	// down (see holdPorts).
+	release func()
 	// logStart is where the current process's output begins in the log,
 	// so that a failure is diagnosed from this run's lines only.
 	logStart int64
@@ -359,6 +363,9 @@ func (c *Cluster) Leader(tb testing.TB) int {
 func (c *Cluster) killAll() {
 	for _, m := range c.members {
 		m.Kill()
+		m.mu.Lock()
+		m.releasePorts()
+		m.mu.Unlock()
 	}
 }
 
@@ -411,6 +418,7 @@ func (m *Member) Kill() {
 	m.cmd.Process.Signal(syscall.SIGKILL)
 	<-m.done
 	m.paused = false
+	m.holdPorts()
 }
 
 // Stop terminates the process gracefully (SIGTERM, SIGKILL after 10s) and
@@ -432,6 +440,39 @@ func (m *Member) Stop() {
 		m.cmd.Process.Signal(syscall.SIGKILL)
 		<-m.done
 	}
+	m.holdPorts()
+}
+
+// holdPorts keeps the member's ports from other servers while its process
+// is down (see testproc.HoldPorts): a client of this member would otherwise
+// reach that server, which answers. Called with m.mu held.
+func (m *Member) holdPorts() {
+	if m.release != nil {
+		return
+	}
+	var ports []int
+	for _, u := range []string{m.clientURL, m.peerURL} {
+		if p, err := urlPort(u); err == nil {
+			ports = append(ports, p)
+		}
+	}
+	m.release = testproc.HoldPorts(ports...)
+}
+
+// releasePorts lets go of what holdPorts holds. Called with m.mu held.
+func (m *Member) releasePorts() {
+	if m.release != nil {
+		m.release()
+		m.release = nil
+	}
+}
+
+func urlPort(u string) (int, error) {
+	parsed, err := url.Parse(u)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(parsed.Port())
 }
 
 // Pause freezes the process (SIGSTOP): it keeps its sockets but answers
@@ -496,6 +537,9 @@ func (m *Member) spawn() error {
 	cmd := exec.Command(m.c.bin, m.args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	testproc.SetDeathSignal(cmd)
+	m.mu.Lock()
+	m.releasePorts()
+	m.mu.Unlock()
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", m.name, err)
 	}

@@ -2,8 +2,13 @@ package etcdtest_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
+	"net/url"
 	"os"
+	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -11,6 +16,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/testproc"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -143,5 +149,35 @@ func TestTLSAndAuth(t *testing.T) {
 	c.WaitLeader(t)
 	if got := get(t, authed, "k"); got != "v" {
 		t.Fatalf("after restart got %q, want v", got)
+	}
+}
+
+// TestStoppedMemberKeepsItsPorts: while a member is down, no other server
+// can get its ports, or its clients would reach that server instead (an
+// outage test would see etcd answer). A bind that does not share the port
+// fails, a connection is refused as by a stopped etcd, and the restarted
+// member serves on the same port.
+func TestStoppedMemberKeepsItsPorts(t *testing.T) {
+	c := etcdtest.StartSingle(t, etcdtest.WithUnsafeNoFsync())
+	m := c.Member(0)
+	u, err := url.Parse(m.Endpoint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, _ := strconv.Atoi(u.Port())
+	for _, stop := range []func(){m.Stop, m.Kill} {
+		stop()
+		if err := testproc.Bindable(port); !errors.Is(err, syscall.EADDRINUSE) {
+			t.Fatalf("binding the stopped member's port %d: %v, want %v", port, err, syscall.EADDRINUSE)
+		}
+		if conn, err := net.DialTimeout("tcp", u.Host, time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
+			if conn != nil {
+				conn.Close()
+			}
+			t.Fatalf("connecting to the stopped member: %v, want %v", err, syscall.ECONNREFUSED)
+		}
+		m.Restart()
+		c.WaitLeader(t)
+		put(t, c.Client(t), "k", "v")
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 )
 
 // FreePorts returns n distinct ports that were free on 127.0.0.1 a moment
@@ -28,6 +29,48 @@ func FreePorts(n int) ([]int, error) {
 		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
 	}
 	return ports, nil
+}
+
+// HoldPorts keeps ports on 127.0.0.1 from being handed out while the server
+// that owns them is stopped, and returns the function that lets go of them.
+// A stopped server then looks like a stopped server and nothing else:
+// connections are refused, and the kernel does not give its ports to a
+// server of another test that asks for a free one, which the stopped
+// server's clients would reach and which might answer them. The sockets
+// bind without listening and set SO_REUSEADDR, so that they bind beside
+// the connections the server left in TIME_WAIT; a port someone took
+// already is skipped.
+func HoldPorts(ports ...int) (release func()) {
+	var fds []int
+	for _, p := range ports {
+		fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1)
+		if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: p, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+			syscall.Close(fd)
+			continue
+		}
+		fds = append(fds, fd)
+	}
+	return func() {
+		for _, fd := range fds {
+			syscall.Close(fd)
+		}
+	}
+}
+
+// Bindable binds a socket that shares no port (no SO_REUSEADDR) to
+// 127.0.0.1:port and closes it again: nil when nothing holds the port, the
+// bind's error (syscall.EADDRINUSE) when something does.
+func Bindable(port int) error {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer syscall.Close(fd)
+	return syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 1}})
 }
 
 // TailFile returns the last n bytes of the file at path, or the error in
