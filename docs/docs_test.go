@@ -453,3 +453,86 @@ func expand(pattern string) []string {
 	}
 	return out
 }
+
+var mdLink = regexp.MustCompile(`\]\(([^)\s]+)\)`)
+
+// TestDocLinks: every link of docs/*.md and README.md to a file of the
+// repository reaches it, and to a section (#anchor) reaches a heading of
+// that page.
+func TestDocLinks(t *testing.T) {
+	files, err := filepath.Glob("*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	files = append(files, filepath.Join(moduleRoot, "README.md"))
+	anchors := map[string]map[string]bool{}
+	headings := func(path string) map[string]bool {
+		if a, ok := anchors[path]; ok {
+			return a
+		}
+		a := map[string]bool{}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return nil
+		}
+		fenced := false
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "```") {
+				fenced = !fenced
+			}
+			if !fenced && strings.HasPrefix(l, "#") {
+				a[headingAnchor(l)] = true
+			}
+		}
+		anchors[path] = a
+		return a
+	}
+	links := 0
+	for _, file := range files {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, l := range strings.Split(string(b), "\n") {
+			for _, m := range mdLink.FindAllStringSubmatch(l, -1) {
+				target := m[1]
+				if strings.Contains(target, "://") || strings.HasPrefix(target, "mailto:") {
+					continue
+				}
+				links++
+				path, anchor, _ := strings.Cut(target, "#")
+				if path == "" {
+					path = file
+				} else {
+					path = filepath.Join(filepath.Dir(file), path)
+				}
+				if _, err := os.Stat(path); err != nil {
+					t.Errorf("%s:%d: link to %s: no such file", file, i+1, target)
+					continue
+				}
+				if anchor != "" && !headings(path)[anchor] {
+					t.Errorf("%s:%d: link to %s: no such heading", file, i+1, target)
+				}
+			}
+		}
+	}
+	if links < 10 {
+		t.Errorf("found %d links", links)
+	}
+}
+
+// headingAnchor is the anchor GitHub gives a Markdown heading: lower case,
+// spaces to hyphens, other punctuation dropped.
+func headingAnchor(h string) string {
+	h = strings.ToLower(strings.TrimSpace(strings.TrimLeft(h, "#")))
+	var b strings.Builder
+	for _, r := range h {
+		switch {
+		case r == ' ':
+			b.WriteByte('-')
+		case r == '-' || r == '_' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9':
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
+}
