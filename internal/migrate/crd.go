@@ -11,8 +11,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 
@@ -26,16 +26,17 @@ import (
 // target it creates objects exactly as the CRD store does, and holds the
 // migrated identities in an IdentityNode record of the hold's node.
 type crdEnd struct {
-	cfg   *rest.Config
-	node  string
-	lease time.Duration
-	claim globalstore.NodeClaim
-	dyn   dynamic.Interface
-	err   error
+	cfg     *rest.Config
+	cluster identity.ClusterInfo
+	node    string
+	lease   time.Duration
+	claim   globalstore.NodeClaim
+	dyn     dynamic.Interface
+	err     error
 }
 
 func newCRDEnd(o Options) *crdEnd {
-	e := &crdEnd{cfg: o.K8s, node: o.HoldNode, lease: o.Hold, claim: globalstore.NewNodeClaim()}
+	e := &crdEnd{cfg: o.K8s, cluster: o.Cluster, node: o.HoldNode, lease: o.Hold, claim: globalstore.NewNodeClaim()}
 	e.dyn, e.err = dynamic.NewForConfig(o.K8s)
 	return e
 }
@@ -74,42 +75,31 @@ func (e *crdEnd) list(ctx context.Context) (map[identity.NumericIdentity]*item, 
 	}
 }
 
-// readIdentity reads a CiliumIdentity as the CRD store does: the name is
-// the ID in decimal, the security-labels map "source:key" to value, split
-// at the first ':'. ok is false when the name holds no ID.
+// readIdentity reads a CiliumIdentity with the CRD store's mapping
+// (crdstore.ParseIdentityName, crdstore.ParseSecurityLabels). ok is false
+// when the name holds no ID.
 func readIdentity(u *unstructured.Unstructured) (*item, bool) {
 	raw, _, _ := unstructured.NestedFieldNoCopy(u.Object, "security-labels")
 	m, _ := raw.(map[string]any)
-	it := &item{raw: rawLabels(m), rv: u.GetResourceVersion(), created: u.GetCreationTimestamp().Time}
+	it := &item{raw: rawLabels(m), rv: u.GetResourceVersion()}
 	_, it.marked = u.GetAnnotations()[crdstore.HeartbeatAnnotation]
-	id, err := identity.ParseNumericIdentity(u.GetName())
-	if err != nil || id.String() != u.GetName() {
+	id, err := crdstore.ParseIdentityName(u.GetName())
+	if err != nil {
 		return it, false
 	}
 	it.id = id
-	it.lbls, it.err = parseSecurityLabels(m)
-	if it.err == nil {
+	obj := new(crdstore.CiliumIdentity)
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, obj); err != nil {
+		it.err = fmt.Errorf("object does not decode: %w", err)
+		return it, true
+	}
+	it.obj = obj
+	if it.lbls, it.err = crdstore.ParseSecurityLabels(obj.SecurityLabels); it.err == nil {
 		it.key = it.lbls.Canonical()
 	} else {
 		it.err = fmt.Errorf("security-labels: %w", it.err)
 	}
 	return it, true
-}
-
-func parseSecurityLabels(m map[string]any) (labels.Labels, error) {
-	ls := make([]labels.Label, 0, len(m))
-	for k, v := range m {
-		s, ok := v.(string)
-		if !ok {
-			return nil, fmt.Errorf("value of %q is not a string", k)
-		}
-		src, key, ok := strings.Cut(k, ":")
-		if !ok || src == "" {
-			return nil, fmt.Errorf("security label %q has no source", k)
-		}
-		ls = append(ls, labels.Label{Source: src, Key: key, Value: s})
-	}
-	return labels.New(ls...)
 }
 
 // rawLabels prints a security-labels map for a report, keys sorted.
@@ -121,39 +111,14 @@ func rawLabels(m map[string]any) string {
 	return b.String()
 }
 
-// namespaceLabelsPrefix marks the labels Cilium leaves out of an object's
-// metadata.labels.
-const namespaceLabelsPrefix = "io.cilium.k8s.namespace.labels."
-
 // identityObject is the CiliumIdentity of id for lbls as the CRD store
-// writes it (docs/crd-store.md, "Objects"): security-labels holds every
-// label; metadata.labels the k8s labels without their prefix, except the
-// namespace labels and what the API server refuses as object labels.
-// TestObjectsAsCRDStoreWritesThem compares it with the store's.
-func identityObject(id identity.NumericIdentity, lbls labels.Labels) *unstructured.Unstructured {
-	sec := make(map[string]any, len(lbls))
-	var objLabels map[string]string
-	for _, l := range lbls {
-		sec[l.Source+":"+l.Key] = l.Value
-		if l.Source != labels.SourceK8s || strings.HasPrefix(l.Key, namespaceLabelsPrefix) ||
-			len(validation.IsQualifiedName(l.Key)) > 0 || len(validation.IsValidLabelValue(l.Value)) > 0 {
-			continue
-		}
-		if objLabels == nil {
-			objLabels = map[string]string{}
-		}
-		objLabels[l.Key] = l.Value
+// creates it (crdstore.NewIdentityObject).
+func identityObject(id identity.NumericIdentity, lbls labels.Labels) (*unstructured.Unstructured, error) {
+	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(crdstore.NewIdentityObject(id, lbls))
+	if err != nil {
+		return nil, err
 	}
-	u := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion":      crdstore.CiliumGroup + "/" + crdstore.CiliumVersion,
-		"kind":            "CiliumIdentity",
-		"metadata":        map[string]any{"name": id.String()},
-		"security-labels": sec,
-	}}
-	if objLabels != nil {
-		u.SetLabels(objLabels)
-	}
-	return u
+	return &unstructured.Unstructured{Object: m}, nil
 }
 
 // prepare installs or updates the CRDs as the CRD store does at start.
@@ -164,8 +129,14 @@ func (e *crdEnd) prepare(ctx context.Context) error {
 	return crdstore.RegisterCRDs(ctx, e.cfg)
 }
 
+// create creates the object with the CRD store's field manager: the store
+// ranks it among the label set's objects as one it created itself.
 func (e *crdEnd) create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) (*item, error) {
-	_, err := e.identities().Create(ctx, identityObject(id, lbls), metav1.CreateOptions{})
+	obj, err := identityObject(id, lbls)
+	if err != nil {
+		return nil, err
+	}
+	_, err = e.identities().Create(ctx, obj, metav1.CreateOptions{FieldManager: crdstore.FieldManager})
 	if err == nil {
 		return nil, nil
 	}
@@ -236,3 +207,23 @@ func (e *crdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]labe
 
 // skip: the CRD store takes every valid label set.
 func (e *crdEnd) skip(labels.Labels, string) string { return "" }
+
+// choose is the CRD store's choice among a label set's objects
+// (crdstore.PickIdentity).
+func (e *crdEnd) choose(its []*item) identity.NumericIdentity {
+	objs := make([]*crdstore.CiliumIdentity, 0, len(its))
+	for _, it := range its {
+		if it.obj != nil {
+			objs = append(objs, it.obj)
+		}
+	}
+	pick, err := crdstore.PickIdentity(e.cluster, objs)
+	if err != nil || pick == nil {
+		return identity.InvalidIdentity
+	}
+	id, err := crdstore.ParseIdentityName(pick.Name)
+	if err != nil {
+		return identity.InvalidIdentity
+	}
+	return id
+}

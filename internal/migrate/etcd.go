@@ -1,9 +1,10 @@
 package migrate
 
 import (
+	"cmp"
 	"context"
 	"fmt"
-	"path"
+	"slices"
 	"strings"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -37,14 +38,6 @@ func newEtcdEnd(o Options) *etcdEnd {
 	return &etcdEnd{cli: o.Etcd, node: o.HoldNode, ttl: int64(o.Hold.Seconds()), prefixes: map[string]string{}}
 }
 
-// referencePrefix and lockPrefix are built with path.Join, as Cilium and
-// the etcd store build them (docs/formats.md).
-func referencePrefix(key string) string {
-	return path.Join(etcdstore.IdentitiesPrefix, "value", key) + "/"
-}
-
-func lockPrefix(key string) string { return path.Join(etcdstore.IdentitiesPrefix, "locks", key) + "/" }
-
 func (e *etcdEnd) list(ctx context.Context) (map[identity.NumericIdentity]*item, []Skipped, error) {
 	items := map[identity.NumericIdentity]*item{}
 	var skipped []Skipped
@@ -70,7 +63,7 @@ func (e *etcdEnd) list(ctx context.Context) (map[identity.NumericIdentity]*item,
 			it := &item{id: id, raw: string(kv.Value)}
 			if it.lbls, it.err = labels.ParseCanonical(string(kv.Value)); it.err == nil {
 				it.key = it.lbls.Canonical()
-				e.prefixes[referencePrefix(it.key)] = it.key
+				e.prefixes[etcdstore.ReferencePrefix(it.key)] = it.key
 			} else {
 				it.err = fmt.Errorf("labels: %w", it.err)
 			}
@@ -97,14 +90,14 @@ func (e *etcdEnd) prepare(ctx context.Context) error {
 
 func (e *etcdEnd) create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) (*item, error) {
 	key := lbls.Canonical()
-	master := etcdstore.MasterKeyPrefix + id.String()
+	master := etcdstore.MasterKey(id)
 	resp, err := e.cli.Txn(ctx).
 		If(clientv3.Compare(clientv3.CreateRevision(master), "=", 0),
 			// A Cilium agent that holds the label set's lock is allocating
 			// it: the label set may get an ID of its own meanwhile.
-			clientv3.Compare(clientv3.CreateRevision(lockPrefix(key)), "=", 0).WithPrefix()).
+			clientv3.Compare(clientv3.CreateRevision(etcdstore.LockPrefix(key)), "=", 0).WithPrefix()).
 		Then(clientv3.OpPut(master, key),
-			clientv3.OpPut(referencePrefix(key)+e.node, id.String(), clientv3.WithLease(e.lease))).
+			clientv3.OpPut(etcdstore.ReferencePrefix(key)+e.node, id.String(), clientv3.WithLease(e.lease))).
 		Else(clientv3.OpGet(master)).
 		Commit()
 	if err != nil {
@@ -115,7 +108,7 @@ func (e *etcdEnd) create(ctx context.Context, id identity.NumericIdentity, lbls 
 	}
 	kvs := resp.Responses[0].GetResponseRange().Kvs
 	if len(kvs) == 0 {
-		return nil, fmt.Errorf("a Cilium agent holds the allocation lock of %q (%s); run again once it is done", key, lockPrefix(key))
+		return nil, fmt.Errorf("a Cilium agent holds the allocation lock of %q (%s); run again once it is done", key, etcdstore.LockPrefix(key))
 	}
 	it := &item{id: id, raw: string(kvs[0].Value)}
 	if it.lbls, it.err = labels.ParseCanonical(it.raw); it.err == nil {
@@ -140,7 +133,7 @@ func (e *etcdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]lab
 		return err
 	}
 	for _, id := range sortedIDs(ids) {
-		ops = append(ops, clientv3.OpPut(referencePrefix(ids[id].Canonical())+e.node, id.String(), clientv3.WithLease(e.lease)))
+		ops = append(ops, clientv3.OpPut(etcdstore.ReferencePrefix(ids[id].Canonical())+e.node, id.String(), clientv3.WithLease(e.lease)))
 		if len(ops) == maxTxnOps {
 			if err := flush(); err != nil {
 				return err
@@ -154,14 +147,20 @@ func (e *etcdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]lab
 // label set whose cleaned keys leave their prefix, or are those of another
 // label set.
 func (e *etcdEnd) skip(lbls labels.Labels, key string) string {
-	ref, lock := referencePrefix(key), lockPrefix(key)
-	if !strings.HasPrefix(ref, etcdstore.ReferenceKeyPrefix) || ref == etcdstore.ReferenceKeyPrefix ||
-		!strings.HasPrefix(lock, etcdstore.LockKeyPrefix) || lock == etcdstore.LockKeyPrefix {
-		return fmt.Sprintf("%s: its keys climb out of %s once cleaned as Cilium cleans keys", etcdstore.ErrKeyLayout, etcdstore.IdentitiesPrefix)
+	if err := etcdstore.CheckKeyLayout(key); err != nil {
+		return err.Error()
 	}
+	ref := etcdstore.ReferencePrefix(key)
 	if other, ok := e.prefixes[ref]; ok && other != key {
 		return fmt.Sprintf("%s: its reference keys, cleaned as Cilium cleans keys, are those of %q", etcdstore.ErrKeyLayout, other)
 	}
 	e.prefixes[ref] = key
 	return ""
+}
+
+// choose takes the smallest ID, so that the plan does not depend on the
+// listing's order: the etcd store has no rule among a label set's master
+// keys (an allocation follows the ID the set's reference keys name).
+func (e *etcdEnd) choose(its []*item) identity.NumericIdentity {
+	return slices.MinFunc(its, func(a, b *item) int { return cmp.Compare(a.id, b.id) }).id
 }

@@ -31,6 +31,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/client-go/rest"
 
+	"github.com/identityd/identityd/cells/allocator/crdstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/labels"
@@ -182,10 +183,11 @@ type item struct {
 	key  string
 	raw  string
 	err  error
-	// marked and rv: the CRD store's heartbeat mark and resourceVersion.
-	marked  bool
-	rv      string
-	created time.Time
+	// obj is the CRD store's object (nil in etcd); marked and rv its
+	// heartbeat mark and resourceVersion.
+	obj    *crdstore.CiliumIdentity
+	marked bool
+	rv     string
 }
 
 // end is one store, as source or target.
@@ -206,6 +208,10 @@ type end interface {
 	// skip reports why lbls cannot be written to this store ("" when it
 	// can), given the label sets it will hold.
 	skip(lbls labels.Labels, key string) string
+	// choose returns the ID the store answers for a label set it holds
+	// at several IDs, given their items as listed; InvalidIdentity when
+	// the store takes none of them.
+	choose(its []*item) identity.NumericIdentity
 }
 
 // Run migrates from o.From to o.To and reports what it did. Conflicts,
@@ -245,7 +251,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		if err != nil {
 			return nil, fmt.Errorf("listing the target (%s): %w", o.To, err)
 		}
-		p := plan(sources, tgtItems, o.Cluster, tgt.skip)
+		p := plan(sources, tgtItems, o.Cluster, tgt)
 		if o.DryRun {
 			return p.report(o, len(srcItems), skipped, nil), nil
 		}
@@ -315,10 +321,11 @@ type thePlan struct {
 // plan decides, from the listings alone, what the target gets. Sources go
 // in ID order: first every source whose ID is free gets it (unless the
 // target holds its label set elsewhere); then each conflict, in ID order,
-// takes the target's ID of its label set or the first free ID of its probe
-// sequence. The same listings give the same plan, so a run started again
-// after a kill plans what is left of the first run's plan.
-func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster identity.ClusterInfo, skip func(labels.Labels, string) string) *thePlan {
+// takes the target's ID of its label set (of several, the one the target's
+// store answers: tgt.choose) or the first free ID of its probe sequence.
+// The same listings give the same plan, so a run started again after a
+// kill plans what is left of the first run's plan.
+func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster identity.ClusterInfo, tgt end) *thePlan {
 	p := &thePlan{held: map[identity.NumericIdentity]labels.Labels{}}
 	// held: every ID the target has or will have; byKey: the IDs of each
 	// label set there.
@@ -342,7 +349,7 @@ func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster id
 
 	var pending []*item
 	for _, s := range sources {
-		if reason := skip(s.lbls, s.key); reason != "" {
+		if reason := tgt.skip(s.lbls, s.key); reason != "" {
 			p.skipped = append(p.skipped, Skipped{Name: s.id.String(), Value: s.key, Reason: reason})
 			continue
 		}
@@ -376,8 +383,9 @@ func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster id
 		if t.err != nil {
 			c.TargetLabels = t.raw
 		}
-		if ids := byKey[s.key]; len(ids) > 0 {
-			c.NewID = uint32(pick(ids, s.key, held, cluster))
+		ids := byKey[s.key]
+		if has := choose(tgt, ids, held); has != identity.InvalidIdentity {
+			c.NewID = uint32(has)
 			for _, id := range ids {
 				keep(id, s.lbls)
 			}
@@ -420,30 +428,21 @@ func walk(key string, held map[identity.NumericIdentity]*item, cluster identity.
 	return identity.InvalidIdentity, passed
 }
 
-// pick returns the ID the CRD store finds a label set with several objects
-// at: the first its probe sequence reaches before a free ID, else the
-// oldest object, then the smallest ID. With one ID, that one.
-func pick(ids []identity.NumericIdentity, key string, held map[identity.NumericIdentity]*item, cluster identity.ClusterInfo) identity.NumericIdentity {
-	if len(ids) == 1 {
+// choose returns the ID of a label set the target holds at ids: the one,
+// or the one the target's store answers of several; InvalidIdentity for
+// none.
+func choose(tgt end, ids []identity.NumericIdentity, held map[identity.NumericIdentity]*item) identity.NumericIdentity {
+	switch len(ids) {
+	case 0:
+		return identity.InvalidIdentity
+	case 1:
 		return ids[0]
 	}
-	pr := idprobe.New(key, cluster)
-	for i := uint64(0); i < pr.Len(); i++ {
-		it, ok := held[pr.Slot(i)]
-		if !ok {
-			break
-		}
-		if it.err == nil && it.key == key {
-			return it.id
-		}
+	its := make([]*item, len(ids))
+	for i, id := range ids {
+		its[i] = held[id]
 	}
-	return slices.MinFunc(ids, func(a, b identity.NumericIdentity) int {
-		ta, tb := held[a].created, held[b].created
-		if c := ta.Compare(tb); c != 0 {
-			return c
-		}
-		return cmp.Compare(a, b)
-	})
+	return tgt.choose(its)
 }
 
 // write sends the plan's unmarks and creates. raced is true when another

@@ -19,6 +19,7 @@ import (
 	"github.com/spf13/pflag"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 
@@ -53,7 +54,7 @@ func seedEtcd(t testing.TB, cli *clientv3.Client, node string, values map[string
 	for _, name := range slices.Sorted(maps.Keys(values)) {
 		ops = append(ops, clientv3.OpPut(etcdstore.MasterKeyPrefix+name, values[name]))
 		if _, err := labels.ParseCanonical(values[name]); err == nil && name != "abc" {
-			ops = append(ops, clientv3.OpPut(referencePrefix(values[name])+node, name, clientv3.WithLease(lease.ID)))
+			ops = append(ops, clientv3.OpPut(etcdstore.ReferencePrefix(values[name])+node, name, clientv3.WithLease(lease.ID)))
 		}
 		if len(ops) >= 100 {
 			if _, err := cli.Txn(ctx).Then(ops...).Commit(); err != nil {
@@ -81,6 +82,16 @@ func etcdMasters(t testing.TB, cli *clientv3.Client) map[string]string {
 	return m
 }
 
+// crdObject is the object the migration creates for id and lbls.
+func crdObject(t testing.TB, id identity.NumericIdentity, lbls labels.Labels) *unstructured.Unstructured {
+	t.Helper()
+	u, err := identityObject(id, lbls)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
 // seedCRD creates CiliumIdentity objects as the CRD store writes them.
 func seedCRD(t testing.TB, cfg *rest.Config, ids map[identity.NumericIdentity]labels.Labels) {
 	t.Helper()
@@ -89,7 +100,7 @@ func seedCRD(t testing.TB, cfg *rest.Config, ids map[identity.NumericIdentity]la
 	}
 	dyn := dynamic.NewForConfigOrDie(cfg)
 	for id, lbls := range ids {
-		if _, err := dyn.Resource(crdstore.CiliumIdentityResource).Create(t.Context(), identityObject(id, lbls), metav1.CreateOptions{}); err != nil {
+		if _, err := dyn.Resource(crdstore.CiliumIdentityResource).Create(t.Context(), crdObject(t, id, lbls), metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -225,6 +236,17 @@ func TestKVStoreToCRD(t *testing.T) {
 	if got := crdObjects(t, cfg); !maps.Equal(got, want) {
 		t.Errorf("target %v, want %v", got, want)
 	}
+	// Created with the CRD store's field manager, which the store's rule
+	// among a label set's objects reads.
+	for _, name := range []string{"256", "257", newC.String()} {
+		obj, err := dynamic.NewForConfigOrDie(cfg).Resource(crdstore.CiliumIdentityResource).Get(t.Context(), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mf := obj.GetManagedFields(); len(mf) != 1 || mf[0].Manager != crdstore.FieldManager {
+			t.Errorf("object %s: managedFields %+v, want one of field manager %q", name, mf, crdstore.FieldManager)
+		}
+	}
 	// The hold: an IdentityNode of the hold's lease lists every migrated
 	// label set's ID in the target.
 	node, err := dynamic.NewForConfigOrDie(cfg).Resource(crdstore.IdentityNodeResource).Get(t.Context(), DefaultHoldNode, metav1.GetOptions{})
@@ -318,7 +340,7 @@ func TestCRDToKVStore(t *testing.T) {
 	// Every migrated label set has a reference key of the hold's node on a
 	// lease whose TTL is the hold's.
 	for id, key := range map[string]string{"256": a, "257": b, newC.String(): c} {
-		resp, err := cli.Get(t.Context(), referencePrefix(key)+DefaultHoldNode)
+		resp, err := cli.Get(t.Context(), etcdstore.ReferencePrefix(key)+DefaultHoldNode)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -443,7 +465,7 @@ func TestObjectsAsCRDStoreWritesThem(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		mine := identityObject(id.ID, lbls)
+		mine := crdObject(t, id.ID, lbls)
 		if !reflect.DeepEqual(obj.GetLabels(), mine.GetLabels()) && !(len(obj.GetLabels()) == 0 && len(mine.GetLabels()) == 0) {
 			t.Errorf("%v: metadata.labels %v, the store's %v", set, mine.GetLabels(), obj.GetLabels())
 		}

@@ -171,13 +171,16 @@ func newIdentityCache(log *slog.Logger, cluster identity.ClusterInfo, hooks cach
 
 // parse checks an object: its name must be the decimal form of an ID of
 // this cluster's range, its security-labels a valid label set.
-func (c *identityCache) parse(obj *CiliumIdentity) (*entry, error) {
+func (c *identityCache) parse(obj *CiliumIdentity) (*entry, error) { return parseEntry(c.rng, obj) }
+
+// parseEntry is parse over the range rng.
+func parseEntry(rng idRange, obj *CiliumIdentity) (*entry, error) {
 	id, err := parseName(obj.Name)
 	if err != nil {
 		return nil, err
 	}
-	if !c.rng.contains(id) {
-		return nil, fmt.Errorf("ID %d is outside this cluster's range %d..%d", id, c.rng.lo, c.rng.hi)
+	if !rng.contains(id) {
+		return nil, fmt.Errorf("ID %d is outside this cluster's range %d..%d", id, rng.lo, rng.hi)
 	}
 	lbls, err := parseSecurityLabels(obj.SecurityLabels)
 	if err != nil {
@@ -609,7 +612,10 @@ func (c *identityCache) pickListed(key string, es []*entry) *entry {
 	return c.pickLocked(key, es)
 }
 
-// pickLocked applies the rule to es, the objects of key. A label set has
+// pickLocked is pickOn over the cache's range. Under mu.
+func (c *identityCache) pickLocked(key string, es []*entry) *entry { return pickOn(c.rng, key, es) }
+
+// pickOn applies the rule to es, the objects of key. A label set has
 // more than one object where a writer that does not follow the placement
 // (a Cilium agent, a migration) created one. The pick is the object of
 // the earliest rank: its creation second, less walkHeadStart for an object
@@ -618,15 +624,16 @@ func (c *identityCache) pickListed(key string, es []*entry) *entry {
 // the sequence. The rank depends on the object
 // alone, never on the cache's other objects, so nodes whose caches differ
 // elsewhere pick alike, and an object created later than walkHeadStart
-// after the pick cannot overturn it. Under mu.
-func (c *identityCache) pickLocked(key string, es []*entry) *entry {
+// after the pick cannot overturn it. PickIdentity gives it to the tools
+// that read the objects outside a store.
+func pickOn(rng idRange, key string, es []*entry) *entry {
 	if len(es) <= 1 {
 		if len(es) == 0 {
 			return nil
 		}
 		return es[0]
 	}
-	p := c.rng.probe(key)
+	p := rng.probe(key)
 	var (
 		pick    *entry
 		pickAt  time.Time

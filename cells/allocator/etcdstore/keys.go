@@ -1,0 +1,23 @@
+package etcdstore
+
+import "github.com/identityd/identityd/identity"
+
+// The key layout of a label set and of an ID, for the tools that read and
+// write the keys without a running store (`identityd migrate`).
+
+// MasterKey is the master key of id.
+func MasterKey(id identity.NumericIdentity) string { return masterKey(id) }
+
+// ReferencePrefix is the prefix of the reference keys of the label set
+// whose canonical string is key, cleaned as Cilium cleans it: two label
+// sets with one prefix cannot be told apart in this layout.
+func ReferencePrefix(key string) string { return referencePrefix(key) }
+
+// LockPrefix is the prefix of the allocation locks Cilium agents take on
+// the label set whose canonical string is key.
+func LockPrefix(key string) string { return lockPrefix(key) }
+
+// CheckKeyLayout returns an error wrapping ErrKeyLayout when the label set
+// whose canonical string is key cannot be stored: its reference or lock
+// keys, cleaned as Cilium cleans them, leave their prefix.
+func CheckKeyLayout(key string) error { return checkKeyLayout(key) }

@@ -1,0 +1,267 @@
+package migrate
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/dynamic"
+
+	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/crdstore"
+	"github.com/identityd/identityd/cells/allocator/etcdstore"
+	"github.com/identityd/identityd/cells/k8sclient"
+	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/idprobe"
+	"github.com/identityd/identityd/internal/k8stest"
+	"github.com/identityd/identityd/labels"
+)
+
+// startCRDNode starts an agent's allocator in the crd mode on api, as
+// production wires it.
+func startCRDNode(t *testing.T, api *k8stest.Server, node string) allocator.Allocator {
+	t.Helper()
+	var a allocator.Allocator
+	h := hive.New(job.Cell, statedb.Cell, k8sclient.Cell, allocator.Cell, crdstore.Cell,
+		cell.Provide(func() identity.NodeName { return identity.NodeName(node) }),
+		cell.Invoke(func(x allocator.Allocator) { a = x }))
+	fs := pflag.NewFlagSet(node, pflag.ContinueOnError)
+	h.RegisterFlags(fs)
+	for k, v := range map[string]string{"identity-allocation-mode": "crd", "k8s-kubeconfig-path": api.Kubeconfig()} {
+		if err := fs.Set(k, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	log := slog.New(slog.DiscardHandler)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return a
+}
+
+// dupObject is one object of a label set: at position pos of its probe
+// sequence, created by identityd's field manager or another writer's,
+// stamped created.
+type dupObject struct {
+	pos       uint64
+	identityd bool
+	created   time.Time
+}
+
+// createStamped creates the CiliumIdentity of id for lbls with the field
+// manager manager, then sets its creationTimestamp to at in the API
+// server's etcd: the server stamps a create with its own clock.
+func createStamped(t *testing.T, api *k8stest.Server, dyn dynamic.Interface, id identity.NumericIdentity, lbls labels.Labels, manager string, at time.Time) {
+	t.Helper()
+	ctx := t.Context()
+	if _, err := dyn.Resource(crdstore.CiliumIdentityResource).Create(ctx, crdObject(t, id, lbls), metav1.CreateOptions{FieldManager: manager}); err != nil {
+		t.Fatalf("creating %d: %v", id, err)
+	}
+	etcd := api.EtcdCluster().Client(t)
+	key := api.EtcdPrefix() + "/" + crdstore.CiliumGroup + "/ciliumidentities/" + id.String()
+	got, err := etcd.Get(ctx, key)
+	if err != nil || len(got.Kvs) != 1 {
+		t.Fatalf("reading %s from the API server's etcd: %v (%d keys)", key, err, len(got.Kvs))
+	}
+	var obj map[string]any
+	if err := json.Unmarshal(got.Kvs[0].Value, &obj); err != nil {
+		t.Fatalf("%s does not hold JSON: %v", key, err)
+	}
+	meta, _ := obj["metadata"].(map[string]any)
+	if meta == nil || meta["creationTimestamp"] == nil {
+		t.Fatalf("%s has no metadata.creationTimestamp: %s", key, got.Kvs[0].Value)
+	}
+	meta["creationTimestamp"] = at.UTC().Format(time.RFC3339)
+	val, err := json.Marshal(obj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := etcd.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", got.Kvs[0].ModRevision)).
+		Then(clientv3.OpPut(key, string(val))).Commit()
+	if err != nil || !res.Succeeded {
+		t.Fatalf("writing %s: %v (succeeded %v)", key, err, res != nil && res.Succeeded)
+	}
+}
+
+// TestDuplicatesChoiceAsCRDStore: the CRD target holds label sets at
+// several IDs (objects of identityd and of Cilium's agents, on and off
+// the sets' probe sequences, of several creation seconds), and the etcd
+// source holds each set at an ID the target gives another set: a
+// conflict, whose new ID is the one the target has for the set. The
+// migration plan must report, for every set, the ID a CRD store node
+// answers for it on the same objects, which is the rule's pick.
+func TestDuplicatesChoiceAsCRDStore(t *testing.T) {
+	t.Parallel()
+	etcd := etcdtest.StartSingle(t)
+	cli := etcd.Client(t)
+	api := k8stest.Start(t)
+	cfg := api.RESTConfig()
+	if err := crdstore.RegisterCRDs(t.Context(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	dyn := dynamic.NewForConfigOrDie(cfg)
+	// Old enough that no object created from now on can rank before
+	// them: a node answers from its cache, creating nothing.
+	old := time.Now().Add(-2 * time.Hour).Truncate(time.Second)
+	sec := func(n int) time.Time { return old.Add(time.Duration(n) * time.Second) }
+
+	// The sequence goes up the range from a place of the label set's own
+	// and wraps at its end: a set whose sequence wraps between positions
+	// 100 and 2000 has there two objects whose IDs are in the opposite
+	// order of their positions.
+	tie := func() (labels.Labels, uint64, uint64) {
+		for n := range 10000 {
+			l := labels.MustParse(fmt.Sprintf("k8s:app=tie-%d", n))
+			if pr := idprobe.New(l.Canonical(), cluster0); pr.Slot(100) > pr.Slot(2000) {
+				return l, 100, 2000
+			}
+		}
+		t.Fatal("no label set whose probe sequence wraps between positions 100 and 2000")
+		return nil, 0, 0
+	}
+	tieSet, p, q := tie()
+
+	cases := []struct {
+		name string
+		lbls labels.Labels
+		objs []dupObject
+		want int // index in objs of the object the rule picks
+	}{{
+		// A Cilium agent's object off the sequence, older than the walk's
+		// first object by more than the head start.
+		name: "older off the sequence",
+		lbls: labels.MustParse("k8s:app=older"),
+		objs: []dupObject{{pos: 0, created: sec(60)}, {pos: 1000, created: sec(0)}},
+		want: 1,
+	}, {
+		// identityd's object off the sequence (at etcd's ID, say), younger
+		// than a Cilium agent's by less than the head start.
+		name: "identityd's head start",
+		lbls: labels.MustParse("k8s:app=headstart"),
+		objs: []dupObject{{pos: 1000, created: sec(0)}, {pos: 2000, identityd: true, created: sec(20)}},
+		want: 1,
+	}, {
+		// Two Cilium agents' objects of one second: the one earlier on
+		// the sequence, whose ID is the larger.
+		name: "same second",
+		lbls: tieSet,
+		objs: []dupObject{{pos: q, created: sec(5)}, {pos: p, created: sec(5)}},
+		want: 1,
+	}, {
+		// The walk's first object is the oldest as well.
+		name: "oldest on the sequence",
+		lbls: labels.MustParse("k8s:app=first"),
+		objs: []dupObject{{pos: 0, created: sec(0)}, {pos: 1500, identityd: true, created: sec(10)}},
+		want: 0,
+	}}
+
+	used := map[identity.NumericIdentity]string{}
+	take := func(id identity.NumericIdentity, what string) {
+		if prev, ok := used[id]; ok {
+			t.Fatalf("ID %d of %s is that of %s: choose other positions", id, what, prev)
+		}
+		used[id] = what
+	}
+	source := map[string]string{}
+	wantIDs := map[string]identity.NumericIdentity{}
+	for i, c := range cases {
+		key := c.lbls.Canonical()
+		pr := idprobe.New(key, cluster0)
+		for j, o := range c.objs {
+			id := pr.Slot(o.pos)
+			take(id, fmt.Sprintf("%s object %d", c.name, j))
+			manager := "cilium-agent"
+			if o.identityd {
+				manager = crdstore.FieldManager
+			}
+			createStamped(t, api, dyn, id, c.lbls, manager, o.created)
+			if j == c.want {
+				wantIDs[key] = id
+			}
+		}
+		// The source's ID of the set is held by another set in the
+		// target.
+		src := identity.NumericIdentity(300 + i)
+		take(src, c.name+" in the source")
+		createStamped(t, api, dyn, src, labels.MustParse(fmt.Sprintf("k8s:app=other-%d", i)), "cilium-agent", sec(0))
+		source[src.String()] = key
+	}
+	seedEtcd(t, cli, "cilium-node", source)
+
+	dry := options(KVStore, CRD, cli, cfg)
+	dry.DryRun = true
+	rep, err := Run(t.Context(), dry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	planned := map[string]identity.NumericIdentity{}
+	for _, c := range rep.Conflicts {
+		planned[c.Labels] = identity.NumericIdentity(c.NewID)
+	}
+
+	before := crdVersions(t, cfg)
+	node := startCRDNode(t, api, "node-a")
+	for _, c := range cases {
+		key := c.lbls.Canonical()
+		id, _, err := node.Allocate(t.Context(), c.lbls)
+		if err != nil {
+			t.Fatalf("%s: allocating: %v", c.name, err)
+		}
+		if planned[key] != id.ID {
+			t.Errorf("%s: the migration plan gives %d, a CRD store node answers %d", c.name, planned[key], id.ID)
+		}
+		if id.ID != wantIDs[key] {
+			t.Errorf("%s: a CRD store node answers %d, the rule picks %d", c.name, id.ID, wantIDs[key])
+		}
+	}
+	// The node answered from the objects the plan read: it created none.
+	for name := range crdObjects(t, cfg) {
+		if _, ok := before["ciliumidentities/"+name]; !ok {
+			t.Errorf("the node created object %s", name)
+		}
+	}
+}
+
+// TestDuplicateMasterKeysSmallestID: towards etcd, a label set held at
+// several master keys gets the smallest of their IDs for a conflict: the
+// etcd store has no rule among them, and the plan must not depend on the
+// listing's order.
+func TestDuplicateMasterKeysSmallestID(t *testing.T) {
+	t.Parallel()
+	cli := etcdtest.StartSingle(t).Client(t)
+	api := k8stest.Start(t)
+	cfg := api.RESTConfig()
+	a := canon(t, "k8s:app=a")
+	seedCRD(t, cfg, map[identity.NumericIdentity]labels.Labels{256: labels.MustParse("k8s:app=a")})
+	seedEtcd(t, cli, "cilium-node", map[string]string{"256": canon(t, "k8s:app=z"), "9000": a})
+	// Two more master keys of a, without references (one reference key
+	// per label set and node).
+	for _, id := range []identity.NumericIdentity{40000, 700} {
+		if _, err := cli.Put(t.Context(), etcdstore.MasterKey(id), a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dry := options(CRD, KVStore, cli, cfg)
+	dry.DryRun = true
+	rep, err := Run(t.Context(), dry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Conflict{{ID: 256, Labels: a, TargetLabels: canon(t, "k8s:app=z"), NewID: 700}}
+	if !reflect.DeepEqual(rep.Conflicts, want) {
+		t.Errorf("conflicts %+v, want %+v", rep.Conflicts, want)
+	}
+}
