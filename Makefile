@@ -49,7 +49,7 @@ build:
 	$(GO) build -o $(BIN) ./cmd/identityd
 
 # Builds the agent's container image (Dockerfile: a static binary on an
-# empty base), which deploy/ runs; docs/operations.md, "Running on
+# empty base), which deploy/ runs; docs/guides.md, "Running on
 # Kubernetes".
 image:
 	$(if $(CONTAINER_BUILDER),,$(error make image needs podman or docker; set CONTAINER_BUILDER))

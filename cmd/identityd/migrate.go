@@ -65,7 +65,7 @@ func newMigrateCmd(stdout io.Writer, logOpts *logOptions) *cobra.Command {
 			"ID there (or the one the target has for it), and the conflict is reported. The\n" +
 			"migrated identities are held against the target's garbage collection for\n" +
 			"--migrate-hold. Running it again is safe: it creates only what is missing.\n" +
-			"Exits non-zero on errors only, not on conflicts. See docs/operations.md, \"Migrating\n" +
+			"Exits non-zero on errors only, not on conflicts. See docs/guides.md, \"Migrating\n" +
 			"between the etcd and the CRD store\".",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {

@@ -16,7 +16,7 @@
 // are then held for a time (Options.Hold) against the target's garbage
 // collection, which would otherwise delete what no node uses yet: in etcd
 // by reference keys on a lease of that TTL, in the API server by an
-// IdentityNode record of that lease. docs/operations.md has the procedure.
+// IdentityNode record of that lease. docs/guides.md has the procedure.
 package migrate
 
 import (
