@@ -54,10 +54,10 @@ func (e *etcdEnd) list(ctx context.Context) (map[identity.NumericIdentity]*item,
 		}
 		rev = resp.Header.Revision
 		for _, kv := range resp.Kvs {
-			name := strings.TrimPrefix(string(kv.Key), etcdstore.MasterKeyPrefix)
-			id, err := identity.ParseNumericIdentity(name)
-			if err != nil || id.String() != name {
-				skipped = append(skipped, Skipped{Name: name, Value: string(kv.Value), Reason: "master key name is not a numeric ID"})
+			id, err := etcdstore.ParseMasterKey(string(kv.Key))
+			if err != nil {
+				name := strings.TrimPrefix(string(kv.Key), etcdstore.MasterKeyPrefix)
+				skipped = append(skipped, Skipped{Name: name, Value: string(kv.Value), Reason: "master key name: " + err.Error()})
 				continue
 			}
 			it := &item{id: id, raw: string(kv.Value)}

@@ -27,8 +27,11 @@ import (
 	"github.com/identityd/identityd/cells/allocator/crdstore"
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/k8sclient"
+	"github.com/identityd/identityd/cells/kvstore"
+	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
@@ -472,5 +475,64 @@ func TestObjectsAsCRDStoreWritesThem(t *testing.T) {
 		if !reflect.DeepEqual(obj.Object["security-labels"], mine.Object["security-labels"]) {
 			t.Errorf("%v: security-labels %v, the store's %v", set, mine.Object["security-labels"], obj.Object["security-labels"])
 		}
+	}
+}
+
+// startEtcdNode starts an agent's allocator in the kvstore mode on the
+// etcd at endpoint, as production wires it.
+func startEtcdNode(t *testing.T, endpoint, node string) allocator.Allocator {
+	t.Helper()
+	var a allocator.Allocator
+	h := hive.New(job.Cell, statedb.Cell, statedir.Cell, kvstore.Cell, allocator.Cell, etcdstore.Cell,
+		cell.Invoke(func(x allocator.Allocator) { a = x }))
+	fs := pflag.NewFlagSet(node, pflag.ContinueOnError)
+	h.RegisterFlags(fs)
+	for k, v := range map[string]string{"state-dir": t.TempDir(), "node-name": node, "kvstore-endpoints": endpoint} {
+		if err := fs.Set(k, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	log := slog.New(slog.DiscardHandler)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return a
+}
+
+// The etcd source's master keys are read as the etcd store reads them: a
+// name with a leading zero is the ID it holds for every etcd node (and for
+// Cilium's agents, which parse it the same way), so it is migrated with
+// that ID; a name that is no global identity is skipped.
+func TestMasterKeysReadAsEtcdStore(t *testing.T) {
+	t.Parallel()
+	etcd := etcdtest.StartSingle(t)
+	cli := etcd.Client(t)
+	cfg := k8stest.Start(t).RESTConfig()
+	a, b := canon(t, "k8s:app=a"), canon(t, "k8s:app=b")
+	seedEtcd(t, cli, "cilium-node", map[string]string{"0300": a, "301": b, "5": canon(t, "k8s:app=reserved")})
+
+	node := startEtcdNode(t, etcd.Endpoints()[0], "node-a")
+	want := map[identity.NumericIdentity]string{300: a, 301: b}
+	eventually.True(t, "the etcd node shows the master keys", func() bool {
+		for id, key := range want {
+			if got := node.LookupByID(id); got == nil || got.Labels.Canonical() != key {
+				return false
+			}
+		}
+		return true
+	})
+
+	dry := options(KVStore, CRD, cli, cfg)
+	dry.DryRun = true
+	rep, err := Run(t.Context(), dry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := ids(rep.Created); !slices.Equal(got, []uint32{300, 301}) || rep.Created[0].Labels != a {
+		t.Errorf("created %+v, want 300 (%s) and 301", rep.Created, a)
+	}
+	if len(rep.Skipped) != 1 || rep.Skipped[0].Name != "5" {
+		t.Errorf("skipped %+v, want the master key 5", rep.Skipped)
 	}
 }

@@ -276,10 +276,9 @@ func (c *masterCache) reject(kv *mvccpb.KeyValue, err error) {
 
 // parseMaster parses and validates a master key.
 func (c *masterCache) parseMaster(kv *mvccpb.KeyValue) (identity.NumericIdentity, *masterEntry, error) {
-	suffix := strings.TrimPrefix(string(kv.Key), MasterKeyPrefix)
-	id, err := identity.ParseNumericIdentity(suffix)
-	if err != nil || id == identity.InvalidIdentity || id.Scope() != identity.ScopeGlobal || id.IsReserved() {
-		return 0, nil, fmt.Errorf("invalid numeric identity %q", suffix)
+	id, err := ParseMasterKey(string(kv.Key))
+	if err != nil {
+		return 0, nil, err
 	}
 	lbls, err := labels.ParseCanonical(string(kv.Value))
 	if err != nil {

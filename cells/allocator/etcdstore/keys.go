@@ -1,12 +1,28 @@
 package etcdstore
 
-import "github.com/identityd/identityd/identity"
+import (
+	"fmt"
+	"strings"
+
+	"github.com/identityd/identityd/identity"
+)
 
 // The key layout of a label set and of an ID, for the tools that read and
 // write the keys without a running store (`identityd migrate`).
 
 // MasterKey is the master key of id.
 func MasterKey(id identity.NumericIdentity) string { return masterKey(id) }
+
+// ParseMasterKey returns the ID of a master key: what follows
+// MasterKeyPrefix must be a global identity, not a reserved one.
+func ParseMasterKey(key string) (identity.NumericIdentity, error) {
+	suffix := strings.TrimPrefix(key, MasterKeyPrefix)
+	id, err := identity.ParseNumericIdentity(suffix)
+	if err != nil || id == identity.InvalidIdentity || id.Scope() != identity.ScopeGlobal || id.IsReserved() {
+		return 0, fmt.Errorf("invalid numeric identity %q", suffix)
+	}
+	return id, nil
+}
 
 // ReferencePrefix is the prefix of the reference keys of the label set
 // whose canonical string is key, cleaned as Cilium cleans it: two label
