@@ -169,17 +169,22 @@ func (e *crdEnd) unmark(ctx context.Context, it *item) error {
 // whose lease has not ended as used (docs/crd-store.md, "Garbage
 // collection"), and deletes the record a lease after it ended.
 func (e *crdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]labels.Labels) error {
-	list := make([]any, 0, len(ids))
+	list := make([]uint32, 0, len(ids))
 	for _, id := range sortedIDs(ids) {
-		list = append(list, int64(id))
+		list = append(list, uint32(id))
 	}
 	nodes := e.dyn.Resource(crdstore.IdentityNodeResource)
 	for attempt := 0; ; attempt++ {
-		spec := map[string]any{
-			"identities":           list,
-			"renewTime":            time.Now().UTC().Format("2006-01-02T15:04:05.000000Z07:00"),
-			"leaseDurationSeconds": int64(e.lease.Seconds()),
-			"holder":               map[string]any{"instance": e.claim.Instance, "host": e.claim.Host, "pid": int64(e.claim.PID)},
+		// The record in the store's own type, so that it is what a node
+		// writes.
+		spec, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&crdstore.IdentityNodeSpec{
+			Identities:           list,
+			RenewTime:            metav1.NewMicroTime(time.Now()),
+			LeaseDurationSeconds: int32(e.lease.Seconds()),
+			Holder:               &e.claim,
+		})
+		if err != nil {
+			return err
 		}
 		cur, err := nodes.Get(ctx, e.node, metav1.GetOptions{})
 		switch {
