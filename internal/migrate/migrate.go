@@ -8,9 +8,11 @@
 // ID is free in the target is created there with its ID; one whose ID the
 // target gives another label set (a conflict) gets a new ID, placed as the
 // CRD store places a new label set (the first free ID of its probe
-// sequence), or the ID the target already has for the label set. A label
-// set the target already has at another ID is reported and not created
-// twice. The plan depends only on what the two stores hold, and each write
+// sequence), or the ID the target already has for the label set (of
+// several, the one the target's store answers, by the store's own rule:
+// crdstore.PickIdentity). A label set the target already has at another
+// ID is reported and not created twice. The stores' mapping of label sets
+// to objects and keys is theirs too (crdstore, etcdstore). The plan depends only on what the two stores hold, and each write
 // only creates what is absent, so a run that was killed and is started
 // again ends where one uninterrupted run ends. The identities it migrated
 // are then held for a time (Options.Hold) against the target's garbage
