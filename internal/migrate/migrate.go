@@ -9,16 +9,18 @@
 // target gives another label set (a conflict) gets a new ID, placed as the
 // CRD store places a new label set (the first free ID of its probe
 // sequence), or the ID the target already has for the label set (of
-// several, the one the target's store answers, by the store's own rule:
-// crdstore.PickIdentity). A label set the target already has at another
-// ID is reported and not created twice. The stores' mapping of label sets
-// to objects and keys is theirs too (crdstore, etcdstore). The plan depends only on what the two stores hold, and each write
-// only creates what is absent, so a run that was killed and is started
-// again ends where one uninterrupted run ends. The identities it migrated
-// are then held for a time (Options.Hold) against the target's garbage
-// collection, which would otherwise delete what no node uses yet: in etcd
-// by reference keys on a lease of that TTL, in the API server by an
-// IdentityNode record of that lease. docs/guides.md has the procedure.
+// several objects, the one the CRD store answers, by its own rule,
+// crdstore.PickIdentity; of several master keys, the smallest). A label
+// set the target already has at another ID is reported and not created
+// twice. The stores' mapping of label sets to objects and keys is theirs
+// too (crdstore, etcdstore). The plan depends only on what the two stores
+// hold, and each write only creates what is absent, so a run that was
+// killed and is started again ends where one uninterrupted run ends. The
+// identities it migrated are then held for a time (Options.Hold) against
+// the target's garbage collection, which would otherwise delete what no
+// node uses yet: in etcd by reference keys on a lease of that TTL, in the
+// API server by an IdentityNode record of that lease. docs/guides.md has
+// the procedure.
 package migrate
 
 import (
