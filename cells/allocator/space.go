@@ -10,15 +10,9 @@ import (
 
 	"github.com/cilium/hive/cell"
 
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 )
-
-// SpaceWarnRatio is the fill of this cluster's global ID range from which
-// the identity-space health scope says it is degraded (at level OK: the
-// node still serves) and a warning is logged: at
-// 90% a churn that outruns the garbage collection has a tenth of the range
-// left to run on, time to act before allocations are refused.
-const SpaceWarnRatio = 0.9
 
 // spaceForecastWindow is the window over which the net creation rate of
 // the exhaustion forecast is measured.
@@ -30,7 +24,7 @@ type spaceLevel int
 
 const (
 	spaceOK spaceLevel = iota
-	// spaceHigh: at least SpaceWarnRatio of the range is in use.
+	// spaceHigh: at least globalstore.SpaceWarnRatio of the range is in use.
 	spaceHigh
 	// spaceExhausted: every ID is in use, or the store refused an
 	// allocation for want of one and no ID was taken or freed since.
@@ -124,7 +118,7 @@ func (w *spaceWatch) updateLocked() {
 	switch {
 	case w.refused || w.count >= w.size():
 		level = spaceExhausted
-	case float64(w.count) >= SpaceWarnRatio*float64(w.size()):
+	case float64(w.count) >= globalstore.SpaceWarnRatio*float64(w.size()):
 		level = spaceHigh
 	}
 	percent := w.count * 100 / w.size()
@@ -138,7 +132,7 @@ func (w *spaceWatch) updateLocked() {
 	case changed && level == spaceOK:
 		w.log.Info("Global identity space below the warning threshold again", "used", w.count, "size", w.size())
 	case changed && level == spaceHigh:
-		w.log.Warn("Global identity space nearly full: new label sets will be refused once it is", "used", w.count, "size", w.size(), "threshold", SpaceWarnRatio)
+		w.log.Warn("Global identity space nearly full: new label sets will be refused once it is", "used", w.count, "size", w.size(), "threshold", globalstore.SpaceWarnRatio)
 	case changed:
 		w.log.Warn("Global identity space exhausted: new label sets are refused until identities are released and collected", "used", w.count, "size", w.size())
 	}
@@ -156,7 +150,7 @@ func (w *spaceWatch) updateLocked() {
 }
 
 // spaceDegradedPrefix starts the identity-space scope's message from
-// SpaceWarnRatio on: the scope stays OK, and so readiness, while the
+// globalstore.SpaceWarnRatio on: the scope stays OK, and so readiness, while the
 // message says the space is degraded.
 const spaceDegradedPrefix = "Degraded, serving: "
 
@@ -167,8 +161,8 @@ func (w *spaceWatch) describe() string {
 	switch {
 	case w.refused || w.count >= w.size():
 		return fmt.Sprintf("Global identity space exhausted: %d of %d IDs of this cluster's range in use (%.1f%%)", w.count, w.size(), 100*ratio)
-	case ratio >= SpaceWarnRatio:
-		return fmt.Sprintf("Global identity space %.1f%% full (%d of %d IDs of this cluster's range; warning from %.0f%%)", 100*ratio, w.count, w.size(), 100*SpaceWarnRatio)
+	case ratio >= globalstore.SpaceWarnRatio:
+		return fmt.Sprintf("Global identity space %.1f%% full (%d of %d IDs of this cluster's range; warning from %.0f%%)", 100*ratio, w.count, w.size(), 100*globalstore.SpaceWarnRatio)
 	}
 	return fmt.Sprintf("Global identity space %.1f%% full", 100*ratio)
 }

@@ -499,6 +499,13 @@ func (c *identityCache) isSynced() bool {
 	}
 }
 
+// fill is the share of the range the cache shows held.
+func (c *identityCache) fill() float64 {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return float64(len(c.byID)) / float64(c.rng.size())
+}
+
 // full reports whether the cache shows every ID of the range held: a walk
 // would find no free slot.
 func (c *identityCache) full() bool {
@@ -525,6 +532,24 @@ func (c *identityCache) scan(p idprobe.Sequence, from uint64, key string, steppe
 		}
 	}
 	return 0, nil, stepped, false
+}
+
+// anyMarkedBefore reports whether an object among the first limit
+// positions of p carries a heartbeat mark written before since: only then
+// can a walk take such an identity's slot (reclaim).
+func (c *identityCache) anyMarkedBefore(p idprobe.Sequence, limit uint64, since time.Time) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for i := range min(limit, p.Len()) {
+		e := c.byID[p.Slot(i)]
+		if e == nil || e.obj == nil || !e.marked() {
+			continue
+		}
+		if at, err := time.Parse(time.RFC3339Nano, e.obj.Annotations[HeartbeatAnnotation]); err != nil || at.Before(since) {
+			return true
+		}
+	}
+	return false
 }
 
 func (c *identityCache) get(id identity.NumericIdentity) *entry {

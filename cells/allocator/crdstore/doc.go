@@ -72,7 +72,7 @@
 //	identityd_crd_heartbeat_marks_removed_total   marks removed by this node
 //	identityd_crd_identity_node_writes_total{outcome}
 //	identityd_crd_identity_node_recreated_total   own record found deleted and written again
-//	identityd_crd_identity_gc_entries{status}     marked, deleted, skipped, unmarked
+//	identityd_crd_identity_gc_entries{status}     marked, deleted, skipped, unmarked, reclaimed
 //	identityd_crd_identity_gc_runs{outcome}       success, failure
 //	identityd_crd_identity_gc_kept{reason}        used, fenced (last run)
 //	identityd_crd_identity_gc_nodes_deleted_total

@@ -97,6 +97,9 @@ type gcState struct {
 	runs, failed             atomic.Uint64
 	marked, deleted, skipped atomic.Uint64
 	unmarked, nodesDeleted   atomic.Uint64
+	// reclaimed counts the identities walks deleted to take their
+	// slots (reclaim).
+	reclaimed atomic.Uint64
 	// keptUsed and keptFenced are the last run's counts.
 	keptUsed, keptFenced atomic.Uint64
 
@@ -288,21 +291,7 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		return res, err
 	}
 
-	used := map[identity.NumericIdentity]struct{}{}
-	for i := range nodes {
-		n := &nodes[i]
-		if n.Name != s.node && !nodeLive(n, now) {
-			continue
-		}
-		for _, id := range n.Spec.Identities {
-			used[identity.NumericIdentity(id)] = struct{}{}
-		}
-	}
-	for _, id := range s.heldIDs() {
-		used[identity.NumericIdentity(id)] = struct{}{}
-	}
-	timeout := s.gcTimeout()
-	fence := fenced(s.ids.rng, objs, now.Add(-fenceWindow(gc.cfg)))
+	in := s.gcInputs(now, objs, nodes, named)
 
 	// Decide, then act: what to mark, unmark and delete depends only on
 	// the listings.
@@ -310,54 +299,23 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 	var marks, unmarks, deletes []*gcObject
 	for i := range objs {
 		o := &objs[i]
-		if o.e == nil || o.id.IsReserved() {
-			continue
-		}
-		if _, ok := used[o.id]; ok {
+		d := in.decide(o)
+		switch d.kept {
+		case keptForUse:
 			keptUsed++
-			continue
+		case keptByFence:
+			keptFenced++
 		}
-		mark, marked := o.obj.Annotations[HeartbeatAnnotation]
-		_, byEndpoint := named[o.id]
-		if byEndpoint || fence[o.id] {
-			if byEndpoint {
-				keptUsed++
-			} else {
-				keptFenced++
-			}
-			if marked && (byEndpoint || s.cfg.IdentityGCCiliumAgents) {
-				// Another collector (a Cilium operator) may delete a
-				// marked identity; this one must stay while the fence
-				// or the endpoint needs it. Without the mark, the
-				// timeout starts again once nothing names it: an
-				// agent that still holds it has a whole timeout to
-				// remove the next mark. Where no Cilium runs, the
-				// collectors are identityd's, which honour the fence:
-				// a fenced identity keeps its mark, and its timeout
-				// goes on while the fence lasts.
-				unmarks = append(unmarks, o)
-			}
-			continue
-		}
-		at, perr := time.Parse(time.RFC3339Nano, mark)
-		if !marked || perr != nil {
-			// Unmarked, or a mark this collector cannot date: marked
-			// now, deleted a timeout later.
+		switch d.action {
+		case gcMark:
 			marks = append(marks, o)
-			continue
-		}
-		if now.Sub(at) < timeout {
-			continue
-		}
-		if stepped(&o.obj, now.Add(-gc.stepWindow)) {
-			// A walk stepped over it less than gcStepWindow ago
-			// and may still create an object that depends on the
-			// slot and that the cache does not show yet; a later
-			// run decides.
+		case gcUnmark:
+			unmarks = append(unmarks, o)
+		case gcDefer:
 			res.Deferred++
-			continue
+		case gcDelete:
+			deletes = append(deletes, o)
 		}
-		deletes = append(deletes, o)
 	}
 
 	// The marks and unmarks go in a loop of their own beside the paced
@@ -411,6 +369,126 @@ func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
 		}
 	}
 	return res, nil
+}
+
+// gcInputs is what the collector's decision on one identity reads besides
+// the identity's object: the uses that are not on the object, the fence
+// and the clock.
+type gcInputs struct {
+	now time.Time
+	// used holds the IDs live IdentityNode records list and this node
+	// holds; named those Cilium's endpoint objects name.
+	used, named map[identity.NumericIdentity]struct{}
+	// fence holds the IDs the fence keeps (fenced).
+	fence map[identity.NumericIdentity]bool
+	// timeout is how old a mark must be for a delete (gcTimeout);
+	// stepWindow how long a step annotation defers one.
+	timeout, stepWindow time.Duration
+	// ciliumAgents: Cilium agents share the store
+	// (--identity-gc-cilium-agents), so a kept identity loses its mark.
+	ciliumAgents bool
+}
+
+// gcInputs gathers the inputs of the decisions on objs: nodes and named
+// must be listed after objs were read from the cache.
+func (s *Store) gcInputs(now time.Time, objs []gcObject, nodes []IdentityNode, named map[identity.NumericIdentity]struct{}) *gcInputs {
+	used := map[identity.NumericIdentity]struct{}{}
+	for i := range nodes {
+		n := &nodes[i]
+		if n.Name != s.node && !nodeLive(n, now) {
+			continue
+		}
+		for _, id := range n.Spec.Identities {
+			used[identity.NumericIdentity(id)] = struct{}{}
+		}
+	}
+	for _, id := range s.heldIDs() {
+		used[identity.NumericIdentity(id)] = struct{}{}
+	}
+	return &gcInputs{
+		now: now, used: used, named: named,
+		fence:   fenced(s.ids.rng, objs, now.Add(-fenceWindow(s.gc.cfg))),
+		timeout: s.gcTimeout(), stepWindow: s.gc.stepWindow,
+		ciliumAgents: s.cfg.IdentityGCCiliumAgents,
+	}
+}
+
+// gcAction is what the collector does to one identity.
+type gcAction int
+
+const (
+	gcNone gcAction = iota
+	gcMark
+	gcUnmark
+	// gcDefer: past its timeout, but a walk stepped over it less than
+	// the step window ago.
+	gcDefer
+	gcDelete
+)
+
+// gcKept is why the collector keeps an identity, if it counts as kept.
+type gcKept int
+
+const (
+	keptNot gcKept = iota
+	keptForUse
+	keptByFence
+)
+
+// gcDecision is the collector's decision on one identity.
+type gcDecision struct {
+	action gcAction
+	kept   gcKept
+}
+
+// decide is the collector's rule for one identity, a function of the
+// object and in alone: a use keeps it; an endpoint's name or the fence
+// keeps it too, and take its mark where another collector could delete
+// it; anything else is marked, and deleted once its mark is the timeout
+// old, unless a walk announced a step over it within the step window.
+func (in *gcInputs) decide(o *gcObject) gcDecision {
+	if o.e == nil || o.id.IsReserved() {
+		return gcDecision{}
+	}
+	if _, ok := in.used[o.id]; ok {
+		return gcDecision{kept: keptForUse}
+	}
+	mark, marked := o.obj.Annotations[HeartbeatAnnotation]
+	_, byEndpoint := in.named[o.id]
+	if byEndpoint || in.fence[o.id] {
+		d := gcDecision{kept: keptByFence}
+		if byEndpoint {
+			d.kept = keptForUse
+		}
+		if marked && (byEndpoint || in.ciliumAgents) {
+			// Another collector (a Cilium operator) may delete a
+			// marked identity; this one must stay while the fence
+			// or the endpoint needs it. Without the mark, the
+			// timeout starts again once nothing names it: an
+			// agent that still holds it has a whole timeout to
+			// remove the next mark. Where no Cilium runs, the
+			// collectors are identityd's, which honour the fence:
+			// a fenced identity keeps its mark, and its timeout
+			// goes on while the fence lasts.
+			d.action = gcUnmark
+		}
+		return d
+	}
+	at, err := time.Parse(time.RFC3339Nano, mark)
+	switch {
+	case !marked || err != nil:
+		// Unmarked, or a mark this collector cannot date: marked
+		// now, deleted a timeout later.
+		return gcDecision{action: gcMark}
+	case in.now.Sub(at) < in.timeout:
+		return gcDecision{}
+	case stepped(&o.obj, in.now.Add(-in.stepWindow)):
+		// A walk stepped over it less than the step window ago and
+		// may still create an object that depends on the slot and
+		// that the cache does not show yet; a later run decides.
+		return gcDecision{action: gcDefer}
+	}
+	return gcDecision{action: gcDelete}
 }
 
 // gcMarksInFlight bounds the marks and unmarks a run has sent and not
@@ -824,6 +902,9 @@ type GCStats struct {
 	Marked, Deleted, Skipped, Unmarked uint64
 	NodesDeleted                       uint64
 	LastKeptUsed, LastKeptFenced       uint64
+	// Reclaimed counts the identities this node's walks deleted to take
+	// their slots in a range without a free one.
+	Reclaimed uint64
 }
 
 // GCStats returns the collector's counters.
@@ -832,7 +913,7 @@ func (s *Store) GCStats() GCStats {
 	return GCStats{
 		Runs: gc.runs.Load(), Failed: gc.failed.Load(),
 		Marked: gc.marked.Load(), Deleted: gc.deleted.Load(), Skipped: gc.skipped.Load(), Unmarked: gc.unmarked.Load(),
-		NodesDeleted: gc.nodesDeleted.Load(),
+		NodesDeleted: gc.nodesDeleted.Load(), Reclaimed: gc.reclaimed.Load(),
 		LastKeptUsed: gc.keptUsed.Load(), LastKeptFenced: gc.keptFenced.Load(),
 	}
 }
@@ -843,9 +924,12 @@ const (
 	gcStatusMarked   = "marked"
 	gcStatusSkipped  = "skipped"
 	gcStatusUnmarked = "unmarked"
-	gcKeptUsed       = "used"
-	gcKeptFenced     = "fenced"
-	labelReason      = "reason"
+	// gcStatusReclaimed counts the deletes of walks that took the slot
+	// (reclaim), which no collection run made.
+	gcStatusReclaimed = "reclaimed"
+	gcKeptUsed        = "used"
+	gcKeptFenced      = "fenced"
+	labelReason       = "reason"
 )
 
 // newGCMetrics contributes the collector's metrics, when the hive's
@@ -864,7 +948,7 @@ func newGCMetrics(b globalstore.Backend) metrics.CollectorOut {
 func newGCCollector(s *Store) *metrics.ScrapeCollector {
 	var (
 		entries = metrics.NewDesc("crd_identity_gc_entries",
-			"Number of CiliumIdentity objects the garbage collection marked, deleted, skipped (a precondition refused the delete: a use won) or unmarked (fenced) since the agent started, by status",
+			"Number of CiliumIdentity objects the garbage collection marked, deleted, skipped (a precondition refused the delete: a use won), unmarked (fenced) or reclaimed (deleted by an allocation to take its ID) since the agent started, by status",
 			metrics.LabelStatus)
 		runs = metrics.NewDesc("crd_identity_gc_runs",
 			"Number of CRD identity garbage collection runs since the agent started, by outcome (a run in progress counts as success)",
@@ -883,6 +967,7 @@ func newGCCollector(s *Store) *metrics.ScrapeCollector {
 		m.Gauge(entries, float64(gc.deleted.Load()), metrics.GCStatusDeleted)
 		m.Gauge(entries, float64(gc.skipped.Load()), gcStatusSkipped)
 		m.Gauge(entries, float64(gc.unmarked.Load()), gcStatusUnmarked)
+		m.Gauge(entries, float64(gc.reclaimed.Load()), gcStatusReclaimed)
 		// failed is read first, so that the difference is never negative.
 		failed := gc.failed.Load()
 		m.Gauge(runs, float64(gc.runs.Load()-failed), metrics.OutcomeSuccess)

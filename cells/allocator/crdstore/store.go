@@ -488,6 +488,10 @@ type allocation struct {
 	// over and has not announced yet (announceSteps).
 	walkStart time.Time
 	stepped   []*entry
+	// reclaimWaitUntil ends the allocation's wait for identities the
+	// collector is going to delete (waitToReclaim); zero before its
+	// first wait.
+	reclaimWaitUntil time.Time
 }
 
 // retry counts a failed request and waits before the next, or returns the
@@ -697,9 +701,9 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 	start := time.Now()
 	a.walkStart, a.stepped = start, nil
 	if a.s.ids.full() {
-		// Refused at once, however large the range, rather than
+		// Decided at once, however large the range, rather than
 		// after a walk past every slot.
-		return 0, false, globalstore.ErrSpaceExhausted
+		return a.reclaimOrRefuse(ctx, p)
 	}
 	for i := uint64(0); i < p.Len(); {
 		if time.Since(start) > maxWalkAge {
@@ -715,6 +719,17 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 		if !ok {
 			break
 		}
+		if e == nil && len(a.stepped) > 0 {
+			id, created, err := a.reclaim(ctx, p, pos)
+			switch {
+			case errors.Is(err, errReclaimLater):
+				if a.waitToReclaim(ctx) {
+					return 0, false, errRestart
+				}
+			case !errors.Is(err, errNothingToReclaim):
+				return id, created, err
+			}
+		}
 		id := p.Slot(pos)
 		done, created, err := a.trySlot(ctx, id, e)
 		if err != nil || done {
@@ -722,7 +737,17 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 		}
 		i = pos + 1
 	}
-	return 0, false, globalstore.ErrSpaceExhausted
+	return a.reclaimOrRefuse(ctx, p)
+}
+
+// reclaimOrRefuse ends a walk that found no free slot: it takes the slot of
+// an identity the collector would delete, or refuses.
+func (a *allocation) reclaimOrRefuse(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
+	id, created, err := a.reclaim(ctx, p, p.Len())
+	if errors.Is(err, errNothingToReclaim) || errors.Is(err, errReclaimLater) {
+		return 0, false, globalstore.ErrSpaceExhausted
+	}
+	return id, created, err
 }
 
 // trySlot settles one slot of the walk, starting from what the cache shows

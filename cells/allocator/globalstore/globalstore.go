@@ -156,6 +156,15 @@ type Events interface {
 	Synced()
 }
 
+// SpaceWarnRatio is the fill of this cluster's global ID range from which
+// the allocator's identity-space health scope says it is degraded (at level
+// OK: the node still serves) and logs a warning, and from which the CRD
+// store's walks take the IDs of identities the collector would delete
+// rather than step over them: at 90% a churn that outruns the garbage
+// collection has a tenth of the range left to run on, time to act before
+// allocations are refused.
+const SpaceWarnRatio = 0.9
+
 // Errors of global stores. Errors returned by a Backend wrap these.
 var (
 	// ErrSpaceExhausted: every ID of this cluster's range is in use.

@@ -1,0 +1,111 @@
+package crdstore
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
+)
+
+// TestWalkReclaims: on a range the cache shows full, a walk takes the slot
+// of the identity the collector would delete (unused, marked ten minutes
+// ago), which the collector, set to run once an hour, has not deleted:
+// without reclaiming, the allocation is refused. It takes nothing the
+// collector would keep: an identity a live IdentityNode record of another
+// node lists, one a walk stepped over just now, and, beside Cilium agents,
+// any (their uses are in endpoint objects each walk would have to list).
+func TestWalkReclaims(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	const size = 8
+	marked := time.Now().Add(-10 * time.Minute).UTC().Format(time.RFC3339Nano)
+	cases := []struct {
+		name         string
+		ciliumAgents bool
+		// keep, when set, gives the marked identity x what the
+		// collector keeps it for.
+		keep      func(t *testing.T, n *gcNode, x identity.NumericIdentity)
+		reclaimed bool
+	}{
+		{name: "unused", reclaimed: true},
+		{name: "listed by a live node", keep: func(t *testing.T, n *gcNode, x identity.NumericIdentity) {
+			rec := &IdentityNode{
+				TypeMeta:   metav1.TypeMeta{APIVersion: IdentityGroup + "/" + IdentityVersion, Kind: "IdentityNode"},
+				ObjectMeta: metav1.ObjectMeta{Name: "node-b"},
+				Spec: IdentityNodeSpec{Identities: []uint32{uint32(x)}, RenewTime: metav1.NowMicro(),
+					LeaseDurationSeconds: int32(MinIdentityNodeLeaseTTL.Seconds())},
+			}
+			if err := n.nodeClient.Post().Resource("identitynodes").Body(rec).Do(t.Context()).Error(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{name: "stepped over just now", keep: func(t *testing.T, n *gcNode, x identity.NumericIdentity) {
+			patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, stepAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
+			if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", x.String(), patch); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{name: "beside Cilium agents", ciliumAgents: true},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+			n.cfg.IdentityGCCiliumAgents = tc.ciliumAgents
+			lo := gcCluster.MinID() + 3000 + identity.NumericIdentity(i*size)
+			n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
+			lbls := mustLabels(t, "k8s:app=reclaiming-"+tc.name)
+			// The marked identity sits half way along the new set's
+			// sequence, behind identities of other sets that nobody
+			// uses and nobody marked yet (the collector marks first).
+			p := n.ids.rng.probe(lbls.Canonical())
+			x := p.Slot(size / 2)
+			for id := lo; id < lo+size; id++ {
+				mark := ""
+				if id == x {
+					mark = marked
+				}
+				createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=other-%d", id)), mark)
+			}
+			if tc.keep != nil {
+				tc.keep(t, n, x)
+			}
+			if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { n.Stop(t.Context()) })
+			waitCacheCurrent(t, n.Store)
+			// Old enough that no object fences the others.
+			time.Sleep(fenceWindow(cfg) + time.Second)
+
+			id, _, err := n.Allocate(t.Context(), lbls, n.refs.record)
+			if !tc.reclaimed {
+				if !errors.Is(err, globalstore.ErrSpaceExhausted) {
+					t.Fatalf("allocation: %d, %v; want %v, the marked identity kept", id, err, globalstore.ErrSpaceExhausted)
+				}
+				if obj := readIdentity(t, n.Store, x); obj == nil || obj.Annotations[HeartbeatAnnotation] != marked {
+					t.Fatalf("identity %d after the refusal: %+v, want it as it was", x, obj)
+				}
+				if st := n.GCStats(); st.Reclaimed != 0 {
+					t.Fatalf("reclaimed %d, want 0", st.Reclaimed)
+				}
+				return
+			}
+			if err != nil || id != x {
+				t.Fatalf("allocation: %d, %v; want the marked identity's %d", id, err, x)
+			}
+			obj := readIdentity(t, n.Store, x)
+			if obj == nil || obj.Annotations[HeartbeatAnnotation] != "" {
+				t.Fatalf("identity %d after the reclaim: %+v, want the new set's object, unmarked", x, obj)
+			}
+			if st := n.GCStats(); st.Reclaimed != 1 || st.Runs != 0 {
+				t.Fatalf("collection %+v: want 1 reclaimed and no collection run", st)
+			}
+		})
+	}
+}
