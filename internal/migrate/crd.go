@@ -168,9 +168,9 @@ func (e *crdEnd) unmark(ctx context.Context, it *item) error {
 // lease of the hold's duration: the collector counts the IDs of a record
 // whose lease has not ended as used (docs/crd-store.md, "Garbage
 // collection"), and deletes the record a lease after it ended.
-func (e *crdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]labels.Labels) error {
-	list := make([]uint32, 0, len(ids))
-	for _, id := range sortedIDs(ids) {
+func (e *crdEnd) hold(ctx context.Context, h holding) error {
+	list := make([]uint32, 0, len(h.ids))
+	for _, id := range sortedIDs(h.ids) {
 		list = append(list, uint32(id))
 	}
 	nodes := e.dyn.Resource(crdstore.IdentityNodeResource)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"maps"
 	"reflect"
 	"testing"
 	"time"
@@ -235,23 +236,43 @@ func TestDuplicatesChoiceAsCRDStore(t *testing.T) {
 	}
 }
 
-// TestDuplicateMasterKeysSmallestID: towards etcd, a label set held at
-// several master keys gets the smallest of their IDs for a conflict: the
-// etcd store has no rule among them, and the plan must not depend on the
-// listing's order.
-func TestDuplicateMasterKeysSmallestID(t *testing.T) {
+// TestDuplicateMasterKeysHeldOnce: towards etcd, a label set the target
+// holds at several master keys gets one reference key of the hold, naming
+// the ID the plan reports, which is the ID an etcd node then adopts for
+// it: the one other nodes' references name, else the smallest (the plan
+// must not depend on the listing's order). A dry run plans the same.
+func TestDuplicateMasterKeysHeldOnce(t *testing.T) {
 	t.Parallel()
-	cli := etcdtest.StartSingle(t).Client(t)
-	api := k8stest.Start(t)
-	cfg := api.RESTConfig()
-	a := canon(t, "k8s:app=a")
-	seedCRD(t, cfg, map[identity.NumericIdentity]labels.Labels{256: labels.MustParse("k8s:app=a")})
-	seedEtcd(t, cli, "cilium-node", map[string]string{"256": canon(t, "k8s:app=z"), "9000": a})
-	// Two more master keys of a, without references (one reference key
-	// per label set and node).
-	for _, id := range []identity.NumericIdentity{40000, 700} {
-		if _, err := cli.Put(t.Context(), etcdstore.MasterKey(id), a); err != nil {
+	etcd := etcdtest.StartSingle(t)
+	cli := etcd.Client(t)
+	cfg := k8stest.Start(t).RESTConfig()
+	set := map[string]labels.Labels{
+		"a": labels.MustParse("k8s:app=a"),
+		"b": labels.MustParse("k8s:app=b"),
+		"c": labels.MustParse("k8s:app=c"),
+	}
+	a, b, c := set["a"].Canonical(), set["b"].Canonical(), set["c"].Canonical()
+	z, y := canon(t, "k8s:app=z"), canon(t, "k8s:app=y")
+	seedCRD(t, cfg, map[identity.NumericIdentity]labels.Labels{256: set["a"], 257: set["c"], 258: set["b"]})
+	// A node references b at 30000 (and z, y at their IDs); nobody
+	// references a or c.
+	seedEtcd(t, cli, "cilium-node", map[string]string{"256": z, "258": y, "30000": b})
+	for id, key := range map[identity.NumericIdentity]string{40000: a, 700: a, 800: b, 20000: c, 900: c} {
+		if _, err := cli.Put(t.Context(), etcdstore.MasterKey(id), key); err != nil {
 			t.Fatal(err)
+		}
+	}
+	masters := etcdMasters(t, cli)
+	wantConflicts := []Conflict{
+		{ID: 256, Labels: a, TargetLabels: z, NewID: 700},
+		{ID: 258, Labels: b, TargetLabels: y, NewID: 30000},
+	}
+	wantElsewhere := []Elsewhere{{ID: 257, Labels: c, TargetIDs: []uint32{900, 20000}}}
+	check := func(what string, rep *Report) {
+		t.Helper()
+		if !reflect.DeepEqual(rep.Conflicts, wantConflicts) || !reflect.DeepEqual(rep.Elsewhere, wantElsewhere) ||
+			len(rep.Created) != 0 || rep.NewIDsCreated != 0 {
+			t.Errorf("%s: %+v, want conflicts %+v and elsewhere %+v, nothing created", what, rep, wantConflicts, wantElsewhere)
 		}
 	}
 	dry := options(CRD, KVStore, cli, cfg)
@@ -260,8 +281,36 @@ func TestDuplicateMasterKeysSmallestID(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []Conflict{{ID: 256, Labels: a, TargetLabels: canon(t, "k8s:app=z"), NewID: 700}}
-	if !reflect.DeepEqual(rep.Conflicts, want) {
-		t.Errorf("conflicts %+v, want %+v", rep.Conflicts, want)
+	check("dry run", rep)
+	rep, err = Run(t.Context(), options(CRD, KVStore, cli, cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("run", rep)
+	if got := etcdMasters(t, cli); !maps.Equal(got, masters) {
+		t.Errorf("masters %v, want them unchanged: %v", got, masters)
+	}
+	want := map[string]identity.NumericIdentity{"a": 700, "b": 30000, "c": 900}
+	for name, id := range want {
+		key := set[name].Canonical()
+		resp, err := cli.Get(t.Context(), etcdstore.ReferencePrefix(key)+DefaultHoldNode)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != id.String() {
+			t.Errorf("hold reference of %s: %v, want one naming %d", key, resp.Kvs, id)
+		}
+	}
+
+	node := startEtcdNode(t, etcd.Endpoints()[0], "node-a")
+	for name, id := range want {
+		// A node that cannot settle the label set waits for its
+		// references to agree: the bound turns that into a failure.
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		got, _, err := node.Allocate(ctx, set[name])
+		cancel()
+		if err != nil || got.ID != id {
+			t.Errorf("the etcd node allocates %s as %v (%v), want %d", set[name].Canonical(), got, err, id)
+		}
 	}
 }

@@ -4,9 +4,11 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/cells/allocator/etcdstore"
@@ -70,10 +72,46 @@ func (e *etcdEnd) list(ctx context.Context) (map[identity.NumericIdentity]*item,
 			items[id] = it
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
-			return items, skipped, nil
+			break
 		}
 		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
+	if err := e.readReferences(ctx, items, rev); err != nil {
+		return nil, nil, err
+	}
+	return items, skipped, nil
+}
+
+// readReferences marks, of each label set held at several master keys,
+// the IDs other nodes' reference keys name at revision rev: a node adopts
+// the ID they name (etcdstore.ReferencedIDs), so choose must take it. The
+// hold's own reference is left out: this run writes it again.
+func (e *etcdEnd) readReferences(ctx context.Context, items map[identity.NumericIdentity]*item, rev int64) error {
+	byKey := map[string][]*item{}
+	for _, it := range items {
+		if it.err == nil {
+			byKey[it.key] = append(byKey[it.key], it)
+		}
+	}
+	for key, its := range byKey {
+		if len(its) < 2 {
+			continue
+		}
+		prefix := etcdstore.ReferencePrefix(key)
+		resp, err := e.cli.Get(ctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev))
+		if err != nil {
+			return fmt.Errorf("reading the reference keys of %q: %w", key, err)
+		}
+		kvs := slices.DeleteFunc(resp.Kvs, func(kv *mvccpb.KeyValue) bool { return string(kv.Key) == prefix+e.node })
+		named, err := etcdstore.ReferencedIDs(prefix, kvs)
+		if err != nil {
+			return err
+		}
+		for _, it := range its {
+			it.referenced = named[it.id] > 0
+		}
+	}
+	return nil
 }
 
 // prepare grants the hold's lease. It is never revoked: it ends with its
@@ -119,10 +157,12 @@ func (e *etcdEnd) create(ctx context.Context, id identity.NumericIdentity, lbls 
 
 func (e *etcdEnd) unmark(context.Context, *item) error { return nil }
 
-// hold writes a reference key of the hold's node for every ID, on the
-// hold's lease: the garbage collection (identityd's and Cilium's) keeps a
-// master key while a reference key of its label set exists.
-func (e *etcdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]labels.Labels) error {
+// hold writes one reference key of the hold's node for every label set,
+// on the hold's lease, naming the ID the plan gives the label set: the
+// garbage collection (identityd's and Cilium's) keeps every master key of
+// a label set while a reference key of it exists, and a node adopts the
+// ID its references name.
+func (e *etcdEnd) hold(ctx context.Context, h holding) error {
 	ops := make([]clientv3.Op, 0, maxTxnOps)
 	flush := func() error {
 		if len(ops) == 0 {
@@ -132,8 +172,8 @@ func (e *etcdEnd) hold(ctx context.Context, ids map[identity.NumericIdentity]lab
 		ops = ops[:0]
 		return err
 	}
-	for _, id := range sortedIDs(ids) {
-		ops = append(ops, clientv3.OpPut(etcdstore.ReferencePrefix(ids[id].Canonical())+e.node, id.String(), clientv3.WithLease(e.lease)))
+	for _, key := range slices.Sorted(maps.Keys(h.named)) {
+		ops = append(ops, clientv3.OpPut(etcdstore.ReferencePrefix(key)+e.node, h.named[key].String(), clientv3.WithLease(e.lease)))
 		if len(ops) == maxTxnOps {
 			if err := flush(); err != nil {
 				return err
@@ -158,9 +198,14 @@ func (e *etcdEnd) skip(lbls labels.Labels, key string) string {
 	return ""
 }
 
-// choose takes the smallest ID, so that the plan does not depend on the
-// listing's order: the etcd store has no rule among a label set's master
-// keys (an allocation follows the ID the set's reference keys name).
+// choose takes the ID a node adopts: the one other nodes' references name
+// (etcdstore.ReferencedIDs); when they name none, or several, which nodes
+// wait to agree, the smallest of those IDs, so that the plan does not
+// depend on the listing's order.
 func (e *etcdEnd) choose(its []*item) identity.NumericIdentity {
+	named := slices.DeleteFunc(slices.Clone(its), func(it *item) bool { return !it.referenced })
+	if len(named) > 0 {
+		its = named
+	}
 	return slices.MinFunc(its, func(a, b *item) int { return cmp.Compare(a.id, b.id) }).id
 }

@@ -10,17 +10,19 @@
 // CRD store places a new label set (the first free ID of its probe
 // sequence), or the ID the target already has for the label set (of
 // several objects, the one the CRD store answers, by its own rule,
-// crdstore.PickIdentity; of several master keys, the smallest). A label
-// set the target already has at another ID is reported and not created
-// twice. The stores' mapping of label sets to objects and keys is theirs
-// too (crdstore, etcdstore). The plan depends only on what the two stores
-// hold, and each write only creates what is absent, so a run that was
-// killed and is started again ends where one uninterrupted run ends. The
-// identities it migrated are then held for a time (Options.Hold) against
-// the target's garbage collection, which would otherwise delete what no
-// node uses yet: in etcd by reference keys on a lease of that TTL, in the
-// API server by an IdentityNode record of that lease. docs/guides.md has
-// the procedure.
+// crdstore.PickIdentity; of several master keys, the one other nodes'
+// references name, which etcd nodes adopt, etcdstore.ReferencedIDs, else
+// the smallest). A label set the target already has at another ID is
+// reported and not created twice. The stores' mapping of label sets to
+// objects and keys is theirs too (crdstore, etcdstore). The plan depends
+// only on what the two stores hold, and each write only creates what is
+// absent, so a run that was killed and is started again ends where one
+// uninterrupted run ends. The identities it migrated are then held for a
+// time (Options.Hold) against the target's garbage collection, which would
+// otherwise delete what no node uses yet: in etcd by one reference key per
+// label set, naming the ID the plan gives it, on a lease of that TTL, in
+// the API server by an IdentityNode record of that lease. docs/guides.md
+// has the procedure.
 package migrate
 
 import (
@@ -192,6 +194,9 @@ type item struct {
 	obj    *crdstore.CiliumIdentity
 	marked bool
 	rv     string
+	// referenced: in etcd, other nodes' reference keys of the label set
+	// name this ID (read only for label sets held at several master keys).
+	referenced bool
 }
 
 // end is one store, as source or target.
@@ -206,9 +211,9 @@ type end interface {
 	create(ctx context.Context, id identity.NumericIdentity, lbls labels.Labels) (*item, error)
 	// unmark removes the CRD store's heartbeat mark (a no-op in etcd).
 	unmark(ctx context.Context, it *item) error
-	// hold keeps ids (each with its label set) from the garbage
-	// collection for the hold's duration.
-	hold(ctx context.Context, ids map[identity.NumericIdentity]labels.Labels) error
+	// hold keeps what h holds from the garbage collection for the hold's
+	// duration.
+	hold(ctx context.Context, h holding) error
 	// skip reports why lbls cannot be written to this store ("" when it
 	// can), given the label sets it will hold.
 	skip(lbls labels.Labels, key string) string
@@ -319,7 +324,18 @@ type thePlan struct {
 	conflicts []Conflict
 	elsewhere []Elsewhere
 	skipped   []Skipped
-	held      map[identity.NumericIdentity]labels.Labels
+	held      holding
+}
+
+// holding is what a round holds in the target.
+type holding struct {
+	// ids holds every ID kept, with its label set.
+	ids map[identity.NumericIdentity]labels.Labels
+	// named maps the canonical string of every label set kept to the ID
+	// the plan gives it, which the target's store answers for it (choose;
+	// InvalidIdentity when the store takes none); a label set with several
+	// IDs is there once.
+	named map[string]identity.NumericIdentity
 }
 
 // plan decides, from the listings alone, what the target gets. Sources go
@@ -330,7 +346,7 @@ type thePlan struct {
 // The same listings give the same plan, so a run started again after a
 // kill plans what is left of the first run's plan.
 func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster identity.ClusterInfo, tgt end) *thePlan {
-	p := &thePlan{held: map[identity.NumericIdentity]labels.Labels{}}
+	p := &thePlan{held: holding{ids: map[identity.NumericIdentity]labels.Labels{}, named: map[string]identity.NumericIdentity{}}}
 	// held: every ID the target has or will have; byKey: the IDs of each
 	// label set there.
 	held := make(map[identity.NumericIdentity]*item, len(target)+len(sources))
@@ -345,7 +361,7 @@ func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster id
 		slices.Sort(ids)
 	}
 	keep := func(id identity.NumericIdentity, lbls labels.Labels) {
-		p.held[id] = lbls
+		p.held.ids[id] = lbls
 		if it := target[id]; it != nil && it.marked {
 			p.unmark = append(p.unmark, it)
 		}
@@ -412,6 +428,12 @@ func plan(sources []*item, target map[identity.NumericIdentity]*item, cluster id
 			keep(id, s.lbls)
 		}
 		p.conflicts = append(p.conflicts, c)
+	}
+	for _, lbls := range p.held.ids {
+		key := lbls.Canonical()
+		if _, ok := p.held.named[key]; !ok {
+			p.held.named[key] = choose(tgt, byKey[key], held)
+		}
 	}
 	return p
 }
@@ -509,7 +531,7 @@ func (p *thePlan) report(o Options, source int, skipped []Skipped, created map[i
 	slices.SortFunc(r.Created, func(a, b Entry) int { return cmp.Compare(a.ID, b.ID) })
 	slices.SortFunc(r.Skipped, func(a, b Skipped) int { return cmp.Compare(a.Name, b.Name) })
 	if !o.DryRun {
-		r.Hold = &Hold{Node: o.HoldNode, Until: time.Now().Add(o.Hold).UTC().Truncate(time.Second), IDs: len(p.held)}
+		r.Hold = &Hold{Node: o.HoldNode, Until: time.Now().Add(o.Hold).UTC().Truncate(time.Second), IDs: len(p.held.ids)}
 	}
 	return r
 }

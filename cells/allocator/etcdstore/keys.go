@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
 	"github.com/identityd/identityd/identity"
 )
 
@@ -37,3 +39,25 @@ func LockPrefix(key string) string { return lockPrefix(key) }
 // whose canonical string is key cannot be stored: its reference or lock
 // keys, cleaned as Cilium cleans them, leave their prefix.
 func CheckKeyLayout(key string) error { return checkKeyLayout(key) }
+
+// ReferencedIDs returns the IDs that the reference keys in kvs name, each
+// with the number of keys that name it. kvs is a read of the prefix
+// ReferencePrefix returns for a label set; keys under it that belong to
+// other label sets (whose strings extend this one with "/") are left out.
+// This is how a node settles a label set held at several master keys: it
+// adopts the one ID its references name, and waits while they name
+// several.
+func ReferencedIDs(prefix string, kvs []*mvccpb.KeyValue) (map[identity.NumericIdentity]int, error) {
+	ids := map[identity.NumericIdentity]int{}
+	for _, kv := range kvs {
+		if !isReferenceOf(kv.Key, prefix) {
+			continue
+		}
+		id, err := identity.ParseNumericIdentity(string(kv.Value))
+		if err != nil || id == identity.InvalidIdentity {
+			return nil, fmt.Errorf("reference key %s holds %q, not a numeric identity", kv.Key, kv.Value)
+		}
+		ids[id]++
+	}
+	return ids, nil
+}

@@ -858,16 +858,9 @@ func (b *Store) scanReferences(ctx context.Context, cli *clientv3.Client, prefix
 	if err != nil {
 		return nil, 0, err
 	}
-	ids := map[identity.NumericIdentity]int{}
-	for _, kv := range resp.Kvs {
-		if !isReferenceOf(kv.Key, prefix) {
-			continue
-		}
-		id, err := identity.ParseNumericIdentity(string(kv.Value))
-		if err != nil || id == identity.InvalidIdentity {
-			return nil, 0, fmt.Errorf("reference key %s holds %q, not a numeric identity", kv.Key, kv.Value)
-		}
-		ids[id]++
+	ids, err := ReferencedIDs(prefix, resp.Kvs)
+	if err != nil {
+		return nil, 0, err
 	}
 	return ids, resp.Header.GetRevision(), nil
 }
