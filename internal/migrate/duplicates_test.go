@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -240,7 +241,9 @@ func TestDuplicatesChoiceAsCRDStore(t *testing.T) {
 // holds at several master keys gets one reference key of the hold, naming
 // the ID the plan reports, which is the ID an etcd node then adopts for
 // it: the one other nodes' references name, else the smallest (the plan
-// must not depend on the listing's order). A dry run plans the same.
+// must not depend on the listing's order). Source duplicates present at
+// several of those IDs are held once too. A dry run and a second run plan
+// the same.
 func TestDuplicateMasterKeysHeldOnce(t *testing.T) {
 	t.Parallel()
 	etcd := etcdtest.StartSingle(t)
@@ -253,7 +256,8 @@ func TestDuplicateMasterKeysHeldOnce(t *testing.T) {
 	}
 	a, b, c := set["a"].Canonical(), set["b"].Canonical(), set["c"].Canonical()
 	z, y := canon(t, "k8s:app=z"), canon(t, "k8s:app=y")
-	seedCRD(t, cfg, map[identity.NumericIdentity]labels.Labels{256: set["a"], 257: set["c"], 258: set["b"]})
+	seedCRD(t, cfg, map[identity.NumericIdentity]labels.Labels{256: set["a"], 257: set["c"], 258: set["b"],
+		700: set["a"], 40000: set["a"]})
 	// A node references b at 30000 (and z, y at their IDs); nobody
 	// references a or c.
 	seedEtcd(t, cli, "cilium-node", map[string]string{"256": z, "258": y, "30000": b})
@@ -271,8 +275,9 @@ func TestDuplicateMasterKeysHeldOnce(t *testing.T) {
 	check := func(what string, rep *Report) {
 		t.Helper()
 		if !reflect.DeepEqual(rep.Conflicts, wantConflicts) || !reflect.DeepEqual(rep.Elsewhere, wantElsewhere) ||
-			len(rep.Created) != 0 || rep.NewIDsCreated != 0 {
-			t.Errorf("%s: %+v, want conflicts %+v and elsewhere %+v, nothing created", what, rep, wantConflicts, wantElsewhere)
+			!slices.Equal(ids(rep.Present), []uint32{700, 40000}) || len(rep.Created) != 0 || rep.NewIDsCreated != 0 {
+			t.Errorf("%s: %+v, want conflicts %+v, elsewhere %+v, 700 and 40000 present, nothing created",
+				what, rep, wantConflicts, wantElsewhere)
 		}
 	}
 	dry := options(CRD, KVStore, cli, cfg)
@@ -291,16 +296,25 @@ func TestDuplicateMasterKeysHeldOnce(t *testing.T) {
 		t.Errorf("masters %v, want them unchanged: %v", got, masters)
 	}
 	want := map[string]identity.NumericIdentity{"a": 700, "b": 30000, "c": 900}
-	for name, id := range want {
-		key := set[name].Canonical()
-		resp, err := cli.Get(t.Context(), etcdstore.ReferencePrefix(key)+DefaultHoldNode)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != id.String() {
-			t.Errorf("hold reference of %s: %v, want one naming %d", key, resp.Kvs, id)
+	checkHold := func(what string) {
+		t.Helper()
+		for name, id := range want {
+			key := set[name].Canonical()
+			resp, err := cli.Get(t.Context(), etcdstore.ReferencePrefix(key)+DefaultHoldNode)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != id.String() {
+				t.Errorf("%s: hold reference of %s: %v, want one naming %d", what, key, resp.Kvs, id)
+			}
 		}
 	}
+	checkHold("run")
+	if rep, err = Run(t.Context(), options(CRD, KVStore, cli, cfg)); err != nil {
+		t.Fatal(err)
+	}
+	check("second run", rep)
+	checkHold("second run")
 
 	node := startEtcdNode(t, etcd.Endpoints()[0], "node-a")
 	for name, id := range want {
