@@ -328,3 +328,51 @@ func TestDuplicateMasterKeysHeldOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestDuplicateMasterKeysDisagreeingReferences: of a label set's master
+// keys that other nodes' references name (they disagree, and nodes wait),
+// the plan takes the smallest, never an unreferenced one; the hold's own
+// reference from an earlier run does not count, since the run writes it
+// again.
+func TestDuplicateMasterKeysDisagreeingReferences(t *testing.T) {
+	t.Parallel()
+	cli := etcdtest.StartSingle(t).Client(t)
+	cfg := k8stest.Start(t).RESTConfig()
+	d, e := labels.MustParse("k8s:app=d"), labels.MustParse("k8s:app=e")
+	w, v := canon(t, "k8s:app=w"), canon(t, "k8s:app=v")
+	seedCRD(t, cfg, map[identity.NumericIdentity]labels.Labels{259: d, 260: e})
+	seedEtcd(t, cli, "cilium-node", map[string]string{"259": w, "260": v})
+	seedEtcd(t, cli, "node-x", map[string]string{"2000": d.Canonical()})
+	seedEtcd(t, cli, "node-y", map[string]string{"1000": d.Canonical()})
+	// An earlier run's reference names e's larger master key.
+	seedEtcd(t, cli, DefaultHoldNode, map[string]string{"4000": e.Canonical()})
+	for id, key := range map[identity.NumericIdentity]string{500: d.Canonical(), 3000: e.Canonical()} {
+		if _, err := cli.Put(t.Context(), etcdstore.MasterKey(id), key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []Conflict{
+		{ID: 259, Labels: d.Canonical(), TargetLabels: w, NewID: 1000},
+		{ID: 260, Labels: e.Canonical(), TargetLabels: v, NewID: 3000},
+	}
+	for _, dry := range []bool{true, false} {
+		o := options(CRD, KVStore, cli, cfg)
+		o.DryRun = dry
+		rep, err := Run(t.Context(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(rep.Conflicts, want) {
+			t.Errorf("dry run %v: conflicts %+v, want %+v", dry, rep.Conflicts, want)
+		}
+	}
+	for lbls, id := range map[string]string{d.Canonical(): "1000", e.Canonical(): "3000"} {
+		resp, err := cli.Get(t.Context(), etcdstore.ReferencePrefix(lbls)+DefaultHoldNode)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != id {
+			t.Errorf("hold reference of %s: %v, want one naming %s", lbls, resp.Kvs, id)
+		}
+	}
+}
