@@ -172,10 +172,12 @@ bench-anchor:
 	cd internal/ciliumanchor && $(GO) test -c -o "$$dir/cilium.test" . && \
 	$(GO) run ./compare -rounds $(ANCHOR_ROUNDS) -count $(ANCHOR_COUNT) "$$dir/identityd.test" "$$dir/cilium.test"
 
-# Runs TestChurnLevelsOff of both stores (docs/benchmarks.md, "Identity
-# churn"): two nodes allocate CHURN_RATE new label sets a second each, held
-# 10 s, for CHURN_SECONDS, collecting every CHURN_GC_INTERVAL seconds at
-# CHURN_GC_LIMIT deletions a minute; the identities must level off.
+# Runs TestChurnLevelsOff of both stores, and TestChurnLevelsOffProcess,
+# the same against two identityd processes per store (docs/benchmarks.md,
+# "Identity churn"): two nodes allocate CHURN_RATE new label sets a second
+# each, held 10 s, for CHURN_SECONDS, collecting every CHURN_GC_INTERVAL
+# seconds at CHURN_GC_LIMIT deletions a minute; the identities must level
+# off.
 CHURN_SECONDS ?= 300
 CHURN_RATE ?= 40
 CHURN_GC_INTERVAL ?= 10
@@ -183,7 +185,8 @@ CHURN_GC_LIMIT ?= 2500
 bench-churn:
 	IDENTITYD_CHURN_SECONDS=$(CHURN_SECONDS) IDENTITYD_CHURN_RATE=$(CHURN_RATE) \
 	IDENTITYD_CHURN_GC_INTERVAL=$(CHURN_GC_INTERVAL) IDENTITYD_CHURN_GC_LIMIT=$(CHURN_GC_LIMIT) \
-	$(GO) test -count=1 -p 1 -timeout 30m -run '^TestChurnLevelsOff$$' -v ./cells/allocator/etcdstore ./cells/allocator/crdstore
+	$(GO) test -count=1 -p 1 -timeout 30m -run '^TestChurnLevelsOff(Process)?$$' -v \
+	  ./cells/allocator/etcdstore ./cells/allocator/crdstore ./cmd/identityd
 
 # Checks the identity labels Cilium v1.16.2's own agent code gives the pod
 # shapes of cells/workloads/testdata against the file that make test
