@@ -2,10 +2,11 @@ package crdstore
 
 import (
 	"flag"
-	"os"
 	"runtime"
 	"strconv"
 	"testing"
+
+	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/internal/k8stest"
 )
@@ -49,9 +50,18 @@ func TestMain(m *testing.M) {
 	if !parallelSet {
 		flag.Set("test.parallel", strconv.Itoa(max(serverParallel, runtime.GOMAXPROCS(0))))
 	}
-	code := m.Run()
+	goleak.VerifyTestMain(stopSharedAfter{m})
+}
+
+// stopSharedAfter runs the tests and then stops the shared API server, so
+// that goleak finds the goroutines of the tests and not those of the server
+// they share.
+type stopSharedAfter struct{ m *testing.M }
+
+func (s stopSharedAfter) Run() int {
+	code := s.m.Run()
 	k8stest.StopShared()
-	os.Exit(code)
+	return code
 }
 
 // startBareServer starts an API server without CRDs.
