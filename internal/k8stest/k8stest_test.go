@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -394,7 +395,16 @@ func TestSharedOutlivesTestsAndStartsEmpty(t *testing.T) {
 }
 
 func TestMain(m *testing.M) {
-	code := m.Run()
+	goleak.VerifyTestMain(stopSharedAfter{m})
+}
+
+// stopSharedAfter runs the tests and then stops the shared API server, so
+// that goleak finds the goroutines of the tests and not those of the server
+// they share.
+type stopSharedAfter struct{ m *testing.M }
+
+func (s stopSharedAfter) Run() int {
+	code := s.m.Run()
 	k8stest.StopShared()
-	os.Exit(code)
+	return code
 }
