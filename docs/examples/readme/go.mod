@@ -7,6 +7,7 @@ require (
 	github.com/cilium/statedb v0.9.4
 	github.com/identityd/identityd v0.0.0
 	github.com/spf13/pflag v1.0.10
+	go.uber.org/goleak v1.3.0
 	k8s.io/apimachinery v0.37.2
 	k8s.io/client-go v0.37.2
 )
