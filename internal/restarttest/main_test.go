@@ -2,8 +2,9 @@ package restarttest
 
 import (
 	"flag"
-	"os"
 	"testing"
+
+	"go.uber.org/goleak"
 
 	"github.com/identityd/identityd/internal/testproc"
 )
@@ -13,15 +14,24 @@ import (
 var agent = testproc.OnceBuild{Build: testproc.BuildAgent}
 
 // TestMain starts the build of the identityd binary at once, so that it
-// links while the first test prepares, and removes it at the end.
+// links while the first test prepares, and removes it at the end, before
+// goleak looks for goroutines the tests left.
 func TestMain(m *testing.M) {
 	flag.Parse()
 	if !testing.Short() {
 		agent.Start()
 	}
-	code := m.Run()
+	goleak.VerifyTestMain(removeAgentAfter{m})
+}
+
+// removeAgentAfter runs the tests and then waits for the build of the
+// binary and removes it.
+type removeAgentAfter struct{ m *testing.M }
+
+func (r removeAgentAfter) Run() int {
+	code := r.m.Run()
 	agent.Remove()
-	os.Exit(code)
+	return code
 }
 
 // agentBinary returns the path of the identityd binary.
