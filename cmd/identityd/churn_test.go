@@ -132,6 +132,8 @@ func newShellChurnNode(t *testing.T, a *healthAgent) allocatortest.ChurnNode {
 		conns <- a.dial()
 	}
 	rel := a.dial()
+	// RunChurn releases a node's sets one at a time; ChurnNode does not
+	// promise it.
 	var relMu sync.Mutex
 	t.Cleanup(func() {
 		close(conns)
