@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
+
 	"github.com/identityd/identityd/internal/testproc"
 )
 
@@ -83,9 +85,17 @@ func TestMain(m *testing.M) {
 	if !testing.Short() && flag.Lookup("test.run").Value.String() == "" && flag.Lookup("test.list").Value.String() == "" {
 		built.Start()
 	}
-	code := m.Run()
+	goleak.VerifyTestMain(removeBuiltAfter{m})
+}
+
+// removeBuiltAfter runs the tests and then waits for the build of the
+// binary and removes it, before goleak looks for goroutines the tests left.
+type removeBuiltAfter struct{ m *testing.M }
+
+func (r removeBuiltAfter) Run() int {
+	code := r.m.Run()
 	built.Remove()
-	os.Exit(code)
+	return code
 }
 
 // built is the identityd binary that agentBinary builds once per test
