@@ -551,7 +551,7 @@ func TestAdoptDuplicatesRequests(t *testing.T) {
 	}
 	late := startNode(t, rc, "node-late")
 	require(t, 30*time.Second, func() error {
-		if objs, _ := late.store.ids.Objects(); len(objs) != objects {
+		if objs, _ := late.store.ids.snapshot(); len(objs) != objects {
 			return fmt.Errorf("node-late's cache shows %d of %d objects", len(objs), objects)
 		}
 		return nil

@@ -10,7 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/identity"
@@ -45,17 +44,6 @@ func createdByIdentityd(obj *CiliumIdentity) bool {
 func (e *entry) marked() bool {
 	_, ok := e.obj.Annotations[HeartbeatAnnotation]
 	return ok
-}
-
-// Object is what the cache knows of one CiliumIdentity: what the garbage
-// collection needs to decide and to delete with preconditions.
-type Object struct {
-	ID              identity.NumericIdentity
-	Labels          labels.Labels
-	UID             types.UID
-	ResourceVersion string
-	Created         time.Time
-	Annotations     map[string]string
 }
 
 type change struct {
@@ -96,9 +84,6 @@ type identityCache struct {
 	mu    sync.RWMutex
 	byID  map[identity.NumericIdentity]*entry
 	byKey map[string][]*entry
-	// rv is the resourceVersion the cache reflects: the last listing's,
-	// watch event's or bookmark's.
-	rv string
 	// ignored holds, by name, the resourceVersion of every object left
 	// out (a name that is not an ID of this cluster's range, labels that
 	// do not parse), so that each version is logged and counted once.
@@ -223,7 +208,6 @@ func (c *identityCache) Update(obj any) error {
 	var changes []change
 	var mark *entry
 	c.mu.Lock()
-	c.rv = ci.ResourceVersion
 	e, err := c.parse(ci)
 	if err != nil {
 		c.ignore(ci, err)
@@ -260,9 +244,6 @@ func (c *identityCache) Delete(obj any) error {
 	}
 	var changes []change
 	c.mu.Lock()
-	if ci.ResourceVersion != "" {
-		c.rv = ci.ResourceVersion
-	}
 	delete(c.ignored, ci.Name)
 	if id, err := parseName(ci.Name); err == nil {
 		if old := c.byID[id]; old != nil {
@@ -276,7 +257,7 @@ func (c *identityCache) Delete(obj any) error {
 
 // Replace implements cache.ReflectorStore: a complete listing, after which
 // only what differs from the cache is reported.
-func (c *identityCache) Replace(list []any, rv string) error {
+func (c *identityCache) Replace(list []any, _ string) error {
 	fresh := make(map[identity.NumericIdentity]*CiliumIdentity, len(list))
 	var objs []*CiliumIdentity
 	for _, o := range list {
@@ -317,7 +298,6 @@ func (c *identityCache) Replace(list []any, rv string) error {
 			marks = append(marks, e)
 		}
 	}
-	c.rv = rv
 	c.mu.Unlock()
 	c.report(changes)
 	for _, e := range marks {
@@ -337,13 +317,11 @@ func (c *identityCache) Replace(list []any, rv string) error {
 // Resync implements cache.ReflectorStore; there is nothing to resync.
 func (c *identityCache) Resync() error { return nil }
 
-// Bookmark implements cache.ReflectorBookmarkStore: the cache has seen
-// every change up to rv.
-func (c *identityCache) Bookmark(rv string) error {
+// Bookmark implements cache.ReflectorBookmarkStore. The cache keeps no
+// resourceVersion (nothing reads one); a bookmark waits at the test's gate
+// as the watch's other events do.
+func (c *identityCache) Bookmark(string) error {
 	c.passGate()
-	c.mu.Lock()
-	c.rv = rv
-	c.mu.Unlock()
 	return nil
 }
 
@@ -735,32 +713,4 @@ func (c *identityCache) snapshot() (es []*entry, unparsed []identity.NumericIden
 		}
 	}
 	return es, unparsed
-}
-
-// Objects returns every object of the cache, with the resourceVersion the
-// cache reflects; the garbage collection decides on them.
-func (c *identityCache) Objects() ([]Object, string) {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	out := make([]Object, 0, len(c.byID))
-	for _, e := range c.byID {
-		out = append(out, Object{
-			ID: e.id, Labels: e.lbls, UID: e.obj.UID, ResourceVersion: e.obj.ResourceVersion,
-			Created: e.obj.CreationTimestamp.Time, Annotations: e.obj.Annotations,
-		})
-	}
-	return out, c.rv
-}
-
-// Position returns the position of id in the probe sequence of lbls, and
-// false when id is outside this cluster's range.
-func (c *identityCache) Position(lbls labels.Labels, id identity.NumericIdentity) (uint64, bool) {
-	return c.rng.probe(lbls.Canonical()).Position(id)
-}
-
-// ResourceVersion returns the resourceVersion the cache reflects.
-func (c *identityCache) ResourceVersion() string {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	return c.rv
 }
