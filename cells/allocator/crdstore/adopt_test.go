@@ -467,13 +467,19 @@ func TestTieSeenLate(t *testing.T) {
 // one ends).
 func serverRequests(tb testing.TB, srv *k8stest.Server) map[string]float64 {
 	tb.Helper()
+	return serverRequestsFor(tb, srv, "ciliumidentities")
+}
+
+// serverRequestsFor is serverRequests for the requests on resource.
+func serverRequestsFor(tb testing.TB, srv *k8stest.Server, resource string) map[string]float64 {
+	tb.Helper()
 	raw, err := k8stest.GetRaw(context.Background(), srv.RESTConfig(), "/metrics")
 	if err != nil {
 		tb.Fatalf("reading the API server's metrics: %v", err)
 	}
 	out := map[string]float64{}
 	for line := range strings.Lines(string(raw)) {
-		if !strings.HasPrefix(line, "apiserver_request_total{") || !strings.Contains(line, `resource="ciliumidentities"`) {
+		if !strings.HasPrefix(line, "apiserver_request_total{") || !strings.Contains(line, `resource="`+resource+`"`) {
 			continue
 		}
 		_, rest, _ := strings.Cut(line, `verb="`)

@@ -82,15 +82,18 @@ const reclaimRecheck = time.Second
 // identities would keep them for as long as the refill lasts. So a full
 // range recovers as soon as its released identities' marks are old
 // enough, without waiting for a collection. On a crowded range
-// (SpaceWarnRatio) an identity the collector is going to delete once its
-// mark is old enough, or once nothing fences it, ends the search with
-// errReclaimLater (waitToReclaim). errNothingToReclaim: no such identity.
+// (SpaceWarnRatio), for a walk that found a free slot, an identity the
+// collector is going to delete once its mark is old enough, or once
+// nothing fences it, ends the search with errReclaimLater (waitToReclaim).
+// errNothingToReclaim: no such identity.
 func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint64) (identity.NumericIdentity, bool, error) {
 	s := a.s
-	// On a crowded range a walk may wait for an identity whose mark is
-	// not old enough yet (errReclaimLater); elsewhere only one whose
-	// mark is old enough matters.
-	crowded := s.ids.fill() >= globalstore.SpaceWarnRatio
+	// On a crowded range a walk that found a free slot may wait for an
+	// identity whose mark is not old enough yet (errReclaimLater);
+	// elsewhere, and on a range without a free slot, where the
+	// allocation is refused at once, only one whose mark is old enough
+	// matters: a refusal then costs no listing.
+	crowded := limit < p.Len() && s.ids.fill() >= globalstore.SpaceWarnRatio
 	markedBefore := time.Now().Add(-s.gcTimeout())
 	if crowded {
 		markedBefore = time.Now()

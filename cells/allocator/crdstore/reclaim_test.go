@@ -19,6 +19,9 @@ import (
 // collector would keep: an identity a live IdentityNode record of another
 // node lists, one a walk stepped over just now, and, beside Cilium agents,
 // any (their uses are in endpoint objects each walk would have to list).
+// An identity marked just now is not due: the allocation is refused at
+// once, without listing the IdentityNode records (it did, on a range where
+// a refused allocation waits for nothing: checked).
 func TestWalkReclaims(t *testing.T) {
 	srv := serialServer(t)
 	cfg := gcTestConfig
@@ -32,6 +35,8 @@ func TestWalkReclaims(t *testing.T) {
 		// collector keeps it for.
 		keep      func(t *testing.T, n *gcNode, x identity.NumericIdentity)
 		reclaimed bool
+		// markedNow marks x just now rather than ten minutes ago.
+		markedNow bool
 	}{
 		{name: "unused", reclaimed: true},
 		{name: "listed by a live node", keep: func(t *testing.T, n *gcNode, x identity.NumericIdentity) {
@@ -52,6 +57,7 @@ func TestWalkReclaims(t *testing.T) {
 			}
 		}},
 		{name: "beside Cilium agents", ciliumAgents: true},
+		{name: "marked just now", markedNow: true},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -83,12 +89,24 @@ func TestWalkReclaims(t *testing.T) {
 			// Old enough that no object fences the others.
 			time.Sleep(fenceWindow(cfg) + time.Second)
 
+			if tc.markedNow {
+				// Younger than the grace (a second here).
+				patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
+				if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", x.String(), patch); err != nil {
+					t.Fatal(err)
+				}
+				waitCacheCurrent(t, n.Store)
+			}
+			lists := serverRequestsFor(t, srv, "identitynodes")["LIST"]
 			id, _, err := n.Allocate(t.Context(), lbls, n.refs.record)
 			if !tc.reclaimed {
 				if !errors.Is(err, globalstore.ErrSpaceExhausted) {
 					t.Fatalf("allocation: %d, %v; want %v, the marked identity kept", id, err, globalstore.ErrSpaceExhausted)
 				}
-				if obj := readIdentity(t, n.Store, x); obj == nil || obj.Annotations[HeartbeatAnnotation] != marked {
+				if got := serverRequestsFor(t, srv, "identitynodes")["LIST"] - lists; tc.markedNow && got != 0 {
+					t.Errorf("the refusal listed the IdentityNode records %v times, want none: no mark is due", got)
+				}
+				if obj := readIdentity(t, n.Store, x); obj == nil || obj.Annotations[HeartbeatAnnotation] == "" || !tc.markedNow && obj.Annotations[HeartbeatAnnotation] != marked {
 					t.Fatalf("identity %d after the refusal: %+v, want it as it was", x, obj)
 				}
 				if st := n.GCStats(); st.Reclaimed != 0 {

@@ -744,7 +744,7 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 // an identity the collector would delete, or refuses.
 func (a *allocation) reclaimOrRefuse(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	id, created, err := a.reclaim(ctx, p, p.Len())
-	if errors.Is(err, errNothingToReclaim) || errors.Is(err, errReclaimLater) {
+	if errors.Is(err, errNothingToReclaim) {
 		return 0, false, globalstore.ErrSpaceExhausted
 	}
 	return id, created, err
