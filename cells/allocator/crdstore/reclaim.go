@@ -26,28 +26,27 @@ var (
 	// errNothingToReclaim: no identity before the walk's position is one
 	// the collector would delete now.
 	errNothingToReclaim = errors.New("no identity to reclaim")
-	// errReclaimLater: as errNothingToReclaim, but the collector will
-	// delete one once its mark is old enough and no fence or step keeps
-	// it.
-	errReclaimLater = errors.New("identities to reclaim are not due yet")
+	// errReclaimLater: as errNothingToReclaim, but one is due within
+	// reclaimWait.
+	errReclaimLater = errors.New("an identity to reclaim is not due yet")
 )
 
 // waitToReclaim is called by a walk on a crowded range (SpaceWarnRatio)
-// that would step over identities the collector is going to delete
-// (errReclaimLater) to create at a free slot: the walk waits and walks
-// again, once per reclaimRecheck, at most the collector's timeout and a
-// fence window from its first wait, so that it takes the slot of the first
-// of them once it is due (reclaim) rather than create behind them. An
-// object created there would fence the whole run of held slots before it,
-// which on a crowded range is much of the range, and on a refilling range
-// the walks that keep creating at the ends of the same runs keep the
-// released identities in them fenced for as long as the refill lasts: the
-// range would refill only as fast as runs stay untouched for a fence
-// window. false: the walk has waited long enough, and creates.
+// that would step over an identity the collector is about to delete (its
+// mark reaches the timeout within reclaimWait, and nothing else keeps it)
+// to create at a free slot: the walk waits and walks again, once per
+// reclaimRecheck, at most reclaimWait and a recheck from its first wait
+// and at most half of the time left to the allocation, so that it takes
+// that identity's slot once it is due (reclaim) rather than create behind
+// it. An object created there would fence the whole run of held slots
+// before it, which on a crowded range is much of the range, and while a
+// released range refills, walks that keep creating at the ends of the
+// same runs keep the released identities in them fenced. false: the walk
+// has waited long enough, and creates.
 func (a *allocation) waitToReclaim(ctx context.Context) bool {
 	now := time.Now()
 	if a.reclaimWaitUntil.IsZero() {
-		a.reclaimWaitUntil = now.Add(a.s.gcTimeout() + fenceWindow(a.s.gc.cfg) + time.Second)
+		a.reclaimWaitUntil = now.Add(reclaimWait + reclaimRecheck)
 		if deadline, ok := ctx.Deadline(); ok {
 			// Half of what the caller gave is left to create.
 			a.reclaimWaitUntil = minTime(a.reclaimWaitUntil, now.Add(deadline.Sub(now)/2))
@@ -64,6 +63,12 @@ func (a *allocation) waitToReclaim(ctx context.Context) bool {
 	}
 	return true
 }
+
+// reclaimWait is how soon an identity must be due for a walk on a crowded
+// range to wait for it: a wait an allocation can afford, and longer than
+// a collection run takes to mark what it released, so that the marks of
+// one run come due within it of each other.
+const reclaimWait = 5 * time.Second
 
 // reclaimRecheck is how often a walk waiting to reclaim looks again.
 const reclaimRecheck = time.Second
@@ -82,21 +87,21 @@ const reclaimRecheck = time.Second
 // identities would keep them for as long as the refill lasts. So a full
 // range recovers as soon as its released identities' marks are old
 // enough, without waiting for a collection. On a crowded range
-// (SpaceWarnRatio), for a walk that found a free slot, an identity the
-// collector is going to delete once its mark is old enough, or once
-// nothing fences it, ends the search with errReclaimLater (waitToReclaim).
+// (SpaceWarnRatio), for a walk that found a free slot, an identity that
+// nothing but its mark's age keeps and that is due within reclaimWait
+// ends the search with errReclaimLater (waitToReclaim).
 // errNothingToReclaim: no such identity.
 func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint64) (identity.NumericIdentity, bool, error) {
 	s := a.s
 	// On a crowded range a walk that found a free slot may wait for an
-	// identity whose mark is not old enough yet (errReclaimLater);
+	// identity whose mark is nearly old enough (errReclaimLater);
 	// elsewhere, and on a range without a free slot, where the
 	// allocation is refused at once, only one whose mark is old enough
 	// matters: a refusal then costs no listing.
 	crowded := limit < p.Len() && s.ids.fill() >= globalstore.SpaceWarnRatio
 	markedBefore := time.Now().Add(-s.gcTimeout())
 	if crowded {
-		markedBefore = time.Now()
+		markedBefore = markedBefore.Add(reclaimWait)
 	}
 	if a.readOnly || !s.reclaims() || !s.ids.anyMarkedBefore(p, limit, markedBefore) {
 		return 0, false, errNothingToReclaim
@@ -112,13 +117,6 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 		return 0, false, err
 	}
 	in := s.gcInputs(now, objs, nodes, named)
-	// later holds the rule without the fence, the timeout and the step
-	// window: what it would delete, the collector will delete once the
-	// mark is old enough and nothing fences the identity or stepped
-	// over it lately.
-	later := *in
-	later.fence, later.timeout, later.stepWindow = nil, 0, 0
-	pending := false
 	var stepped []*entry
 	for i := range limit {
 		id := p.Slot(i)
@@ -132,13 +130,10 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 			return 0, false, errRestart
 		}
 		if d := in.decide(o); d.action != gcDelete {
-			if later.decide(o).action == gcDelete {
-				if crowded {
-					// Taking a slot further on would fence
-					// this one: wait for it instead.
-					return 0, false, errReclaimLater
-				}
-				pending = true
+			if crowded && d.action == gcNone && d.kept == keptNot && dueWithin(o, in, reclaimWait) {
+				// Taking a slot further on would fence this
+				// one, about to be due: wait for it instead.
+				return 0, false, errReclaimLater
 			}
 			if o.e != nil && o.e.obj != nil && o.e.marked() {
 				stepped = append(stepped, o.e)
@@ -175,10 +170,14 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 		}
 		return 0, false, errRestart
 	}
-	if pending && crowded {
-		return 0, false, errReclaimLater
-	}
 	return 0, false, errNothingToReclaim
+}
+
+// dueWithin reports whether o carries a mark that reaches the collector's
+// timeout within d of in's now.
+func dueWithin(o *gcObject, in *gcInputs, d time.Duration) bool {
+	at, err := time.Parse(time.RFC3339Nano, o.obj.Annotations[HeartbeatAnnotation])
+	return err == nil && at.Add(in.timeout).Sub(in.now) <= d
 }
 
 func minTime(a, b time.Time) time.Time {

@@ -1,6 +1,7 @@
 package crdstore
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -125,5 +126,50 @@ func TestWalkReclaims(t *testing.T) {
 				t.Fatalf("collection %+v: want 1 reclaimed and no collection run", st)
 			}
 		})
+	}
+}
+
+// TestCrowdedWalkWaitsBriefly: on a range 90% held, a walk that would step
+// over an identity whose mark is far from its timeout to a free slot
+// creates there at once: it waits only for an identity due within
+// reclaimWait. Waiting for the mark's whole timeout held allocations for
+// minutes (checked: the allocation took half its 20 s).
+func TestCrowdedWalkWaitsBriefly(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, time.Hour
+	const size = 10
+	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n.cfg.IdentityGCCiliumAgents = false
+	lo := gcCluster.MinID() + 3500
+	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
+	lbls := mustLabels(t, "k8s:app=crowded")
+	p := n.ids.rng.probe(lbls.Canonical())
+	x, free := p.Slot(0), p.Slot(1)
+	for id := lo; id < lo+size; id++ {
+		mark := ""
+		if id == x {
+			mark = time.Now().UTC().Format(time.RFC3339Nano)
+		}
+		if id != free {
+			createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=crowd-%d", id)), mark)
+		}
+	}
+	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(t.Context()) })
+	waitCacheCurrent(t, n.Store)
+
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+	took := time.Since(start)
+	if err != nil || id != free {
+		t.Fatalf("allocation: %d, %v; want the free slot %d", id, err, free)
+	}
+	if took > reclaimWait {
+		t.Fatalf("the allocation took %s, want under %s: the marked identity is not due for an hour", took, reclaimWait)
 	}
 }
