@@ -41,7 +41,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 GO_IMAGE ?=
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-churn bench-cilium bench-cilium-mixed bench-scale bench-relabel interop-cilium fuzz robustness lint docs-graph clean
+.PHONY: all build image run shell test test-long vet vet-servers fmt-check test-binaries test-unit compose-example bench bench-anchor anchor-labels bench-churn bench-fullrange bench-cilium bench-cilium-mixed bench-scale bench-relabel interop-cilium fuzz robustness lint docs-graph clean
 
 all: build
 
@@ -187,6 +187,14 @@ bench-churn:
 	IDENTITYD_CHURN_GC_INTERVAL=$(CHURN_GC_INTERVAL) IDENTITYD_CHURN_GC_LIMIT=$(CHURN_GC_LIMIT) \
 	$(GO) test -count=1 -p 1 -timeout 30m -run '^TestChurnLevelsOff(Process)?$$' -v \
 	  ./cells/allocator/etcdstore ./cells/allocator/crdstore ./cmd/identityd
+
+# Fills a cluster's whole CRD range (65,280 IDs) through an agent's shell,
+# releases FULLRANGE_RELEASED label sets and times how soon as many new
+# ones get IDs (docs/benchmarks.md, "A full range recovering").
+FULLRANGE_RELEASED ?= 1000
+bench-fullrange:
+	IDENTITYD_FULLRANGE_RELEASED=$(FULLRANGE_RELEASED) \
+	$(GO) test -count=1 -timeout 60m -run '^TestFullRangeRecoversProcess$$' -v ./cmd/identityd
 
 # Checks the identity labels Cilium v1.16.2's own agent code gives the pod
 # shapes of cells/workloads/testdata against the file that make test
