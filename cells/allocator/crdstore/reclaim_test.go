@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
+	"sync"
 	"testing"
 	"time"
 
@@ -62,7 +64,13 @@ func TestWalkReclaims(t *testing.T) {
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+			c := cfg
+			if tc.markedNow {
+				// A mark not due within reclaimWait, which a walk
+				// on a full range would wait for.
+				c.HeartbeatTimeout = time.Minute
+			}
+			n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", c), refs: newTestRefs()}
 			n.cfg.IdentityGCCiliumAgents = tc.ciliumAgents
 			lo := gcCluster.MinID() + 3000 + identity.NumericIdentity(i*size)
 			n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
@@ -91,7 +99,7 @@ func TestWalkReclaims(t *testing.T) {
 			time.Sleep(fenceWindow(cfg) + time.Second)
 
 			if tc.markedNow {
-				// Younger than the grace (a second here).
+				// Younger than the grace (a minute here).
 				patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, time.Now().UTC().Format(time.RFC3339Nano))
 				if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", x.String(), patch); err != nil {
 					t.Fatal(err)
@@ -171,5 +179,120 @@ func TestCrowdedWalkWaitsBriefly(t *testing.T) {
 	}
 	if took > reclaimWait {
 		t.Fatalf("the allocation took %s, want under %s: the marked identity is not due for an hour", took, reclaimWait)
+	}
+}
+
+// TestFullRangeWalkTakesTheFirstDue: on a full range, a walk whose
+// sequence reaches an identity due in eight seconds before one due now
+// waits for the first and takes its slot: taking the later one's would
+// announce a step over the first and defer its delete by the step window,
+// and the walks of a refilling range, each announcing again, kept a full
+// range's released identities for minutes (without the wait, or with the
+// free-slot walk's 5 s horizon, the allocation got the later slot: checked).
+func TestFullRangeWalkTakesTheFirstDue(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	const timeout = 10 * time.Second
+	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, timeout
+	const size = 8
+	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n.cfg.IdentityGCCiliumAgents = false
+	n.gc.minGrace = timeout
+	lo := gcCluster.MinID() + 3600
+	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
+	lbls := mustLabels(t, "k8s:app=first-due")
+	p := n.ids.rng.probe(lbls.Canonical())
+	soon, due := p.Slot(1), p.Slot(size/2)
+	for id := lo; id < lo+size; id++ {
+		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=full-%d", id)), "")
+	}
+	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(t.Context()) })
+	// Old enough that no object fences the others.
+	time.Sleep(fenceWindow(cfg) + time.Second)
+
+	now := time.Now()
+	for id, at := range map[identity.NumericIdentity]time.Time{soon: now.Add(8*time.Second - timeout), due: now.Add(-10 * time.Minute)} {
+		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, at.UTC().Format(time.RFC3339Nano))
+		if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", id.String(), patch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitCacheCurrent(t, n.Store)
+
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+	if err != nil || id != soon {
+		t.Fatalf("allocation: %d, %v; want %d, the first identity along the sequence to come due (not %d, due already but further on)", id, err, soon, due)
+	}
+	if obj := readIdentity(t, n.Store, due); obj == nil || obj.Annotations[stepAnnotation] != "" {
+		t.Fatalf("identity %d after the allocation: %+v, want it as it was, without a step annotation", due, obj)
+	}
+}
+
+// TestReclaimingWalksShareTheirListings: walks that reclaim at once on a
+// full range share one gathering of the collector's inputs, which lists
+// every IdentityNode record, rather than list once each. Sixteen walks
+// behind a 50 ms proxy list the records at most half as many times as
+// there are walks (without the sharing, at least once per walk: 16 and
+// more, checked); each takes one of the due identities.
+func TestReclaimingWalksShareTheirListings(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	const size, walks = 32, 16
+	host, err := url.Parse(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := srv.RESTConfig()
+	slow.Host = "https://" + startDelayProxy(t, host.Host, 50*time.Millisecond)
+	n := &gcNode{Store: newGCStore(t, slow, "node-a", cfg), refs: newTestRefs()}
+	n.cfg.IdentityGCCiliumAgents = false
+	lo := gcCluster.MinID() + 3700
+	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
+	marked := time.Now().Add(-10 * time.Minute).UTC().Format(time.RFC3339Nano)
+	for id := lo; id < lo+size; id++ {
+		mark := ""
+		if (id-lo)%2 == 0 {
+			mark = marked
+		}
+		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=shared-%d", id)), mark)
+	}
+	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(t.Context()) })
+	waitCacheCurrent(t, n.Store)
+	// Old enough that no object fences the others.
+	time.Sleep(fenceWindow(cfg) + time.Second)
+
+	lists := serverRequestsFor(t, srv, "identitynodes")["LIST"]
+	ids := make([]identity.NumericIdentity, walks)
+	errs := make([]error, walks)
+	var wg sync.WaitGroup
+	for i := range walks {
+		wg.Go(func() {
+			ids[i], _, errs[i] = n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=sharing-%d", i)), n.refs.record)
+		})
+	}
+	wg.Wait()
+	got := map[identity.NumericIdentity]bool{}
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("allocation %d: %v", i, err)
+		}
+		if (ids[i]-lo)%2 != 0 || got[ids[i]] {
+			t.Fatalf("allocation %d got %d: not a due identity's slot, or given twice", i, ids[i])
+		}
+		got[ids[i]] = true
+	}
+	listed := serverRequestsFor(t, srv, "identitynodes")["LIST"] - lists
+	t.Logf("%d walks listed the IdentityNode records %v times", walks, listed)
+	if listed > walks/2 {
+		t.Fatalf("%d walks listed the IdentityNode records %v times, want at most %d", walks, listed, walks/2)
 	}
 }

@@ -104,6 +104,9 @@ type Store struct {
 	// collects (nil before Start, and without collection).
 	gc       *gcState
 	election atomic.Pointer[gcElection]
+	// reclaimInputs is the last decision inputs a walk gathered to
+	// reclaim, which walks that looked before it share (reclaimInputs).
+	reclaimInputs reclaimInputs
 	// predecessor is the holder identity, in the election, of the gone
 	// agent of this node name whose IdentityNode this one took over at
 	// start (nil when none): a lock it still holds is this node's to take.
@@ -723,7 +726,7 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 			id, created, err := a.reclaim(ctx, p, pos)
 			switch {
 			case errors.Is(err, errReclaimLater):
-				if a.waitToReclaim(ctx) {
+				if a.waitToReclaim(ctx, false) {
 					return 0, false, errRestart
 				}
 			case !errors.Is(err, errNothingToReclaim):
@@ -743,11 +746,20 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 // reclaimOrRefuse ends a walk that found no free slot: it takes the slot of
 // an identity the collector would delete, or refuses.
 func (a *allocation) reclaimOrRefuse(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
-	id, created, err := a.reclaim(ctx, p, p.Len())
-	if errors.Is(err, errNothingToReclaim) {
-		return 0, false, globalstore.ErrSpaceExhausted
+	for {
+		id, created, err := a.reclaim(ctx, p, p.Len())
+		switch {
+		case errors.Is(err, errReclaimLater):
+			if a.waitToReclaim(ctx, true) {
+				return 0, false, errRestart
+			}
+			// Waited long enough: take the first one due.
+			continue
+		case errors.Is(err, errNothingToReclaim):
+			return 0, false, globalstore.ErrSpaceExhausted
+		}
+		return id, created, err
 	}
-	return id, created, err
 }
 
 // trySlot settles one slot of the walk, starting from what the cache shows
