@@ -38,9 +38,9 @@ var (
 // that would step over an identity the collector is about to delete (its
 // mark reaches the timeout within reclaimHorizon, and nothing else keeps it)
 // to create at a free slot, or to take the slot of one due now: the walk
-// waits and walks again, once per
-// reclaimRecheck, at most reclaimHorizon and a recheck from its first wait
-// and at most half of the time left to the allocation, so that it takes
+// waits and walks again, once per reclaimRecheck, at most reclaimWait and
+// a recheck from its first wait (twice reclaimWaitFull when it found no
+// free slot) and at most half of the time left to the allocation, so that it takes
 // that identity's slot once it is due (reclaim) rather than create behind
 // it. An object created there would fence the whole run of held slots
 // before it, which on a crowded range is much of the range, and while a
@@ -53,7 +53,14 @@ func (a *allocation) waitToReclaim(ctx context.Context, full bool) bool {
 		return false
 	}
 	if a.reclaimWaitUntil.IsZero() {
-		a.reclaimWaitUntil = now.Add(reclaimHorizon(full) + reclaimRecheck)
+		// A walk that found no free slot waits for as long again as
+		// its horizon once it began to wait, for the run's later
+		// marks.
+		wait := reclaimWait + reclaimRecheck
+		if full {
+			wait = 2 * reclaimWaitFull
+		}
+		a.reclaimWaitUntil = now.Add(wait)
 		if deadline, ok := ctx.Deadline(); ok {
 			// Half of what the caller gave is left to create.
 			a.reclaimWaitUntil = minTime(a.reclaimWaitUntil, now.Add(deadline.Sub(now)/2))
@@ -172,7 +179,24 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 			}
 			continue
 		}
-		switch err := s.deleteIdentity(ctx, o); {
+		slot, mine := s.pending.claim(id, time.Now())
+		if !mine {
+			// Another walk of this node is taking this slot: once
+			// it has, the slot is that walk's new object's.
+			held, _, err := slot.wait(ctx)
+			if err != nil {
+				return 0, false, err
+			}
+			if held {
+				continue
+			}
+			return 0, false, errRestart
+		}
+		err := s.deleteIdentity(ctx, o)
+		if err != nil && !apierrors.IsNotFound(err) {
+			s.pending.finish(slot, true)
+		}
+		switch {
 		case err == nil:
 			s.gc.reclaimed.Add(1)
 		case apierrors.IsNotFound(err):
@@ -192,8 +216,13 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 		// The slot is free at the server, not yet in the cache: the
 		// contention delay, which waits for the cache to show another
 		// node's create there, would see the deleted object.
-		a.stepped, a.waited = stepped, true
+		a.stepped, a.waited, a.claimed = stepped, true, slot
 		done, created, err := a.trySlot(ctx, id, nil)
+		if a.claimed != nil {
+			// The walk ended before its create.
+			s.pending.finish(a.claimed, false)
+			a.claimed = nil
+		}
 		if err != nil || done {
 			return id, created, err
 		}

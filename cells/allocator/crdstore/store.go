@@ -107,6 +107,9 @@ type Store struct {
 	// reclaimInputs is the last decision inputs a walk gathered to
 	// reclaim, which walks that looked before it share (reclaimInputs).
 	reclaimInputs reclaimInputs
+	// pending are this node's walks' creates, which its other walks
+	// wait for rather than race (pendingSlots).
+	pending pendingSlots
 	// predecessor is the holder identity, in the election, of the gone
 	// agent of this node name whose IdentityNode this one took over at
 	// start (nil when none): a lock it still holds is this node's to take.
@@ -495,6 +498,9 @@ type allocation struct {
 	// collector is going to delete (waitToReclaim); zero before its
 	// first wait.
 	reclaimWaitUntil time.Time
+	// claimed is the slot a reclaim claimed (pendingSlots) before it
+	// deleted the identity there, for the create that follows.
+	claimed *pendingSlot
 }
 
 // retry counts a failed request and waits before the next, or returns the
@@ -722,6 +728,18 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 		if !ok {
 			break
 		}
+		if e == nil {
+			// Free in the cache, but another walk of this node may
+			// be creating there.
+			held, known, err := a.s.pending.held(ctx, p.Slot(pos))
+			if err != nil {
+				return 0, false, err
+			}
+			if known && held {
+				i = pos + 1
+				continue
+			}
+		}
 		if e == nil && len(a.stepped) > 0 {
 			id, created, err := a.reclaim(ctx, p, pos)
 			switch {
@@ -801,8 +819,27 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 				}
 				return false, false, errRestart
 			}
+			slot, mine := a.claimed, a.claimed != nil && a.claimed.id == id
+			if !mine {
+				slot, mine = s.pending.claim(id, time.Now())
+			}
+			a.claimed = nil
+			if !mine {
+				// Another walk of this node creates there: its
+				// outcome, not a conflict, tells whether the slot
+				// is free.
+				held, _, err := slot.wait(ctx)
+				if err != nil {
+					return false, false, err
+				}
+				if held {
+					return false, false, nil
+				}
+				continue
+			}
 			began := time.Now()
 			err := s.create(ctx, id, a.lbls)
+			s.pending.finish(slot, err == nil || apierrors.IsAlreadyExists(err))
 			if err == nil {
 				s.contention.won(time.Since(began))
 				return true, true, nil
