@@ -24,7 +24,9 @@ type pendingSlots struct {
 
 // pendingSlot is one walk's create at a slot.
 type pendingSlot struct {
-	id   identity.NumericIdentity
+	id identity.NumericIdentity
+	// key is the label set the walk creates.
+	key  string
 	done chan struct{}
 	// held and until are set when done closes: whether the slot is held
 	// after the create (it succeeded, or found an object there), which
@@ -42,7 +44,7 @@ const pendingHold = 2 * time.Second
 // claim returns the pending create at id: a new one, which the caller
 // must finish (mine), or another walk's, which the caller waits for: one
 // in flight, or one that left the slot held, while that stands.
-func (ps *pendingSlots) claim(id identity.NumericIdentity, now time.Time) (_ *pendingSlot, mine bool) {
+func (ps *pendingSlots) claim(id identity.NumericIdentity, key string, now time.Time) (_ *pendingSlot, mine bool) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if p := ps.m[id]; p != nil {
@@ -58,7 +60,7 @@ func (ps *pendingSlots) claim(id identity.NumericIdentity, now time.Time) (_ *pe
 	if ps.m == nil {
 		ps.m = map[identity.NumericIdentity]*pendingSlot{}
 	}
-	p := &pendingSlot{id: id, done: make(chan struct{})}
+	p := &pendingSlot{id: id, key: key, done: make(chan struct{})}
 	ps.m[id] = p
 	return p, true
 }
@@ -86,28 +88,27 @@ func (ps *pendingSlots) finish(p *pendingSlot, held bool) {
 	}
 }
 
-// held waits for the pending create at id, if there is one, and reports
-// whether it left the slot held (known: there was one, and its outcome
-// still stands).
-func (ps *pendingSlots) held(ctx context.Context, id identity.NumericIdentity) (held, known bool, _ error) {
+// heldByOther waits for the pending create at id, if there is one, and
+// reports whether it left the slot held by another label set than key's,
+// as far as its outcome still stands.
+func (ps *pendingSlots) heldByOther(ctx context.Context, id identity.NumericIdentity, key string) (bool, error) {
 	ps.mu.Lock()
 	p := ps.m[id]
 	ps.mu.Unlock()
 	if p == nil {
-		return false, false, nil
+		return false, nil
 	}
-	return p.wait(ctx)
+	held, err := p.wait(ctx)
+	return held && p.key != key, err
 }
 
-// wait waits for p's outcome; known is false once it no longer stands.
-func (p *pendingSlot) wait(ctx context.Context) (held, known bool, _ error) {
+// wait waits for p's outcome: whether it left the slot held, while that
+// stands.
+func (p *pendingSlot) wait(ctx context.Context) (held bool, _ error) {
 	select {
 	case <-p.done:
 	case <-ctx.Done():
-		return false, false, ctx.Err()
+		return false, ctx.Err()
 	}
-	if !time.Now().Before(p.until) {
-		return false, false, nil
-	}
-	return p.held, true, nil
+	return p.held && time.Now().Before(p.until), nil
 }

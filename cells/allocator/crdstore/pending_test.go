@@ -1,6 +1,7 @@
 package crdstore
 
 import (
+	"context"
 	"fmt"
 	"net/url"
 	"sync"
@@ -69,5 +70,53 @@ func TestWalksOfOneNodeDoNotRace(t *testing.T) {
 	t.Logf("%d new label sets, %v creates", walks, creates)
 	if creates != walks {
 		t.Fatalf("%d new label sets sent %v creates, want one each", walks, creates)
+	}
+}
+
+// TestPendingSlots: a claim in flight makes the next claimer wait; a
+// create that left the slot held is another label set's for the walks of
+// other sets only, and for pendingHold; a failed one is claimed anew.
+func TestPendingSlots(t *testing.T) {
+	var ps pendingSlots
+	const id = identity.NumericIdentity(1000)
+	now := time.Now()
+	first, mine := ps.claim(id, "a", now)
+	if !mine {
+		t.Fatal("first claim: not mine")
+	}
+	if _, mine := ps.claim(id, "b", now); mine {
+		t.Fatal("claim while another is in flight: mine")
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
+	defer cancel()
+	if _, err := ps.heldByOther(ctx, id, "b"); err == nil {
+		t.Fatal("wait for a create in flight: no error at the context's end")
+	}
+
+	ps.finish(first, true)
+	for _, tc := range []struct {
+		key  string
+		want bool
+	}{{"b", true}, {"a", false}} {
+		got, err := ps.heldByOther(t.Context(), id, tc.key)
+		if err != nil || got != tc.want {
+			t.Fatalf("heldByOther for %q after a create: %v, %v; want %v", tc.key, got, err, tc.want)
+		}
+	}
+	if _, mine := ps.claim(id, "b", time.Now()); mine {
+		t.Fatal("claim of a slot just created: mine")
+	}
+	if _, mine := ps.claim(id, "b", time.Now().Add(pendingHold)); !mine {
+		t.Fatal("claim once the create's outcome no longer stands: not mine")
+	}
+
+	const other = id + 1
+	failed, _ := ps.claim(other, "a", time.Now())
+	ps.finish(failed, false)
+	if got, _ := ps.heldByOther(t.Context(), other, "b"); got {
+		t.Fatal("heldByOther after a failed create: true")
+	}
+	if _, mine := ps.claim(other, "b", time.Now()); !mine {
+		t.Fatal("claim after a failed create: not mine")
 	}
 }

@@ -179,15 +179,15 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 			}
 			continue
 		}
-		slot, mine := s.pending.claim(id, time.Now())
+		slot, mine := s.pending.claim(id, a.key, time.Now())
 		if !mine {
 			// Another walk of this node is taking this slot: once
 			// it has, the slot is that walk's new object's.
-			held, _, err := slot.wait(ctx)
+			held, err := slot.wait(ctx)
 			if err != nil {
 				return 0, false, err
 			}
-			if held {
+			if held && slot.key != a.key {
 				continue
 			}
 			return 0, false, errRestart

@@ -731,11 +731,11 @@ func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.Num
 		if e == nil {
 			// Free in the cache, but another walk of this node may
 			// be creating there.
-			held, known, err := a.s.pending.held(ctx, p.Slot(pos))
+			taken, err := a.s.pending.heldByOther(ctx, p.Slot(pos), a.key)
 			if err != nil {
 				return 0, false, err
 			}
-			if known && held {
+			if taken {
 				i = pos + 1
 				continue
 			}
@@ -821,19 +821,30 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 			}
 			slot, mine := a.claimed, a.claimed != nil && a.claimed.id == id
 			if !mine {
-				slot, mine = s.pending.claim(id, time.Now())
+				slot, mine = s.pending.claim(id, a.key, time.Now())
 			}
 			a.claimed = nil
 			if !mine {
 				// Another walk of this node creates there: its
 				// outcome, not a conflict, tells whether the slot
 				// is free.
-				held, _, err := slot.wait(ctx)
-				if err != nil {
+				held, err := slot.wait(ctx)
+				switch {
+				case err != nil:
+					return false, false, err
+				case !held:
+					continue
+				case slot.key != a.key:
+					return false, false, nil
+				}
+				// This label set's object, which another walk of
+				// this node created: read it.
+				s.stats.reads.Add(1)
+				if e, err = a.read(ctx, id); err != nil {
 					return false, false, err
 				}
-				if held {
-					return false, false, nil
+				if e == nil {
+					return false, false, errRestart
 				}
 				continue
 			}
