@@ -268,7 +268,7 @@ func TestEtcdAbandonedCreates(t *testing.T) {
 		_, _, ok := getValue(t, cli, refKey(inFlight, "node1"))
 		return !ok
 	})
-	if _, held := b.Held()[inFlight.Canonical()]; held {
+	if _, held := b.heldLabelSets()[inFlight.Canonical()]; held {
 		t.Fatal("the backend holds the abandoned label set")
 	}
 

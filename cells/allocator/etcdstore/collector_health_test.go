@@ -28,7 +28,7 @@ func TestEtcdCollectorHealthFollowsHolder(t *testing.T) {
 	n2 := startEtcdNode(t, c, "node2", withGC)
 	// node2's key is older than node3's: it collects once node1 stops.
 	eventually.True(t, "node2 is a candidate", func() bool {
-		name, ok := n2.backend.Collector()
+		name, ok := n2.backend.collectorSeen()
 		return ok && name == "node1"
 	})
 	n3, p3 := startEtcdNodeWithHealth(t, c, "node3", withGC)
@@ -47,7 +47,7 @@ func TestEtcdCollectorHealthFollowsHolder(t *testing.T) {
 	n1.stop()
 	eventually.True(t, "node2 collects", func() bool { return n2.backend.Collecting() })
 	eventually.True(t, "node3 sees node2 collect", func() bool {
-		name, ok := n3.backend.Collector()
+		name, ok := n3.backend.collectorSeen()
 		return ok && name == "node2"
 	})
 	if !says("node2")() {

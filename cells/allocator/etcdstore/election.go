@@ -66,15 +66,6 @@ func candidateMessage(node string) string {
 // Collecting reports whether this node is the elected collector now.
 func (b *Store) Collecting() bool { return b.collector.term.Load() != nil }
 
-// Collector returns the node name of the collector as this node last saw
-// it, and whether one was seen. It asks etcd nothing.
-func (b *Store) Collector() (string, bool) {
-	if p := b.collector.holder.Load(); p != nil {
-		return *p, true
-	}
-	return "", false
-}
-
 // campaignLoop runs the election until ctx ends: it puts this node's key on
 // the node's lease, waits until the key is the oldest, and collects from
 // then until the lease is lost or the store stops; a lost lease means a new

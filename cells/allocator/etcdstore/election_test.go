@@ -54,7 +54,7 @@ func TestEtcdCollectorElection(t *testing.T) {
 	}
 	ctx := testCtx(t, time.Minute)
 	other.backend.refreshCollector(ctx, cli)
-	if name, ok := other.backend.Collector(); !ok || name != leader.name {
+	if name, ok := other.backend.collectorSeen(); !ok || name != leader.name {
 		t.Errorf("%s sees %q (%v) collecting, want %s", other.name, name, ok, leader.name)
 	}
 

@@ -579,8 +579,8 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if _, err := n.backend.SyncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if ok, _ := prov.Healthy(); !ok || n.backend.NodeStats().NameConflicts != 0 {
-		t.Fatalf("healthy %v, stats %+v before any conflict", ok, n.backend.NodeStats())
+	if ok, _ := prov.Healthy(); !ok || n.backend.nodeCheckStats().NameConflicts != 0 {
+		t.Fatalf("healthy %v, stats %+v before any conflict", ok, n.backend.nodeCheckStats())
 	}
 
 	// Another writer of the name rewrites the reference on its own lease.
@@ -595,7 +595,7 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st := n.backend.NodeStats()
+	st := n.backend.nodeCheckStats()
 	if rewritten != 0 || st.NameConflicts != 1 || st.ReferencesRewritten != 0 {
 		t.Fatalf("rewritten %d, stats %+v; want one conflict and no rewrite", rewritten, st)
 	}
@@ -618,8 +618,8 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	}
 	// The check counts the node key and, again, the other writer's
 	// reference.
-	if n.backend.NodeStats().NameConflicts != 3 {
-		t.Fatalf("stats %+v; the other agent's node key was not counted", n.backend.NodeStats())
+	if n.backend.nodeCheckStats().NameConflicts != 3 {
+		t.Fatalf("stats %+v; the other agent's node key was not counted", n.backend.nodeCheckStats())
 	}
 
 	// Once the other writer is gone, with its keys, a check writes this
@@ -787,7 +787,7 @@ func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 	if _, _, ok := getValue(t, cli, refKey(l, "node1")); ok || n != 0 {
 		t.Fatalf("node1 wrote its reference to %d back (%d written) while others use %d", mine.ID, n, theirs)
 	}
-	if st := n1.backend.NodeStats(); st.SplitLabelSets != 1 {
+	if st := n1.backend.nodeCheckStats(); st.SplitLabelSets != 1 {
 		t.Fatalf("stats %+v, want one split", st)
 	}
 	if ok, _ := prov.Healthy(); ok {
@@ -850,21 +850,21 @@ func TestEtcdTakenIdentityReported(t *testing.T) {
 	}
 	eventually.True(t, "node1 reports the taken ID from its watch", func() bool {
 		ok, _ := prov.Healthy()
-		return !ok && n1.backend.NodeStats().TakenIdentities > 0
+		return !ok && n1.backend.nodeCheckStats().TakenIdentities > 0
 	})
 	if v, _, _ := getValue(t, cli, masterKey(mine.ID)); v != other {
 		t.Fatalf("master key of %d = %q after node1's repair, want the other label set's", mine.ID, v)
 	}
 
 	// Every check finds it again while it lasts.
-	before := n1.backend.NodeStats().TakenIdentities
+	before := n1.backend.nodeCheckStats().TakenIdentities
 	if n, err := n1.backend.SyncReferences(ctx); err != nil || n != 0 {
 		t.Fatalf("sync while the ID is taken: %d written, %v", n, err)
 	}
 	if ok, _ := prov.Healthy(); ok {
 		t.Fatal("health is OK after a check while the ID this node uses belongs to another label set")
 	}
-	if got := n1.backend.NodeStats().TakenIdentities; got != before+1 {
+	if got := n1.backend.nodeCheckStats().TakenIdentities; got != before+1 {
 		t.Fatalf("taken identities %d after a check, want %d", got, before+1)
 	}
 	if _, _, ok := getValue(t, cli, refKey(l, "node1")); ok {
@@ -930,7 +930,7 @@ func TestEtcdForeignReferenceNotWrittenOver(t *testing.T) {
 		t.Fatalf("allocating a label set another writer references under this node's name: %v", err)
 	}
 	untouched("after the allocation")
-	if n.backend.NodeStats().NameConflicts == 0 {
+	if n.backend.nodeCheckStats().NameConflicts == 0 {
 		t.Error("the conflict was not counted")
 	}
 	if ok, _ := prov.Healthy(); ok {

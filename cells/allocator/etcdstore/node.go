@@ -22,36 +22,8 @@ const NodeKeyPrefix = IdentitiesPrefix + "/identityd-nodes/"
 // ErrNodeNameInUse: another live agent uses this node name on the etcd.
 var ErrNodeNameInUse = globalstore.ErrNodeNameInUse
 
-// NodeStats counts what the checks of this node's keys found since the
-// backend was created.
-type NodeStats struct {
-	// NameConflicts counts checks that found this node's name used by
-	// another writer: another agent's node key, or a reference key of
-	// this node's name on a lease that is not this node's.
-	NameConflicts uint64
-	// ReferencesRewritten counts reference keys of this node that were
-	// missing or changed and were written again.
-	ReferencesRewritten uint64
-	// SplitLabelSets counts references this node did not write again
-	// because other nodes reference the label set under another ID.
-	SplitLabelSets uint64
-	// TakenIdentities counts checks that found the master key of a
-	// global identity this node uses holding another label set.
-	TakenIdentities uint64
-}
-
 type nodeCounters struct {
 	conflicts, rewritten, splits, taken atomic.Uint64
-}
-
-// NodeStats returns the counters of the node key and reference checks.
-func (b *Store) NodeStats() NodeStats {
-	return NodeStats{
-		NameConflicts:       b.nodeStats.conflicts.Load(),
-		ReferencesRewritten: b.nodeStats.rewritten.Load(),
-		SplitLabelSets:      b.nodeStats.splits.Load(),
-		TakenIdentities:     b.nodeStats.taken.Load(),
-	}
 }
 
 // claimNodeName writes this node's key on its lease unless another live

@@ -95,7 +95,7 @@ func TestEtcdOutageLongerThanLeaseTTL(t *testing.T) {
 	if _, l, _ := getValue(t, cli, CollectorKeyPrefix+"/"+leaseHex(old)); l == old {
 		t.Error("the candidacy on the old lease is still there")
 	}
-	if s := n.backend.NodeStats(); s.NameConflicts != 0 {
+	if s := n.backend.nodeCheckStats(); s.NameConflicts != 0 {
 		t.Errorf("%d node-name conflicts reported for this agent's own keys", s.NameConflicts)
 	}
 	if ok, why := prov.Healthy(); !ok {
@@ -114,7 +114,7 @@ func TestEtcdOutageLongerThanLeaseTTL(t *testing.T) {
 	if _, err := n.backend.SyncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if s := n.backend.NodeStats(); s.NameConflicts != 0 || s.ReferencesRewritten != 0 {
+	if s := n.backend.nodeCheckStats(); s.NameConflicts != 0 || s.ReferencesRewritten != 0 {
 		t.Errorf("after the old lease ended: %+v, want no conflict and nothing to rewrite", s)
 	}
 }
@@ -153,7 +153,7 @@ func TestEtcdSyncMovesNodeKey(t *testing.T) {
 	if _, _, ok := getValue(t, cli, NodeKeyPrefix+"node1"); !ok {
 		t.Fatal("node key gone with the other lease")
 	}
-	if s := n.backend.NodeStats(); s.NameConflicts != 0 {
+	if s := n.backend.nodeCheckStats(); s.NameConflicts != 0 {
 		t.Errorf("%d node-name conflicts for this agent's own key", s.NameConflicts)
 	}
 }

@@ -971,17 +971,6 @@ func releaseTxn(txn clientv3.Txn, ref string, rev int64) clientv3.Txn {
 	return txn.Then(clientv3.OpDelete(ref))
 }
 
-// Held returns the label sets this node references in etcd, by canonical
-// string, as the allocator records them.
-func (b *Store) Held() map[string]identity.NumericIdentity {
-	refs := b.heldRefs()
-	out := make(map[string]identity.NumericIdentity, len(refs))
-	for _, r := range refs {
-		out[r.Labels.Canonical()] = r.ID
-	}
-	return out
-}
-
 // retryable tells transient failures (no leader, member down, timeout, lost
 // lease) from refusals that another attempt would meet again.
 func retryable(err error) bool {
