@@ -140,28 +140,6 @@ func (s *Store) SetGCConfig(c GCConfig) error {
 	return nil
 }
 
-// GCResult is what one collection did.
-type GCResult struct {
-	// Marked counts identities that got the heartbeat mark; Deleted those
-	// deleted; Skipped the deletes a precondition refused (the object
-	// changed or went since it was listed: a use won).
-	Marked, Deleted, Skipped int
-	// KeptUsed counts unreserved identities a live IdentityNode (or this
-	// node) uses, or a CiliumEndpoint or CiliumEndpointSlice names;
-	// KeptFenced unused ones that the fence keeps.
-	KeptUsed, KeptFenced int
-	// Unmarked counts marks removed from fenced identities and from
-	// identities only Cilium's endpoint objects name.
-	Unmarked int
-	// Deferred counts marked identities past the timeout left to the next
-	// run because a walk announced it stepped over them (stepAnnotation)
-	// less than maxWalkAge before the run.
-	Deferred int
-	// NodesDeleted counts IdentityNode objects deleted a lease after
-	// their lease ended.
-	NodesDeleted int
-}
-
 // startGC adds the collector's jobs to the store's: the election of the
 // one node of the cluster that collects, and the timer, whose runs happen
 // only while this node is that one. A node that does not collect does not
@@ -265,7 +243,7 @@ type gcObject struct {
 // Deletions are paced by the rate limit. IdentityNode objects whose lease
 // ended more than a lease ago are deleted, with their resourceVersion as
 // precondition.
-func (s *Store) RunGC(ctx context.Context) (res GCResult, err error) {
+func (s *Store) RunGC(ctx context.Context) (res globalstore.GCResult, err error) {
 	gc := s.gc
 	gc.runs.Add(1)
 	defer func() {
@@ -603,7 +581,7 @@ const gcStepWindow = maxWalkAge + maxCacheLag
 // each with its UID and listed resourceVersion as preconditions. The
 // limit paces the starts; up to deletesInFlight wait for their answers
 // at once.
-func (s *Store) gcDelete(ctx context.Context, deletes []*gcObject, res *GCResult) error {
+func (s *Store) gcDelete(ctx context.Context, deletes []*gcObject, res *globalstore.GCResult) error {
 	gc := s.gc
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -235,7 +235,7 @@ func createIdentity(t *testing.T, s *Store, id identity.NumericIdentity, lbls la
 // runGC runs one collection on s once its cache shows what the API server
 // holds: the collector decides on the cache, and a test that wrote
 // objects just before wants the run to see them.
-func runGC(t *testing.T, s *Store) GCResult {
+func runGC(t *testing.T, s *Store) globalstore.GCResult {
 	t.Helper()
 	waitCacheCurrent(t, s)
 	res, err := s.RunGC(t.Context())
@@ -1309,7 +1309,7 @@ func TestGCLeavesForeignObjects(t *testing.T) {
 		t.Fatal(err)
 	}
 	for range 2 {
-		if res := runGC(t, a.Store); res != (GCResult{}) {
+		if res := runGC(t, a.Store); res != (globalstore.GCResult{}) {
 			t.Fatalf("run: %+v, want nothing done", res)
 		}
 	}

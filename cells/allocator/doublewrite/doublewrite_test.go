@@ -334,12 +334,12 @@ func TestWriteOnlyGCKeepsMirrored(t *testing.T) {
 			_, ok2 := collector.etcd.LookupByID(400)
 			return ok1 && ok2
 		})
-		deleted, _, err := collector.etcd.RunGC(t.Context())
+		res, err := collector.etcd.RunGC(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}
-		if deleted != 1 || e.masterKey(t, 400) != "" {
-			t.Errorf("GC deleted %d, unused master key %q: want the unused one deleted", deleted, e.masterKey(t, 400))
+		if res.Deleted != 1 || e.masterKey(t, 400) != "" {
+			t.Errorf("GC deleted %d, unused master key %q: want the unused one deleted", res.Deleted, e.masterKey(t, 400))
 		}
 		if got := e.masterKey(t, id.ID); got != web.Canonical() {
 			t.Errorf("GC of etcd deleted the mirrored identity %d (now %q)", id.ID, got)

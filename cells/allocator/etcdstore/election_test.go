@@ -80,15 +80,15 @@ func TestEtcdCollectorElection(t *testing.T) {
 		c := collecting()
 		return len(c) == 1 && c[0] == other
 	})
-	if _, _, err := leader.backend.runGC(ctx, term); !errors.Is(err, errNotCollector) {
+	if _, err := leader.backend.runGC(ctx, term); !errors.Is(err, errNotCollector) {
 		t.Errorf("a run of the ended term: %v, want %v", err, errNotCollector)
 	}
 	if _, _, ok := getValue(t, cli, masterKey(orphan)); !ok {
 		t.Fatal("a run of the ended term deleted the orphan")
 	}
-	deleted, _, err := other.backend.runGC(ctx, other.backend.collector.term.Load())
-	if err != nil || deleted != 1 {
-		t.Errorf("the new collector's run: deleted %d, %v; want 1", deleted, err)
+	res, err := other.backend.runGC(ctx, other.backend.collector.term.Load())
+	if err != nil || res.Deleted != 1 {
+		t.Errorf("the new collector's run: deleted %d, %v; want 1", res.Deleted, err)
 	}
 
 	// A clean stop revokes the lease and with it the election key.

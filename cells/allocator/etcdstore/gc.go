@@ -74,15 +74,15 @@ func (b *Store) gcTick(life context.Context) job.TimerFunc {
 		}
 		// The run ends with the term.
 		defer context.AfterFunc(term.ctx, cancel)()
-		deleted, skipped, err := b.runGC(ctx, term)
+		res, err := b.runGC(ctx, term)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
 			// etcd's doing, not the agent's: readiness, not liveness.
-			return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", deleted, err))
+			return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", res.Deleted, err))
 		}
-		b.logGCRun(deleted, skipped)
+		b.logGCRun(res.Deleted, res.Skipped)
 		return nil
 	}
 }
@@ -110,7 +110,7 @@ func (b *Store) logGCRun(deleted, skipped int) {
 // same time either makes the compare fail or sees the key gone, so unlike
 // a mark-and-sweep the collection needs no second pass. Deletions are paced
 // by --identity-gc-rate-limit per --identity-gc-rate-interval.
-func (b *Store) RunGC(ctx context.Context) (deleted, skipped int, err error) {
+func (b *Store) RunGC(ctx context.Context) (globalstore.GCResult, error) {
 	return b.runGC(ctx, nil)
 }
 
@@ -120,7 +120,7 @@ var errNotCollector = errors.New("this node is no longer the elected collector")
 
 // runGC is RunGC; with a term, each delete also proves that the term
 // lasts, so that a collector whose lease ended deletes nothing more.
-func (b *Store) runGC(ctx context.Context, term *leadership) (deleted, skipped int, err error) {
+func (b *Store) runGC(ctx context.Context, term *leadership) (res globalstore.GCResult, err error) {
 	b.gc.runs.Add(1)
 	defer func() {
 		if err != nil {
@@ -128,15 +128,15 @@ func (b *Store) runGC(ctx context.Context, term *leadership) (deleted, skipped i
 		}
 	}()
 	if !b.Synced() {
-		return 0, 0, fmt.Errorf("%w: global identities are not listed yet", globalstore.ErrUnavailable)
+		return res, fmt.Errorf("%w: global identities are not listed yet", globalstore.ErrUnavailable)
 	}
 	cli := b.kv.Client()
 	if cli == nil {
-		return 0, 0, fmt.Errorf("%w: the kvstore client is stopped", globalstore.ErrUnavailable)
+		return res, fmt.Errorf("%w: the kvstore client is stopped", globalstore.ErrUnavailable)
 	}
 	referenced, listRev, err := b.referencedLabelSets(ctx, cli)
 	if err != nil {
-		return 0, 0, err
+		return res, err
 	}
 
 	type candidate struct {
@@ -166,7 +166,7 @@ func (b *Store) runGC(ctx context.Context, term *leadership) (deleted, skipped i
 
 	for _, c := range candidates {
 		if err := b.gcLimiter.Wait(ctx); err != nil {
-			return deleted, skipped, err
+			return res, err
 		}
 		master := masterKey(c.id)
 		rctx, cancel := b.requestContext(ctx)
@@ -188,20 +188,20 @@ func (b *Store) runGC(ctx context.Context, term *leadership) (deleted, skipped i
 		resp, err := cli.Txn(rctx).If(cmps...).Then(clientv3.OpDelete(master)).Else(orElse...).Commit()
 		cancel()
 		if err != nil {
-			return deleted, skipped, fmt.Errorf("%w: deleting master key %s: %w", globalstore.ErrUnavailable, master, err)
+			return res, fmt.Errorf("%w: deleting master key %s: %w", globalstore.ErrUnavailable, master, err)
 		}
 		if !resp.Succeeded && term != nil && !termHolds(resp, term) {
-			return deleted, skipped, errNotCollector
+			return res, errNotCollector
 		}
 		if resp.Succeeded {
-			deleted++
+			res.Deleted++
 			b.gc.deleted.Add(1)
 		} else {
-			skipped++
+			res.Skipped++
 			b.gc.skipped.Add(1)
 		}
 	}
-	return deleted, skipped, nil
+	return res, nil
 }
 
 // termHolds reports whether the Else of a failed delete found the term's

@@ -38,16 +38,16 @@ func TestGCSkipsKeysNewerThanListing(t *testing.T) {
 			}
 		}
 	}
-	deleted, skipped, err := n.backend.RunGC(ctx)
+	res, err := n.backend.RunGC(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if deleted != 0 || skipped != 0 {
-		t.Fatalf("run during the fill: %d deleted, %d skipped; want none of the new keys tried", deleted, skipped)
+	if res.Deleted != 0 || res.Skipped != 0 {
+		t.Fatalf("run during the fill: %d deleted, %d skipped; want none of the new keys tried", res.Deleted, res.Skipped)
 	}
-	deleted, skipped, err = n.backend.RunGC(ctx)
-	if err != nil || deleted != 0 || skipped != 0 {
-		t.Fatalf("next run: %d deleted, %d skipped, %v; want the referenced keys kept without a try", deleted, skipped, err)
+	res, err = n.backend.RunGC(ctx)
+	if err != nil || res.Deleted != 0 || res.Skipped != 0 {
+		t.Fatalf("next run: %d deleted, %d skipped, %v; want the referenced keys kept without a try", res.Deleted, res.Skipped, err)
 	}
 }
 

@@ -286,15 +286,15 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	}
 
 	// GC keeps what someone references.
-	if deleted, _, err := n1.backend.RunGC(ctx); err != nil || deleted != 0 {
-		t.Fatalf("GC with every identity referenced: deleted %d, err %v", deleted, err)
+	if res, err := n1.backend.RunGC(ctx); err != nil || res.Deleted != 0 {
+		t.Fatalf("GC with every identity referenced: deleted %d, err %v", res.Deleted, err)
 	}
 	if _, err := n2.alloc.Release(ctx, id2); err != nil {
 		t.Fatal(err)
 	}
-	deleted, _, err := n1.backend.RunGC(ctx)
-	if err != nil || deleted != 1 {
-		t.Fatalf("GC: deleted %d, err %v; want 1", deleted, err)
+	res, err := n1.backend.RunGC(ctx)
+	if err != nil || res.Deleted != 1 {
+		t.Fatalf("GC: deleted %d, err %v; want 1", res.Deleted, err)
 	}
 	if _, _, ok := getValue(t, cli, masterKey(id.ID)); ok {
 		t.Fatal("GC left the unused master key")

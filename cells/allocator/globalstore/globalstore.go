@@ -176,3 +176,27 @@ var (
 	// answer, or refused the request.
 	ErrUnavailable = errors.New("global identity store unavailable")
 )
+
+// GCResult is what one garbage collection of a global store did. The etcd
+// store deletes unreferenced master keys in one pass and counts Deleted
+// and Skipped only; the CRD store marks before it deletes and counts them
+// all.
+type GCResult struct {
+	// Marked counts identities that got the heartbeat mark; Deleted those
+	// deleted; Skipped the deletes a precondition refused (the identity
+	// changed, went or was referenced since it was listed: a use won).
+	Marked, Deleted, Skipped int
+	// KeptUsed counts unreserved identities a live IdentityNode (or this
+	// node) uses, or a CiliumEndpoint or CiliumEndpointSlice names;
+	// KeptFenced unused ones that the fence keeps.
+	KeptUsed, KeptFenced int
+	// Unmarked counts marks removed from fenced identities and from
+	// identities only Cilium's endpoint objects name.
+	Unmarked int
+	// Deferred counts marked identities past the timeout left to the next
+	// run because a walk announced it stepped over them.
+	Deferred int
+	// NodesDeleted counts IdentityNode objects deleted a lease after
+	// their lease ended.
+	NodesDeleted int
+}
