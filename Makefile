@@ -147,9 +147,9 @@ test-unit:
 # acceptance (cmd/identityd) runs with 3,000 pods instead of 300: about
 # 66 s for its two modes side by side.
 test-long:
-	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 WORKLOADS_PODS=3000 \
+	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 WORKLOADS_PODS=3000 CRDSTORE_LATER_MARKS=1 \
 	$(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m \
-	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore)$$' \
+	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore|TestFullRangeWalkWaitsForLaterMarks)$$' \
 	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint ./cells/allocator ./cmd/identityd
 
 # The compose example is its own module that imports the cells from

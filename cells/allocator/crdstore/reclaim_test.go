@@ -13,6 +13,7 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
+	"github.com/identityd/identityd/internal/testproc"
 )
 
 // TestWalkReclaims: on a range the cache shows full, a walk takes the slot
@@ -294,5 +295,61 @@ func TestReclaimingWalksShareTheirListings(t *testing.T) {
 	t.Logf("%d walks listed the IdentityNode records %v times", walks, listed)
 	if listed > walks/2 {
 		t.Fatalf("%d walks listed the IdentityNode records %v times, want at most %d", walks, listed, walks/2)
+	}
+}
+
+// TestFullRangeWalkWaitsForLaterMarks: on a full range, a walk waits
+// through the marks of a collection run that come due over more than its
+// horizon: the identity second along its sequence comes due in 25 s, the
+// first in 40 s, one further on is due now. The walk takes the first one's
+// slot once it is due. A cap of 31 s from the first wait ended the wait
+// before it and took the second one's slot, announcing a step over the
+// first (checked). It waits 40 s, so it runs only in make test-long
+// (CRDSTORE_LATER_MARKS=1).
+func TestFullRangeWalkWaitsForLaterMarks(t *testing.T) {
+	if testproc.CountFromEnv(t, "CRDSTORE_LATER_MARKS", 0, 0) == 0 {
+		t.Skip("CRDSTORE_LATER_MARKS=1 runs it (make test-long): it waits 40 s")
+	}
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	const timeout = 10 * time.Second
+	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, timeout
+	const size = 8
+	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n.cfg.IdentityGCCiliumAgents = false
+	n.gc.minGrace = timeout
+	lo := gcCluster.MinID() + 3900
+	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
+	lbls := mustLabels(t, "k8s:app=later-marks")
+	p := n.ids.rng.probe(lbls.Canonical())
+	first, second, due := p.Slot(1), p.Slot(2), p.Slot(size/2)
+	for id := lo; id < lo+size; id++ {
+		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=later-%d", id)), "")
+	}
+	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(t.Context()) })
+	// Old enough that no object fences the others.
+	time.Sleep(fenceWindow(cfg) + time.Second)
+
+	now := time.Now()
+	for id, at := range map[identity.NumericIdentity]time.Time{
+		first:  now.Add(40*time.Second - timeout),
+		second: now.Add(25*time.Second - timeout),
+		due:    now.Add(-10 * time.Minute),
+	} {
+		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, at.UTC().Format(time.RFC3339Nano))
+		if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", id.String(), patch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitCacheCurrent(t, n.Store)
+
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+	if err != nil || id != first {
+		t.Fatalf("allocation: %d, %v; want %d, the first identity along the sequence (not %d or %d, due earlier but further on)", id, err, first, second, due)
 	}
 }
