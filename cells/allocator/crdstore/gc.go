@@ -254,22 +254,10 @@ func (s *Store) RunGC(ctx context.Context) (res globalstore.GCResult, err error)
 	if !s.ids.isSynced() {
 		return res, fmt.Errorf("%w: the CiliumIdentity objects are not listed yet", globalstore.ErrUnavailable)
 	}
-	now := time.Now()
-	objs := s.gcIdentities()
-	nodes, err := s.listGCNodes(ctx)
+	objs, nodes, in, err := s.gather(ctx)
 	if err != nil {
 		return res, err
 	}
-	// Listed after the cache was read: an identity created since is
-	// not in objs, and one in objs that an endpoint took since was
-	// allocated by its agent, which removed the mark (and so changed the
-	// object under the delete's precondition).
-	named, err := s.listEndpointIdentities(ctx)
-	if err != nil {
-		return res, err
-	}
-
-	in := s.gcInputs(now, objs, nodes, named)
 
 	// Decide, then act: what to mark, unmark and delete depends only on
 	// the listings.
@@ -333,7 +321,7 @@ func (s *Store) RunGC(ctx context.Context) (res globalstore.GCResult, err error)
 
 	for i := range nodes {
 		n := &nodes[i]
-		if n.Name == s.node || !nodeGone(n, now) {
+		if n.Name == s.node || !nodeGone(n, in.now) {
 			continue
 		}
 		switch err := s.deleteNode(ctx, n); {
@@ -347,6 +335,27 @@ func (s *Store) RunGC(ctx context.Context) (res globalstore.GCResult, err error)
 		}
 	}
 	return res, nil
+}
+
+// gather reads the identities from the cache, then lists the IdentityNode
+// records and Cilium's endpoint objects, and returns them with the inputs
+// of the decisions on them, at the time of the cache's read. The listings
+// come after the cache: an identity created since is not in objs, and one
+// in objs that an endpoint took since was allocated by its agent, which
+// removed the mark (and so changed the object under the delete's
+// precondition).
+func (s *Store) gather(ctx context.Context) ([]gcObject, []IdentityNode, *gcInputs, error) {
+	now := time.Now()
+	objs := s.gcIdentities()
+	nodes, err := s.listGCNodes(ctx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	named, err := s.listEndpointIdentities(ctx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return objs, nodes, s.gcInputs(now, objs, nodes, named), nil
 }
 
 // gcInputs is what the collector's decision on one identity reads besides

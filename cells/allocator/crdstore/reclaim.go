@@ -266,17 +266,11 @@ func (r *reclaimInputs) get(ctx context.Context, s *Store, since time.Time) (*ga
 	if g := r.last.Value(); g != nil && !g.at.Before(since) {
 		return g, nil
 	}
-	now := time.Now()
-	objs := s.gcIdentities()
-	nodes, err := s.listGCNodes(ctx)
+	objs, _, in, err := s.gather(ctx)
 	if err != nil {
 		return nil, err
 	}
-	named, err := s.listEndpointIdentities(ctx)
-	if err != nil {
-		return nil, err
-	}
-	g := &gathered{at: now, objs: objs, in: s.gcInputs(now, objs, nodes, named)}
+	g := &gathered{at: in.now, objs: objs, in: in}
 	r.last = weak.Make(g)
 	return g, nil
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/testproc"
+	"github.com/identityd/identityd/labels"
 )
 
 // TestWalkReclaims: on a range the cache shows full, a walk takes the slot
@@ -191,37 +192,12 @@ func TestCrowdedWalkWaitsBriefly(t *testing.T) {
 // range's released identities for minutes (without the wait, or with the
 // free-slot walk's 5 s horizon, the allocation got the later slot: checked).
 func TestFullRangeWalkTakesTheFirstDue(t *testing.T) {
-	srv := serialServer(t)
-	cfg := gcTestConfig
-	const timeout = 10 * time.Second
-	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, timeout
 	const size = 8
-	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
-	n.cfg.IdentityGCCiliumAgents = false
-	n.gc.minGrace = timeout
-	lo := gcCluster.MinID() + 3600
-	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
 	lbls := mustLabels(t, "k8s:app=first-due")
-	p := n.ids.rng.probe(lbls.Canonical())
-	soon, due := p.Slot(1), p.Slot(size/2)
-	for id := lo; id < lo+size; id++ {
-		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=full-%d", id)), "")
-	}
-	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(t.Context()) })
-	// Old enough that no object fences the others.
-	time.Sleep(fenceWindow(cfg) + time.Second)
-
-	now := time.Now()
-	for id, at := range map[identity.NumericIdentity]time.Time{soon: now.Add(8*time.Second - timeout), due: now.Add(-10 * time.Minute)} {
-		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, at.UTC().Format(time.RFC3339Nano))
-		if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", id.String(), patch); err != nil {
-			t.Fatal(err)
-		}
-	}
-	waitCacheCurrent(t, n.Store)
+	n, ids := fullRangeWithMarks(t, gcCluster.MinID()+3600, size, lbls, map[uint64]time.Duration{
+		1: 8 * time.Second, size / 2: -10 * time.Minute,
+	})
+	soon, due := ids[1], ids[size/2]
 
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
@@ -232,6 +208,48 @@ func TestFullRangeWalkTakesTheFirstDue(t *testing.T) {
 	if obj := readIdentity(t, n.Store, due); obj == nil || obj.Annotations[stepAnnotation] != "" {
 		t.Fatalf("identity %d after the allocation: %+v, want it as it was, without a step annotation", due, obj)
 	}
+}
+
+// fullRangeTimeout is the grace of fullRangeWithMarks's node.
+const fullRangeTimeout = 10 * time.Second
+
+// fullRangeWithMarks starts a node, collecting once an hour with a grace
+// of fullRangeTimeout, on a full range of size IDs from lo, whose objects
+// are old enough that none fences another; then it marks the objects at
+// the positions of dueIn along lbls's probe sequence so that each comes
+// due dueIn from now. It returns the node and the IDs at those positions.
+func fullRangeWithMarks(t *testing.T, lo identity.NumericIdentity, size int, lbls labels.Labels, dueIn map[uint64]time.Duration) (*gcNode, map[uint64]identity.NumericIdentity) {
+	t.Helper()
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, fullRangeTimeout
+	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n.cfg.IdentityGCCiliumAgents = false
+	n.gc.minGrace = fullRangeTimeout
+	n.ids.rng = idRange{lo: lo, hi: lo + identity.NumericIdentity(size) - 1}
+	for id := n.ids.rng.lo; id <= n.ids.rng.hi; id++ {
+		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=full-%d", id)), "")
+	}
+	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Stop(t.Context()) })
+	// Old enough that no object fences the others.
+	time.Sleep(fenceWindow(cfg) + time.Second)
+
+	p := n.ids.rng.probe(lbls.Canonical())
+	ids := map[uint64]identity.NumericIdentity{}
+	now := time.Now()
+	for pos, in := range dueIn {
+		ids[pos] = p.Slot(pos)
+		at := now.Add(in - fullRangeTimeout)
+		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, at.UTC().Format(time.RFC3339Nano))
+		if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", ids[pos].String(), patch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitCacheCurrent(t, n.Store)
+	return n, ids
 }
 
 // TestReclaimingWalksShareTheirListings: walks that reclaim at once on a
@@ -310,41 +328,12 @@ func TestFullRangeWalkWaitsForLaterMarks(t *testing.T) {
 	if testproc.CountFromEnv(t, "CRDSTORE_LATER_MARKS", 0, 0) == 0 {
 		t.Skip("CRDSTORE_LATER_MARKS=1 runs it (make test-long): it waits 40 s")
 	}
-	srv := serialServer(t)
-	cfg := gcTestConfig
-	const timeout = 10 * time.Second
-	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, timeout
 	const size = 8
-	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
-	n.cfg.IdentityGCCiliumAgents = false
-	n.gc.minGrace = timeout
-	lo := gcCluster.MinID() + 3900
-	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
 	lbls := mustLabels(t, "k8s:app=later-marks")
-	p := n.ids.rng.probe(lbls.Canonical())
-	first, second, due := p.Slot(1), p.Slot(2), p.Slot(size/2)
-	for id := lo; id < lo+size; id++ {
-		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=later-%d", id)), "")
-	}
-	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(t.Context()) })
-	// Old enough that no object fences the others.
-	time.Sleep(fenceWindow(cfg) + time.Second)
-
-	now := time.Now()
-	for id, at := range map[identity.NumericIdentity]time.Time{
-		first:  now.Add(40*time.Second - timeout),
-		second: now.Add(25*time.Second - timeout),
-		due:    now.Add(-10 * time.Minute),
-	} {
-		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, at.UTC().Format(time.RFC3339Nano))
-		if _, err := patchMetadataOnly(t.Context(), n.ciliumClient, "ciliumidentities", id.String(), patch); err != nil {
-			t.Fatal(err)
-		}
-	}
-	waitCacheCurrent(t, n.Store)
+	n, ids := fullRangeWithMarks(t, gcCluster.MinID()+3900, size, lbls, map[uint64]time.Duration{
+		1: 40 * time.Second, 2: 25 * time.Second, size / 2: -10 * time.Minute,
+	})
+	first, second, due := ids[1], ids[2], ids[size/2]
 
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
