@@ -29,7 +29,8 @@ type params struct {
 	DB        *statedb.DB
 	Table     statedb.RWTable[Entry]
 	Backend   globalstore.Backend `optional:"true"`
-	Remote    globalstore.Remote  `optional:"true"`
+	Sinks     *globalstore.Sinks
+	Remote    globalstore.Remote `optional:"true"`
 	Metrics   *identitymetrics.Allocation
 	Jobs      job.Registry
 	Health    cell.Health `optional:"true"`
@@ -126,6 +127,9 @@ func newAllocator(p params) (allocatorOut, error) {
 		}
 		a.space = newSpaceWatch(p.Config.ClusterInfo(), p.Log, h)
 		a.global.space = a.space
+		// Bound before any store starts: the stores' hooks run after
+		// every constructor.
+		p.Sinks.For(p.Config.IdentityAllocationMode).Bind(a, a.global)
 	}
 	// Added before the allocator's hook, the jobs start before it and
 	// stop after it: every change up to the end of the allocator's stop
@@ -214,19 +218,13 @@ func (a *identityAllocator) jobs() []job.Job {
 	}
 }
 
-// Start starts the global backend's cache and the remote clusters.
+// Start starts the remote clusters. The global store started before, by
+// its own hooks: its cell is built before the allocator, which takes its
+// driver.
 func (a *identityAllocator) Start(ctx cell.HookContext) error {
-	if a.backend != nil {
-		if err := a.backend.Start(ctx, a, a.global); err != nil {
-			return fmt.Errorf("starting global identity backend: %w", err)
-		}
-	}
 	// Remote clusters connect in the background; their identities reach
 	// the dispatcher like the global ones, marked as remote.
 	if err := a.mesh.Start(ctx, remoteEvents{a.queue}); err != nil {
-		if a.backend != nil {
-			a.backend.Stop(ctx)
-		}
 		return fmt.Errorf("starting the cluster mesh: %w", err)
 	}
 	a.reportHealth()
@@ -254,15 +252,10 @@ func (a *identityAllocator) reportHealth() {
 }
 
 // Stop runs the finalizers (the final checkpoint), then stops the remote
-// clusters and the backend; the dispatcher's job, stopped next, delivers
-// what is queued.
+// clusters; the dispatcher's job, stopped next, delivers what is queued,
+// and the global store's hooks stop after it.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
-	err := a.contracts.finalize(ctx)
-	err = errors.Join(err, a.mesh.Stop(ctx))
-	if a.backend != nil {
-		err = errors.Join(err, a.backend.Stop(ctx))
-	}
-	return err
+	return errors.Join(a.contracts.finalize(ctx), a.mesh.Stop(ctx))
 }
 
 // Upsert implements globalstore.Events.

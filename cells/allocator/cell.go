@@ -12,8 +12,8 @@ import (
 // (statedb.Table[Entry]), the identity/* shell commands, the cluster's
 // identity.ClusterInfo (--cluster-id, --cluster-name,
 // --max-connected-clusters) that the stores take their ID range from, the
-// configured identity.AllocationMode and the stores' shared
-// globalstore.Config. Which store serves global identities, and how other
+// configured identity.AllocationMode, the stores' shared
+// globalstore.Config and the globalstore.Sinks they report to. Which store serves global identities, and how other
 // cells register with the allocator: the package documentation.
 var Cell = cell.Module(
 	"allocator",
@@ -32,6 +32,7 @@ var Cell = cell.Module(
 		clusterInfo,
 		allocationMode,
 		newIdentityMetrics,
+		globalstore.NewSinks,
 	),
 	cell.Invoke(registerHandlers, registerContracts),
 )

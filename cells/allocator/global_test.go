@@ -30,7 +30,7 @@ import (
 )
 
 // node starts a hive with the allocator cell and the given backend.
-func node(t testing.TB, backend globalstore.Backend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
+func node(t testing.TB, backend *allocatortest.Backend, cfg func(*allocator.Config)) (allocator.Allocator, *hive.Hive, error) {
 	t.Helper()
 	var a allocator.Allocator
 	cells := []cell.Cell{
@@ -38,7 +38,7 @@ func node(t testing.TB, backend globalstore.Backend, cfg func(*allocator.Config)
 		cell.Invoke(func(x allocator.Allocator) { a = x }),
 	}
 	if backend != nil {
-		cells = append(cells, cell.Provide(func() globalstore.Backend { return backend }))
+		cells = append(cells, allocatortest.BackendCell(backend))
 	}
 	h := hive.New(cells...)
 	if cfg != nil {
@@ -261,7 +261,7 @@ func TestScript(t *testing.T) {
 			store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
 			h := hive.New(
 				job.Cell, statedb.Cell, allocator.Cell,
-				cell.Provide(func() globalstore.Backend { return store.NewBackend("node1") }),
+				allocatortest.BackendCell(store.NewBackend("node1")),
 			)
 			scriptengine.ParseFlags(t, h, args)
 			return scriptengine.New(t, h)
@@ -314,7 +314,7 @@ func TestAllocationModeSelectsDriver(t *testing.T) {
 			}
 			if tc.explicit {
 				explicit := stores["explicit"].NewBackend("n")
-				cells = append(cells, cell.Provide(func() globalstore.Backend { return explicit }))
+				cells = append(cells, allocatortest.BackendCell(explicit))
 			}
 			a, mode, err := modeNode(t, string(tc.mode), cells...)
 			if err != nil {

@@ -189,9 +189,8 @@ func (b *Backend) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, 
 	return id, ok
 }
 
-// Start implements globalstore.Backend: it lists the store, then
-// reports changes.
-func (b *Backend) Start(ctx context.Context, events globalstore.Events, _ globalstore.References) error {
+// start lists the store to events, then reports its changes.
+func (b *Backend) start(events globalstore.Events) {
 	b.store.mu.Lock()
 	defer b.store.mu.Unlock()
 	for id, l := range b.store.byID {
@@ -201,20 +200,39 @@ func (b *Backend) Start(ctx context.Context, events globalstore.Events, _ global
 	b.events = events
 	b.mu.Unlock()
 	events.Synced()
-	return nil
 }
 
-// Stop implements globalstore.Backend.
-func (b *Backend) Stop(ctx context.Context) error {
+func (b *Backend) stop() {
 	b.mu.Lock()
 	b.events = nil
 	b.mu.Unlock()
-	return nil
+}
+
+// register makes b start and stop with the hive, reporting to sink, as a
+// store cell's hooks do.
+func (b *Backend) register(lc cell.Lifecycle, sink *globalstore.Sink) {
+	lc.Append(cell.Hook{
+		OnStart: func(cell.HookContext) error { b.start(sink); return nil },
+		OnStop:  func(cell.HookContext) error { b.stop(); return nil },
+	})
 }
 
 // DriverCell stands in for a store cell: it offers b to the allocator as
 // the globalstore.Driver of mode, as etcdstore.Cell does for kvstore mode
-// and crdstore.Cell for crd mode.
+// and crdstore.Cell for crd mode, and starts it with the hive, reporting
+// to the globalstore.Sink of mode.
 func DriverCell(mode identity.AllocationMode, b *Backend) cell.Cell {
-	return cell.Provide(func() globalstore.DriverOut { return globalstore.NewDriver(mode, b) })
+	return cell.Provide(func(lc cell.Lifecycle, sinks *globalstore.Sinks) globalstore.DriverOut {
+		b.register(lc, sinks.For(mode))
+		return globalstore.NewDriver(mode, b)
+	})
+}
+
+// BackendCell gives the allocator b as its globalstore.Backend, whatever
+// the configured mode, and starts it with the hive.
+func BackendCell(b *Backend) cell.Cell {
+	return cell.Provide(func(lc cell.Lifecycle, sinks *globalstore.Sinks, mode identity.AllocationMode) globalstore.Backend {
+		b.register(lc, sinks.For(mode))
+		return b
+	})
 }

@@ -615,7 +615,7 @@ func TestMirroredObjectAdopted(t *testing.T) {
 		l := labels.MustParse(fmt.Sprintf("k8s:app=mirrored-%d", i), "k8s:io.kubernetes.pod.namespace=migration")
 		id := idprobe.New(l.Canonical(), cluster).Slot(1000 + uint64(i))
 		ref := globalstore.NewReference(id, l, 0)
-		kv.refs.record(ref)
+		kv.refs.Record(ref)
 		if err := kv.store.Mirror(context.Background(), ref); err != nil {
 			t.Fatal(err)
 		}

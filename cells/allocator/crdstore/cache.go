@@ -121,7 +121,7 @@ var _ cache.ReflectorStore = (*identityCache)(nil)
 
 // idRange is the IDs lo..hi the store places identities in and collects:
 // the cluster's range. Tests of a full range narrow it (the unexported
-// rng of the store's cache, set before Start), so that it fills with a few
+// rng of the store's cache, set before the store starts), so that it fills with a few
 // hundred objects instead of the range's tens of thousands; nothing else
 // sets it.
 type idRange struct{ lo, hi identity.NumericIdentity }

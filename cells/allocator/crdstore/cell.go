@@ -1,7 +1,6 @@
 package crdstore
 
 import (
-	"context"
 	"errors"
 	"log/slog"
 
@@ -61,16 +60,18 @@ type params struct {
 	// Stores is the stores' shared configuration; without it, the
 	// defaults (DefaultGCConfig).
 	Stores globalstore.Config `optional:"true"`
-	// GC replaces the garbage collection's part of Stores.
-	GC     GCConfig `optional:"true"`
 	Log    *slog.Logger
 	Jobs   job.Registry
 	Health cell.Health `optional:"true"`
+	// Sinks is where the store reports; a hive without an allocator
+	// leaves its Sink unbound.
+	Sinks     *globalstore.Sinks `optional:"true"`
+	Lifecycle cell.Lifecycle
 }
 
-// newStore builds the store. With the Kubernetes client, its clients of the
-// API server are made at Start: the client's settings exist once its start
-// hook ran.
+// newStore builds the store and registers its hooks and jobs. With the
+// Kubernetes client, its clients of the API server are made at start: the
+// client's settings exist once its start hook ran.
 func newStore(p params) (*Store, error) {
 	noServer := p.Client == nil && p.RESTConfig == nil
 	if p.Mode.UsesCRD() && noServer {
@@ -87,7 +88,7 @@ func newStore(p params) (*Store, error) {
 		return nil, nil
 	}
 	h := health.OrDetached(p.Health)
-	s, err := newUnconnected(p.Log, p.Cluster, p.Node, p.Config, p.Jobs.NewGroup(h))
+	s, err := newUnconnected(p.Log, p.Cluster, p.Node, p.Config, p.Sinks.For(identity.AllocationModeCRD))
 	if err != nil {
 		return nil, err
 	}
@@ -96,27 +97,24 @@ func newStore(p params) (*Store, error) {
 	} else if err := s.connect(p.RESTConfig); err != nil {
 		return nil, err
 	}
-	gc := p.GC
-	if gc == (GCConfig{}) && p.Stores != (globalstore.Config{}) {
-		gc = GCConfig{
+	if p.Stores != (globalstore.Config{}) {
+		err := s.setGCConfig(GCConfig{
 			Interval:         p.Stores.IdentityGCInterval,
 			RateLimit:        p.Stores.IdentityGCRateLimit,
 			RateInterval:     p.Stores.IdentityGCRateInterval,
 			HeartbeatTimeout: p.Stores.IdentityHeartbeatTimeout,
+		})
+		if err != nil {
+			return nil, err
 		}
 		s.listTimeout = p.Stores.AllocatorListTimeout
 	}
-	if gc != (GCConfig{}) {
-		if err := s.SetGCConfig(gc); err != nil {
-			return nil, err
-		}
-	}
-	// The bound that Cilium agents need is the cell's: a store made with
-	// New (tests, benchmarks of identityd alone) may go down to
-	// MinHeartbeatTimeout.
+	// Beside Cilium agents (--identity-gc-cilium-agents) the timeout
+	// covers their periodic sync; without them, the fence's bound.
 	if err := p.Config.validateHeartbeat(s.gc.cfg.HeartbeatTimeout); err != nil {
 		return nil, err
 	}
+	s.register(p.Lifecycle, p.Jobs.NewGroup(h))
 	return s, nil
 }
 
@@ -127,28 +125,5 @@ func newDriver(s *Store) globalstore.DriverOut {
 	if s == nil {
 		return globalstore.NewDriver(identity.AllocationModeCRD, nil)
 	}
-	return globalstore.NewDriver(identity.AllocationModeCRD, cellStore{s})
-}
-
-// cellStore is the Store as the cell's driver serves it: Start connects
-// first, and bounds the wait for the first listing by
-// --allocator-list-timeout.
-type cellStore struct{ *Store }
-
-func (c cellStore) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
-	if c.restSource != nil {
-		cfg := c.restSource()
-		if cfg == nil {
-			return errors.New("crd mode: the Kubernetes client has no connection settings (its start did not succeed)")
-		}
-		if err := c.connect(cfg); err != nil {
-			return err
-		}
-	}
-	if c.listTimeout > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, c.listTimeout)
-		defer cancel()
-	}
-	return c.Store.Start(ctx, events, refs)
+	return globalstore.NewDriver(identity.AllocationModeCRD, s)
 }

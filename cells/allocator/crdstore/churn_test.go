@@ -64,22 +64,17 @@ func runChurn(t *testing.T, c allocatortest.Churn, rc *rest.Config, cfg GCConfig
 	var nodes []*gcNode
 	var churn []allocatortest.ChurnNode
 	for _, name := range []string{"node-a", "node-b"} {
-		n := &gcNode{Store: newGCStore(t, rc, name, cfg), refs: newTestRefs()}
+		n := newGCNode(t, rc, name, cfg)
 		n.cfg.IdentityGCCiliumAgents = false
 		if adjust != nil {
 			adjust(n)
 		}
-		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-		if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
-			t.Fatal(err)
-		}
-		cancel()
-		t.Cleanup(func() { n.Stop(context.Background()) })
+		n.start(t)
 		nodes = append(nodes, n)
 		churn = append(churn, func(ctx context.Context, lbls labels.Labels) (func(), error) {
-			id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+			id, _, err := n.Allocate(ctx, lbls, n.refs.Record)
 			return func() {
-				if ref := n.refs.remove(id); ref != nil {
+				if ref := n.refs.Remove(id); ref != nil {
 					n.Release(context.Background(), ref)
 				}
 			}, err

@@ -32,9 +32,9 @@
 // resourceVersion, a new listing after 410 Gone) indexed by ID and by
 // canonical labels; no node watches the IdentityNode objects of others.
 // Objects whose name is not an ID of the range or whose security-labels
-// are not a valid label set are left out and counted. RegisterCRDs
-// installs or updates the three CRDs at Start when they are missing or
-// outdated.
+// are not a valid label set are left out and counted. The store's start
+// hook installs or updates the three CRDs (RegisterCRDs) when they are
+// missing or outdated.
 //
 // # Jobs
 //

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"net/url"
 	"os"
@@ -18,10 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
-	"github.com/cilium/hive/job"
 	"github.com/prometheus/client_golang/prometheus"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -90,55 +86,18 @@ type electionNode struct {
 	health *health.Provider
 }
 
-// healthJobs returns a job group of a started hive, and its health.
-func healthJobs(t *testing.T) (job.Group, *health.Provider) {
-	t.Helper()
-	p := health.NewProvider()
-	var g job.Group
-	h := hive.New(job.Cell, cell.Module("election-test", "Jobs of a test store",
-		cell.Invoke(func(r job.Registry) { g = r.NewGroup(p.Root()) })))
-	log := hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		if err := h.Stop(log, ctx); err != nil {
-			t.Error(err)
-		}
-	})
-	return g, p
-}
-
 // startElectionNode starts the store of node, collecting with gc, with
 // the election timings el; before, when given, changes the store before
 // its start.
 func startElectionNode(t *testing.T, rc *rest.Config, node string, gc GCConfig, el electionTimings, before ...func(*Store)) *electionNode {
 	t.Helper()
 	n := &electionNode{name: node, wire: &wire{}}
-	jobs, p := healthJobs(t)
-	n.health = p
-	s, err := New(hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn)), n.wire.config(rc), gcCluster, identity.NodeName(node),
-		Config{IdentityNodeLeaseTTL: MinIdentityNodeLeaseTTL}, jobs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := gc.validateBasic(); err != nil {
-		t.Fatal(err)
-	}
-	s.gc = newGCState(gc)
-	s.electionTimings = el
+	n.gcNode = newGCNode(t, n.wire.config(rc), node, gc, health.Cell, cell.Invoke(func(p *health.Provider) { n.health = p }))
+	n.electionTimings = el
 	for _, f := range before {
-		f(s)
+		f(n.Store)
 	}
-	n.gcNode = &gcNode{Store: s, refs: newTestRefs()}
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	if err := s.Start(ctx, nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Stop(context.Background()) })
+	n.start(t)
 	return n
 }
 
@@ -273,7 +232,7 @@ func TestGCOneCollector(t *testing.T) {
 		}
 		return nil
 	})
-	if err := old.Stop(context.Background()); err != nil {
+	if err := old.stop(); err != nil {
 		t.Fatal(err)
 	}
 	// `kubectl get lease` names the collector: the Lease, and the
@@ -368,7 +327,7 @@ func TestGCLeaderHandsOverOnStop(t *testing.T) {
 	collector(t, []*electionNode{a, b}, 10*time.Second)
 
 	stopped := time.Now()
-	if err := a.Stop(context.Background()); err != nil {
+	if err := a.stop(); err != nil {
 		t.Fatal(err)
 	}
 	collector(t, []*electionNode{b}, 10*time.Second)

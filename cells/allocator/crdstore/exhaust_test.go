@@ -7,11 +7,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/hive/hivetest"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore/storetest"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -22,11 +22,8 @@ import (
 // refusal walks all 65,280 slots and takes longer (checked).
 func TestRefusalFast(t *testing.T) {
 	cluster := identity.ClusterInfo{Name: "default"}
-	s, err := New(hivetest.Logger(t), &rest.Config{Host: "http://127.0.0.1:1"}, cluster, "node-a", DefaultConfig, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.events = newEventLog()
+	s := newUnstartedStore(t, &rest.Config{Host: "http://127.0.0.1:1"}, cluster, "node-a")
+	s.events = storetest.NewEvents()
 	var objs []any
 	for id := cluster.MinID(); id <= cluster.MaxID(); id++ {
 		objs = append(objs, &CiliumIdentity{
@@ -39,11 +36,11 @@ func TestRefusalFast(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	refs := newRefSet()
+	refs := storetest.NewRefs()
 	var slowest time.Duration
 	for i := range 20 {
 		start := time.Now()
-		_, _, err := s.Allocate(ctx, web(100000+i), refs.record)
+		_, _, err := s.Allocate(ctx, web(100000+i), refs.Record)
 		d := time.Since(start)
 		if !errors.Is(err, globalstore.ErrSpaceExhausted) {
 			t.Fatalf("allocation in the full range: %v, want ErrSpaceExhausted", err)

@@ -130,9 +130,9 @@ func newGCState(cfg GCConfig) *gcState {
 	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: gcStepWindow, minGrace: MinHeartbeatTimeout, deletesInFlight: cfg.deletesInFlight()}
 }
 
-// SetGCConfig replaces the garbage collection's configuration; it takes
-// effect at Start.
-func (s *Store) SetGCConfig(c GCConfig) error {
+// setGCConfig replaces the garbage collection's configuration, before the
+// store registers its jobs.
+func (s *Store) setGCConfig(c GCConfig) error {
 	if err := c.Validate(); err != nil {
 		return err
 	}
@@ -140,29 +140,35 @@ func (s *Store) SetGCConfig(c GCConfig) error {
 	return nil
 }
 
-// startGC adds the collector's jobs to the store's: the election of the
-// one node of the cluster that collects, and the timer, whose runs happen
-// only while this node is that one. A node that does not collect does not
-// campaign either.
-func (s *Store) startGC(life context.Context) {
+// registerGC adds the collector's jobs to the store's: the election of
+// the one node of the cluster that collects, and the timer, whose runs
+// happen only while this node is that one. A node that does not collect
+// does not campaign either.
+func (s *Store) registerGC(g job.Group) {
 	if s.gc.cfg.Interval <= 0 {
 		return
 	}
-	timings := s.electionTimings
-	if timings == (electionTimings{}) {
-		timings = gcElectionTimings(s.cfg.IdentityNodeLeaseTTL)
-	}
-	el := newGCElection(s, timings)
-	s.election.Store(el)
-	s.jobs.Add(s.oneShot(life, "identity-gc-election", el.run))
+	g.Add(oneShot("identity-gc-election", func(ctx context.Context, h cell.Health) {
+		timings := s.electionTimings
+		if timings == (electionTimings{}) {
+			timings = gcElectionTimings(s.cfg.IdentityNodeLeaseTTL)
+		}
+		el := newGCElection(s, timings)
+		s.election.Store(el)
+		el.run(ctx, h)
+	}))
 	// Its own scope, which the timer's reports do not overwrite: whether
 	// the collector found Cilium's endpoint objects to count.
-	s.jobs.Add(s.oneShot(life, "identity-gc-endpoints", func(ctx context.Context, h cell.Health) {
+	g.Add(oneShot("identity-gc-endpoints", func(ctx context.Context, h cell.Health) {
 		s.gc.endpoints.attach(h)
 		<-ctx.Done()
 		s.gc.endpoints.attach(nil)
 	}))
-	s.jobs.Add(job.Timer("identity-gc", func(ctx context.Context) error {
+	g.Add(job.Timer("identity-gc", func(ctx context.Context) error {
+		el := s.election.Load()
+		if el == nil {
+			return nil
+		}
 		term := el.leading()
 		if term == nil || s.stopped.Load() || !s.ids.isSynced() {
 			// Another node collects; nothing to collect before the
@@ -173,7 +179,6 @@ func (s *Store) startGC(life context.Context) {
 		// its lock stops.
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		defer context.AfterFunc(life, cancel)()
 		defer context.AfterFunc(term, cancel)()
 		res, err := s.RunGC(ctx)
 		if err != nil {

@@ -25,7 +25,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
-	"github.com/identityd/identityd/cells/health"
+	"github.com/identityd/identityd/cells/allocator/globalstore/storetest"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/idprobe"
@@ -40,115 +40,91 @@ var gcCluster = identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}
 // marked identity a second after its mark.
 var gcTestConfig = GCConfig{RateLimit: 1000, RateInterval: time.Second, HeartbeatTimeout: time.Second}
 
-type nopEvents struct{}
-
-func (nopEvents) Upsert(identity.NumericIdentity, labels.Labels) {}
-func (nopEvents) Delete(identity.NumericIdentity, labels.Labels) {}
-func (nopEvents) Synced()                                        {}
-
-// testRefs is the allocator's record of one node's references.
-type testRefs struct {
-	mu   sync.Mutex
-	byID map[identity.NumericIdentity]*globalstore.Reference
-}
-
-func newTestRefs() *testRefs {
-	return &testRefs{byID: map[identity.NumericIdentity]*globalstore.Reference{}}
-}
-
-func (r *testRefs) Each(fn func(*globalstore.Reference)) {
-	r.mu.Lock()
-	refs := make([]*globalstore.Reference, 0, len(r.byID))
-	for _, ref := range r.byID {
-		refs = append(refs, ref)
-	}
-	r.mu.Unlock()
-	for _, ref := range refs {
-		fn(ref)
-	}
-}
-
-func (r *testRefs) ByID(id identity.NumericIdentity) *globalstore.Reference {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.byID[id]
-}
-
-func (r *testRefs) record(ref *globalstore.Reference) {
-	r.mu.Lock()
-	r.byID[ref.ID] = ref
-	r.mu.Unlock()
-}
-
-func (r *testRefs) remove(id identity.NumericIdentity) *globalstore.Reference {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	ref := r.byID[id]
-	delete(r.byID, id)
-	return ref
-}
-
-// gcNode is one started store, as one identityd node runs it.
+// gcNode is one store in a hive of its own, as one identityd node runs it.
 type gcNode struct {
 	*Store
-	refs *testRefs
+	refs *storetest.Refs
+	h    *hive.Hive
+	log  *slog.Logger
+	once sync.Once
 }
 
-// testJobs returns a job group of a started hive that ends with the test.
-func testJobs(t *testing.T) job.Group {
+// newGCNode builds the store of node on cfg, collecting with gc, in a hive
+// of its own that cells join; the hive is not started, so that tests
+// change the store first.
+func newGCNode(t *testing.T, cfg *rest.Config, node string, gc GCConfig, cells ...cell.Cell) *gcNode {
 	t.Helper()
-	var g job.Group
-	h := hive.New(job.Cell, cell.Module("gc-test", "Jobs of a test store",
-		cell.Invoke(func(r job.Registry) { g = r.NewGroup(health.OrDetached(nil)) })))
-	log := hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))
-	if err := h.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		if err := h.Stop(log, ctx); err != nil {
-			t.Error(err)
-		}
-	})
-	return g
-}
-
-// newGCStore returns the store of node on cfg, not started.
-func newGCStore(t *testing.T, cfg *rest.Config, node string, gc GCConfig) *Store {
-	t.Helper()
-	s, err := New(hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn)), cfg, gcCluster, identity.NodeName(node),
-		Config{IdentityNodeLeaseTTL: MinIdentityNodeLeaseTTL}, testJobs(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Tests shorten the heartbeat timeout below what Validate allows.
+	// Tests shorten the heartbeat timeout below what the cell allows:
+	// the cell builds the collector's jobs at gc's interval, and the
+	// test's settings replace its own before the start.
 	if err := gc.validateBasic(); err != nil {
 		t.Fatal(err)
 	}
-	s.gc = newGCState(gc)
-	return s
+	stores := globalstore.DefaultConfig
+	stores.IdentityGCInterval = gc.Interval
+	n := &gcNode{refs: storetest.NewRefs(), log: hivetest.Logger(t, hivetest.LogLevel(slog.LevelWarn))}
+	n.h = hive.New(append([]cell.Cell{
+		job.Cell,
+		cell.Provide(
+			func() *rest.Config { return cfg },
+			func() identity.ClusterInfo { return gcCluster },
+			func() identity.NodeName { return identity.NodeName(node) },
+			func() globalstore.Config { return stores },
+			globalstore.NewSinks,
+		),
+		Cell,
+		cell.Invoke(func(s *Store, sinks *globalstore.Sinks) {
+			n.Store = s
+			sinks.For(identity.AllocationModeCRD).Bind(nil, n.refs)
+		}),
+	}, cells...)...)
+	hive.AddConfigOverride(n.h, func(c *Config) { *c = Config{IdentityNodeLeaseTTL: MinIdentityNodeLeaseTTL} })
+	if err := n.h.Populate(n.log); err != nil {
+		t.Fatal(err)
+	}
+	n.gc = newGCState(gc)
+	return n
 }
 
-// startGCNode starts the store of node; the test's end stops it.
-func startGCNode(t *testing.T, cfg *rest.Config, node string, gc GCConfig) *gcNode {
+// start starts the node's hive; the test's end stops it.
+func (n *gcNode) start(t *testing.T) {
 	t.Helper()
-	n := &gcNode{Store: newGCStore(t, cfg, node, gc), refs: newTestRefs()}
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
+	if err := n.h.Start(n.log, ctx); err != nil {
 		t.Fatal(err)
 	}
 	if !n.ids.isSynced() {
 		t.Fatal("the store's start returned before its first listing")
 	}
-	t.Cleanup(func() { n.Stop(context.Background()) })
+	t.Cleanup(func() {
+		if err := n.stop(); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+// stop stops the node's hive, once.
+func (n *gcNode) stop() (err error) {
+	n.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		err = n.h.Stop(n.log, ctx)
+	})
+	return err
+}
+
+// startGCNode starts the store of node; the test's end stops it.
+func startGCNode(t *testing.T, cfg *rest.Config, node string, gc GCConfig) *gcNode {
+	t.Helper()
+	n := newGCNode(t, cfg, node, gc)
+	n.start(t)
 	return n
 }
 
 func (n *gcNode) allocate(t *testing.T, lbls labels.Labels) identity.NumericIdentity {
 	t.Helper()
-	id, _, err := n.Allocate(t.Context(), lbls, n.refs.record)
+	id, _, err := n.Allocate(t.Context(), lbls, n.refs.Record)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,7 +133,7 @@ func (n *gcNode) allocate(t *testing.T, lbls labels.Labels) identity.NumericIden
 
 func (n *gcNode) release(t *testing.T, id identity.NumericIdentity) {
 	t.Helper()
-	ref := n.refs.remove(id)
+	ref := n.refs.Remove(id)
 	if ref == nil {
 		t.Fatalf("node %s holds no reference to %d", n.node, id)
 	}
@@ -361,7 +337,7 @@ func TestGCExpiredNodeStopsProtecting(t *testing.T) {
 	b := startGCNode(t, srv.RESTConfig(), "node-b", gcTestConfig)
 	id := a.allocate(t, mustLabels(t, "k8s:app=killed"))
 	waitListed(t, b.Store, "node-a", id, true)
-	if err := a.Stop(t.Context()); err != nil {
+	if err := a.stop(); err != nil {
 		t.Fatal(err)
 	}
 	if res := runGC(t, b.Store); res.Marked != 0 || res.KeptUsed != 1 {
@@ -529,14 +505,10 @@ func TestGCGraceWithoutCilium(t *testing.T) {
 	cfg.Interval, cfg.HeartbeatTimeout = time.Second, time.Hour
 	for _, cilium := range []bool{false, true} {
 		node := fmt.Sprintf("node-cilium-%v", cilium)
-		n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), node, cfg), refs: newTestRefs()}
+		n := newGCNode(t, srv.RESTConfig(), node, cfg)
 		n.cfg.IdentityGCCiliumAgents = cilium
 		n.gc.minGrace = 2 * time.Second
-		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-		if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
-			t.Fatal(err)
-		}
-		cancel()
+		n.start(t)
 		id := n.allocate(t, mustLabels(t, fmt.Sprintf("k8s:app=grace-%v", cilium)))
 		n.release(t, id)
 		start := time.Now()
@@ -548,7 +520,7 @@ func TestGCGraceWithoutCilium(t *testing.T) {
 			if d := time.Since(start); d < n.gc.minGrace || d > 2*cfg.Interval+n.gc.minGrace+5*time.Second {
 				t.Fatalf("deleted %s after the release, want after the grace of %s and within two intervals more", d, n.gc.minGrace)
 			}
-			n.Stop(context.Background())
+			n.stop()
 			continue
 		}
 		eventually.True(t, "the released identity is marked", func() bool { _, ok := markOf(t, n.Store, id); return ok })
@@ -556,7 +528,7 @@ func TestGCGraceWithoutCilium(t *testing.T) {
 		if _, ok := markOf(t, n.Store, id); !ok {
 			t.Fatal("the mark went")
 		}
-		n.Stop(context.Background())
+		n.stop()
 	}
 }
 
@@ -719,8 +691,10 @@ func TestGCListsNoIdentities(t *testing.T) {
 // each delete in 250 ms, a collector limited to 200 deletes a second
 // deletes at that pace: its deletes in flight follow the limit (200 at
 // once here, the limit's deletes within a second). 120 deletes take the
-// limit's 0.6 s, the answer and some room, under 2 s; with 8 deletes in
-// flight they take 120/8 answers, 3.75 s (checked).
+// limit's 0.6 s, the answer and some room, under 3 s (2.2 s seen while
+// make test ran other packages beside it); with 8 deletes in flight they
+// take at least 120/8 answers, 3.75 s, however idle the machine
+// (checked).
 func TestGCDeletesReachLimitWithSlowAnswers(t *testing.T) {
 	srv := serialServer(t)
 	cfg := gcTestConfig
@@ -745,7 +719,7 @@ func TestGCDeletesReachLimitWithSlowAnswers(t *testing.T) {
 	}
 	pace := time.Duration(n-1) * cfg.RateInterval / time.Duration(cfg.RateLimit)
 	t.Logf("%d deletes answered in %s each took %s (the limit's pace: %s, %d in flight)", n, answer, took, pace, a.gc.deletesInFlight)
-	if limit := 2 * time.Second; took > limit {
+	if limit := 3 * time.Second; took > limit {
 		t.Fatalf("%d deletes took %s, want under %s: the limit's %s and the answer", n, took, limit, pace)
 	}
 }
@@ -789,7 +763,7 @@ func TestGCNotBeforeListing(t *testing.T) {
 	a := startGCNode(t, srv.RESTConfig(), "node-a", gcTestConfig)
 	id := identity.NumericIdentity(2000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=unlisted"), "")
-	cold := newGCStore(t, srv.RESTConfig(), "node-cold", gcTestConfig)
+	cold := newGCNode(t, srv.RESTConfig(), "node-cold", gcTestConfig)
 	_, err := cold.RunGC(t.Context())
 	if !errors.Is(err, globalstore.ErrUnavailable) {
 		t.Fatalf("RunGC before the listing: %v, want ErrUnavailable", err)
@@ -828,7 +802,8 @@ func TestGCRunsBackToBack(t *testing.T) {
 	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.Interval, cfg.RateLimit, cfg.RateInterval = time.Second, 20, time.Second
-	a := newGCStore(t, srv.RESTConfig(), "node-a", cfg)
+	n := newGCNode(t, srv.RESTConfig(), "node-a", cfg)
+	a := n.Store
 	old := oldMark()
 	const first, second = 40, 20
 	for i := range first {
@@ -853,13 +828,7 @@ func TestGCRunsBackToBack(t *testing.T) {
 			}()
 		})
 	}
-	n := &gcNode{Store: a, refs: newTestRefs()}
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(context.Background()) })
+	n.start(t)
 	eventually.True(t, "both runs delete", func() bool { return a.GCStats().Deleted == first+second })
 	mu.Lock()
 	defer mu.Unlock()
@@ -1067,18 +1036,13 @@ func TestGCFullRangeRecovers(t *testing.T) {
 	if released > size {
 		t.Fatalf("CRDSTORE_FULLRANGE_RELEASED=%d is more than CRDSTORE_FULLRANGE_SIZE=%d", released, size)
 	}
-	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n := newGCNode(t, srv.RESTConfig(), "node-a", cfg)
 	lo := gcCluster.MinID() + 1000
 	n.ids.rng = idRange{lo: lo, hi: lo + identity.NumericIdentity(size) - 1}
 	// A step over a marked slot defers its delete by maxWalkAge; the test
 	// shortens it as it shortens the timeout.
 	n.gc.stepWindow = time.Second
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	if err := n.Start(ctx, nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(context.Background()) })
+	n.start(t)
 
 	var ids []identity.NumericIdentity
 	fillStart := time.Now()
@@ -1088,7 +1052,7 @@ func TestGCFullRangeRecovers(t *testing.T) {
 	// What the new sets' allocations take on this machine, walks and
 	// creates alone: as long as the same number took in the fill.
 	allocations := time.Since(fillStart) * time.Duration(released) / time.Duration(size)
-	if _, _, err := n.Allocate(t.Context(), mustLabels(t, "k8s:app=one-too-many"), n.refs.record); !errors.Is(err, globalstore.ErrSpaceExhausted) {
+	if _, _, err := n.Allocate(t.Context(), mustLabels(t, "k8s:app=one-too-many"), n.refs.Record); !errors.Is(err, globalstore.ErrSpaceExhausted) {
 		t.Fatalf("allocation in the full range: %v, want ErrSpaceExhausted", err)
 	}
 	// The range has been full for a while: the fill's last objects are
@@ -1107,7 +1071,7 @@ func TestGCFullRangeRecovers(t *testing.T) {
 		if time.Since(start) > bound+slack+20*time.Second {
 			t.Fatalf("%d of %d new label sets got an ID in %s (collection: %+v)", len(got), released, time.Since(start), n.GCStats())
 		}
-		id, _, err := n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=new-%d", i)), n.refs.record)
+		id, _, err := n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=new-%d", i)), n.refs.Record)
 		switch {
 		case errors.Is(err, globalstore.ErrSpaceExhausted):
 			time.Sleep(100 * time.Millisecond)

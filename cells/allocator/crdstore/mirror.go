@@ -65,12 +65,12 @@ func (s *Store) Mirror(ctx context.Context, ref *globalstore.Reference) error {
 }
 
 // newMirror offers the store to the double-write modes
-// (cells/allocator/doublewrite), connected at Start as the driver is.
+// (cells/allocator/doublewrite).
 func newMirror(s *Store) globalstore.MirrorOut {
 	if s == nil {
 		return globalstore.NewMirror(identity.AllocationModeCRD, nil)
 	}
-	return globalstore.NewMirror(identity.AllocationModeCRD, cellStore{s})
+	return globalstore.NewMirror(identity.AllocationModeCRD, s)
 }
 
 // Collecting implements globalstore.Collector: this node holds the

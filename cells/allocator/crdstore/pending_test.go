@@ -26,7 +26,7 @@ func TestWalksOfOneNodeDoNotRace(t *testing.T) {
 	}
 	slow := srv.RESTConfig()
 	slow.Host = "https://" + startDelayProxy(t, host.Host, 50*time.Millisecond)
-	n := &gcNode{Store: newGCStore(t, slow, "node-a", gcTestConfig), refs: newTestRefs()}
+	n := newGCNode(t, slow, "node-a", gcTestConfig)
 	lo := gcCluster.MinID() + 3800
 	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
 	for id := lo; id < lo+held; id++ {
@@ -40,10 +40,7 @@ func TestWalksOfOneNodeDoNotRace(t *testing.T) {
 			sets = append(sets, key)
 		}
 	}
-	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(t.Context()) })
+	n.start(t)
 	waitCacheCurrent(t, n.Store)
 
 	before := serverRequestsFor(t, srv, "ciliumidentities")["POST"]
@@ -52,7 +49,7 @@ func TestWalksOfOneNodeDoNotRace(t *testing.T) {
 	var wg sync.WaitGroup
 	for i, key := range sets {
 		wg.Go(func() {
-			ids[i], _, errs[i] = n.Allocate(t.Context(), mustLabels(t, key), n.refs.record)
+			ids[i], _, errs[i] = n.Allocate(t.Context(), mustLabels(t, key), n.refs.Record)
 		})
 	}
 	wg.Wait()

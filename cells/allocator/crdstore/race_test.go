@@ -31,7 +31,7 @@ func allocateAll(ctx context.Context, n *testNode, sets []labels.Labels, gorouti
 	for range goroutines {
 		wg.Go(func() {
 			for i := range work {
-				id, _, err := n.store.Allocate(ctx, sets[i], n.refs.record)
+				id, _, err := n.store.Allocate(ctx, sets[i], n.refs.Record)
 				if err != nil {
 					errs <- fmt.Errorf("node %s: %s: %w", n.name, sets[i], err)
 					return

@@ -72,7 +72,7 @@ func TestWalkReclaims(t *testing.T) {
 				// on a full range would wait for.
 				c.HeartbeatTimeout = time.Minute
 			}
-			n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", c), refs: newTestRefs()}
+			n := newGCNode(t, srv.RESTConfig(), "node-a", c)
 			n.cfg.IdentityGCCiliumAgents = tc.ciliumAgents
 			lo := gcCluster.MinID() + 3000 + identity.NumericIdentity(i*size)
 			n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
@@ -92,10 +92,7 @@ func TestWalkReclaims(t *testing.T) {
 			if tc.keep != nil {
 				tc.keep(t, n, x)
 			}
-			if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { n.Stop(t.Context()) })
+			n.start(t)
 			waitCacheCurrent(t, n.Store)
 			// Old enough that no object fences the others.
 			time.Sleep(fenceWindow(cfg) + time.Second)
@@ -109,7 +106,7 @@ func TestWalkReclaims(t *testing.T) {
 				waitCacheCurrent(t, n.Store)
 			}
 			lists := serverRequestsFor(t, srv, "identitynodes")["LIST"]
-			id, _, err := n.Allocate(t.Context(), lbls, n.refs.record)
+			id, _, err := n.Allocate(t.Context(), lbls, n.refs.Record)
 			if !tc.reclaimed {
 				if !errors.Is(err, globalstore.ErrSpaceExhausted) {
 					t.Fatalf("allocation: %d, %v; want %v, the marked identity kept", id, err, globalstore.ErrSpaceExhausted)
@@ -149,7 +146,7 @@ func TestCrowdedWalkWaitsBriefly(t *testing.T) {
 	cfg := gcTestConfig
 	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, time.Hour
 	const size = 10
-	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n := newGCNode(t, srv.RESTConfig(), "node-a", cfg)
 	n.cfg.IdentityGCCiliumAgents = false
 	lo := gcCluster.MinID() + 3500
 	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
@@ -165,16 +162,13 @@ func TestCrowdedWalkWaitsBriefly(t *testing.T) {
 			createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=crowd-%d", id)), mark)
 		}
 	}
-	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(t.Context()) })
+	n.start(t)
 	waitCacheCurrent(t, n.Store)
 
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
 	start := time.Now()
-	id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+	id, _, err := n.Allocate(ctx, lbls, n.refs.Record)
 	took := time.Since(start)
 	if err != nil || id != free {
 		t.Fatalf("allocation: %d, %v; want the free slot %d", id, err, free)
@@ -201,7 +195,7 @@ func TestFullRangeWalkTakesTheFirstDue(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+	id, _, err := n.Allocate(ctx, lbls, n.refs.Record)
 	if err != nil || id != soon {
 		t.Fatalf("allocation: %d, %v; want %d, the first identity along the sequence to come due (not %d, due already but further on)", id, err, soon, due)
 	}
@@ -223,17 +217,14 @@ func fullRangeWithMarks(t *testing.T, lo identity.NumericIdentity, size int, lbl
 	srv := serialServer(t)
 	cfg := gcTestConfig
 	cfg.Interval, cfg.HeartbeatTimeout = time.Hour, fullRangeTimeout
-	n := &gcNode{Store: newGCStore(t, srv.RESTConfig(), "node-a", cfg), refs: newTestRefs()}
+	n := newGCNode(t, srv.RESTConfig(), "node-a", cfg)
 	n.cfg.IdentityGCCiliumAgents = false
 	n.gc.minGrace = fullRangeTimeout
 	n.ids.rng = idRange{lo: lo, hi: lo + identity.NumericIdentity(size) - 1}
 	for id := n.ids.rng.lo; id <= n.ids.rng.hi; id++ {
 		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=full-%d", id)), "")
 	}
-	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(t.Context()) })
+	n.start(t)
 	// Old enough that no object fences the others.
 	time.Sleep(fenceWindow(cfg) + time.Second)
 
@@ -269,7 +260,7 @@ func TestReclaimingWalksShareTheirListings(t *testing.T) {
 	}
 	slow := srv.RESTConfig()
 	slow.Host = "https://" + startDelayProxy(t, host.Host, 50*time.Millisecond)
-	n := &gcNode{Store: newGCStore(t, slow, "node-a", cfg), refs: newTestRefs()}
+	n := newGCNode(t, slow, "node-a", cfg)
 	n.cfg.IdentityGCCiliumAgents = false
 	lo := gcCluster.MinID() + 3700
 	n.ids.rng = idRange{lo: lo, hi: lo + size - 1}
@@ -281,10 +272,7 @@ func TestReclaimingWalksShareTheirListings(t *testing.T) {
 		}
 		createIdentity(t, n.Store, id, mustLabels(t, fmt.Sprintf("k8s:app=shared-%d", id)), mark)
 	}
-	if err := n.Start(t.Context(), nopEvents{}, n.refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.Stop(t.Context()) })
+	n.start(t)
 	waitCacheCurrent(t, n.Store)
 	// Old enough that no object fences the others.
 	time.Sleep(fenceWindow(cfg) + time.Second)
@@ -295,7 +283,7 @@ func TestReclaimingWalksShareTheirListings(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := range walks {
 		wg.Go(func() {
-			ids[i], _, errs[i] = n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=sharing-%d", i)), n.refs.record)
+			ids[i], _, errs[i] = n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=sharing-%d", i)), n.refs.Record)
 		})
 	}
 	wg.Wait()
@@ -337,7 +325,7 @@ func TestFullRangeWalkWaitsForLaterMarks(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	id, _, err := n.Allocate(ctx, lbls, n.refs.record)
+	id, _, err := n.Allocate(ctx, lbls, n.refs.Record)
 	if err != nil || id != first {
 		t.Fatalf("allocation: %d, %v; want %d, the first identity along the sequence (not %d or %d, due earlier but further on)", id, err, first, second, due)
 	}

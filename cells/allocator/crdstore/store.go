@@ -65,7 +65,8 @@ type Store struct {
 	node    string
 	// claim names this process in its IdentityNode (spec.holder).
 	claim globalstore.NodeClaim
-	// startRecord is what Start read of the IdentityNode, for the writer.
+	// startRecord is what the start read of the IdentityNode, for the
+	// writer.
 	startRecord ownRecord
 	// contention orders the creates of nodes that race on the same
 	// label sets (contention.go).
@@ -91,17 +92,15 @@ type Store struct {
 
 	stats allocStats
 
-	jobs   job.Group
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	// stopped is set by Stop: releases write nothing from then on.
+	// stopped is set when the store's hooks stop: releases write
+	// nothing from then on.
 	stopped atomic.Bool
 	// health scopes, set by the cell (nil outside a hive).
 	health cell.Health
 
 	// gc is the garbage collection's configuration and counters;
 	// election this node's side of the election of the one node that
-	// collects (nil before Start, and without collection).
+	// collects (nil before its job starts, and without collection).
 	gc       *gcState
 	election atomic.Pointer[gcElection]
 	// reclaimInputs is the last decision inputs a walk gathered to
@@ -118,8 +117,9 @@ type Store struct {
 	// timings derived from the IdentityNode lease.
 	electionTimings electionTimings
 
-	// restSource gives the cell's store its API server's settings at
-	// Start; listTimeout bounds the wait for the first listing there.
+	// restSource gives the store its API server's settings at start,
+	// when it has none yet; listTimeout bounds the wait for the first
+	// listing there.
 	restSource  func() *rest.Config
 	listTimeout time.Duration
 }
@@ -135,25 +135,10 @@ type allocStats struct {
 	listings, repicked atomic.Uint64
 }
 
-// New returns the store of the cluster's ID range on the API server of cfg,
-// recording this node's uses under the name node, and running its loops as
-// jobs of jobs. It sends no request before Start.
-func New(log *slog.Logger, cfg *rest.Config, cluster identity.ClusterInfo, node identity.NodeName, c Config, jobs job.Group) (*Store, error) {
-	if cfg == nil {
-		return nil, errors.New("the CRD store needs the Kubernetes API server's settings")
-	}
-	s, err := newUnconnected(log, cluster, node, c, jobs)
-	if err != nil {
-		return nil, err
-	}
-	if err := s.connect(cfg); err != nil {
-		return nil, err
-	}
-	return s, nil
-}
-
-// newUnconnected is New without the clients, which connect builds.
-func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identity.NodeName, c Config, jobs job.Group) (*Store, error) {
+// newUnconnected returns the store of the cluster's ID range, recording
+// this node's uses under the name node and reporting to sink, without the
+// clients, which connect builds.
+func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identity.NodeName, c Config, sink *globalstore.Sink) (*Store, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
@@ -166,7 +151,8 @@ func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identit
 		cluster: cluster,
 		node:    string(node),
 		claim:   globalstore.NewNodeClaim(),
-		jobs:    jobs,
+		events:  sink,
+		refs:    sink,
 		writer:  newNodeWriter(),
 		unmarks: newUnmarkQueue(),
 		splits:  newSplitWatch(),
@@ -181,9 +167,9 @@ func newUnconnected(log *slog.Logger, cluster identity.ClusterInfo, node identit
 	return s, nil
 }
 
-// connect builds the store's clients of the API server of cfg. New does
-// it when given a config; the cell does it at Start, when the Kubernetes
-// client's settings exist.
+// connect builds the store's clients of the API server of cfg: when the
+// store is built with a config, or at its start with the Kubernetes
+// client's.
 func (s *Store) connect(cfg *rest.Config) error {
 	codecs := newCodecs()
 	cilium, err := restClient(cfg, schema.GroupVersion{Group: CiliumGroup, Version: CiliumVersion}, codecs)
@@ -220,75 +206,87 @@ func restClient(cfg *rest.Config, gv schema.GroupVersion, codecs interface {
 	return cli, nil
 }
 
-// Start registers the CRDs when they are missing or outdated, starts the
-// watch of CiliumIdentity objects, the IdentityNode writer and its
-// renewal, and the garbage collection's election and timer, and waits for
-// the first listing of identities (or ctx's end, after which the listing
-// continues in the background). No node watches the IdentityNode objects
-// of others: only the collector reads them, when it runs.
-func (s *Store) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
-	s.events, s.refs = events, refs
+// register makes the store an ordinary part of the hive. A hook connects
+// (with the Kubernetes client, whose settings exist once its start hook
+// ran), registers the CRDs when they are missing or outdated and claims
+// the node's IdentityNode; then come the loops, as jobs of g: the watch of
+// CiliumIdentity objects, the IdentityNode writer and its renewal, and the
+// garbage collection's election and timer; last a hook waits for the first
+// listing of identities, at most --allocator-list-timeout (the listing
+// continues in the background after it). Hooks stop in the reverse order,
+// so the loops end before the store counts as stopped. No node watches the
+// IdentityNode objects of others: only the collector reads them, when it
+// runs.
+func (s *Store) register(lc cell.Lifecycle, g job.Group) {
+	lc.Append(cell.Hook{OnStart: s.claimAtStart, OnStop: func(cell.HookContext) error {
+		s.stopped.Store(true)
+		s.claim.Forget()
+		return nil
+	}})
+	g.Add(job.OneShot("global-identities-watch", func(ctx context.Context, h cell.Health) error {
+		s.runReflector(ctx, h, "ciliumidentities", &CiliumIdentity{}, s.ids, s.ciliumClient,
+			func() runtime.Object { return &CiliumIdentityList{} })
+		return nil
+	}))
+	g.Add(oneShot("identity-node-writer", s.writeLoop))
+	g.Add(oneShot("identity-node-watch", s.watchOwnRecord))
+	g.Add(oneShot("identity-unmark", s.unmarkLoop))
+	g.Add(oneShot("identity-splits", s.splitLoop))
+	g.Add(job.Timer("identity-node-renew", func(context.Context) error {
+		return s.renewTick()
+	}, s.cfg.IdentityNodeLeaseTTL/3))
+	s.registerGC(g)
+	lc.Append(cell.Hook{OnStart: s.waitListed})
+}
+
+// claimAtStart connects when the store has no clients yet, registers the
+// CRDs and claims this node's IdentityNode; the writer's first write
+// rewrites the record from the allocator's references, and renews it.
+func (s *Store) claimAtStart(ctx cell.HookContext) error {
+	if s.ciliumClient == nil {
+		cfg := s.restSource()
+		if cfg == nil {
+			return errors.New("crd mode: the Kubernetes client has no connection settings (its start did not succeed)")
+		}
+		if err := s.connect(cfg); err != nil {
+			return err
+		}
+	}
 	if err := RegisterCRDs(ctx, s.rest); err != nil {
 		return err
 	}
 	if err := s.claimNodeName(ctx); err != nil {
 		return err
 	}
-	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	s.cancel = cancel
-	s.jobs.Add(s.oneShot(life, "global-identities-watch", func(ctx context.Context, h cell.Health) {
-		s.runReflector(ctx, h, "ciliumidentities", &CiliumIdentity{}, s.ids, s.ciliumClient,
-			func() runtime.Object { return &CiliumIdentityList{} })
-	}))
-	// The first write rewrites the record from the allocator's
-	// references, and renews it.
 	s.writer.request(true)
-	s.jobs.Add(s.oneShot(life, "identity-node-writer", s.writeLoop))
-	s.jobs.Add(s.oneShot(life, "identity-node-watch", s.watchOwnRecord))
-	s.jobs.Add(s.oneShot(life, "identity-unmark", s.unmarkLoop))
-	s.jobs.Add(s.oneShot(life, "identity-splits", s.splitLoop))
-	s.jobs.Add(job.Timer("identity-node-renew", func(context.Context) error {
-		return s.renewTick()
-	}, s.cfg.IdentityNodeLeaseTTL/3))
-	s.startGC(life)
+	return nil
+}
+
+// waitListed waits for the first listing of identities, at most the list
+// timeout.
+func (s *Store) waitListed(ctx cell.HookContext) error {
+	var timeout <-chan time.Time
+	if s.listTimeout > 0 {
+		t := time.NewTimer(s.listTimeout)
+		defer t.Stop()
+		timeout = t.C
+	}
 	select {
 	case <-s.ids.synced:
+	case <-timeout:
+		s.log.Warn("CiliumIdentity objects not listed within --allocator-list-timeout; listing continues in the background", "timeout", s.listTimeout)
 	case <-ctx.Done():
 		s.log.Warn("Start ended before the CiliumIdentity objects were listed; listing continues in the background", "error", ctx.Err())
 	}
 	return nil
 }
 
-// oneShot returns a job running loop until the hive stops the job or the
-// store ends life. Stop waits for it.
-func (s *Store) oneShot(life context.Context, name string, loop func(context.Context, cell.Health)) job.Job {
-	s.wg.Add(1)
+// oneShot returns a job running loop until the hive stops it.
+func oneShot(name string, loop func(context.Context, cell.Health)) job.Job {
 	return job.OneShot(name, func(ctx context.Context, h cell.Health) error {
-		defer s.wg.Done()
-		ctx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		defer context.AfterFunc(life, cancel)()
 		loop(ctx, h)
 		return nil
 	})
-}
-
-// Stop ends the watches and loops. The IdentityNode record stays: the next
-// start of this node rewrites it, and it ends with its lease otherwise.
-func (s *Store) Stop(ctx context.Context) error {
-	s.stopped.Store(true)
-	defer s.claim.Forget()
-	if s.cancel != nil {
-		s.cancel()
-	}
-	done := make(chan struct{})
-	go func() { s.wg.Wait(); close(done) }()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("stopping the CRD identity backend: %w", ctx.Err())
-	}
 }
 
 // runReflector keeps store in step with the API server's objects of

@@ -25,81 +25,11 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore/storetest"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/idprobe"
 	"github.com/identityd/identityd/labels"
 )
-
-// refSet is the allocator's record of references, as the allocator keeps
-// it: Allocate's record adds, the caller removes before Release.
-type refSet struct {
-	mu   sync.Mutex
-	byID map[identity.NumericIdentity]*globalstore.Reference
-}
-
-func newRefSet() *refSet { return &refSet{byID: map[identity.NumericIdentity]*globalstore.Reference{}} }
-
-func (r *refSet) record(ref *globalstore.Reference) {
-	r.mu.Lock()
-	r.byID[ref.ID] = ref
-	r.mu.Unlock()
-}
-
-func (r *refSet) drop(id identity.NumericIdentity) *globalstore.Reference {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	ref := r.byID[id]
-	delete(r.byID, id)
-	return ref
-}
-
-func (r *refSet) Each(fn func(*globalstore.Reference)) {
-	r.mu.Lock()
-	refs := slices.Collect(maps.Values(r.byID))
-	r.mu.Unlock()
-	for _, ref := range refs {
-		fn(ref)
-	}
-}
-
-func (r *refSet) ByID(id identity.NumericIdentity) *globalstore.Reference {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.byID[id]
-}
-
-// eventLog is the allocator's side of globalstore.Events.
-type eventLog struct {
-	mu     sync.Mutex
-	ids    map[identity.NumericIdentity]string
-	synced chan struct{}
-	once   sync.Once
-}
-
-func newEventLog() *eventLog {
-	return &eventLog{ids: map[identity.NumericIdentity]string{}, synced: make(chan struct{})}
-}
-
-func (e *eventLog) Upsert(id identity.NumericIdentity, lbls labels.Labels) {
-	e.mu.Lock()
-	e.ids[id] = lbls.Canonical()
-	e.mu.Unlock()
-}
-
-func (e *eventLog) Delete(id identity.NumericIdentity, lbls labels.Labels) {
-	e.mu.Lock()
-	delete(e.ids, id)
-	e.mu.Unlock()
-}
-
-func (e *eventLog) Synced() { e.once.Do(func() { close(e.synced) }) }
-
-func (e *eventLog) get(id identity.NumericIdentity) (string, bool) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	v, ok := e.ids[id]
-	return v, ok
-}
 
 // testNode is one identityd node's store, in a hive of its own.
 type testNode struct {
@@ -107,39 +37,43 @@ type testNode struct {
 	name  string
 	h     *hive.Hive
 	store *Store
-	refs  *refSet
-	ev    *eventLog
+	refs  *storetest.Refs
+	ev    *storetest.Events
 	once  sync.Once
 }
 
 type nodeOpts struct {
 	cluster identity.ClusterInfo
 	cfg     Config
-	refs    *refSet
+	refs    *storetest.Refs
 	log     *slog.Logger
 	// cells are added to the node's hive (a health provider, say).
 	cells []cell.Cell
-	// startErr, when set, takes the error of the store's Start instead
-	// of failing the test; the node is returned unstarted on error.
+	// startErr, when set, takes the error of the hive's start instead
+	// of failing the test; the node is returned stopped on error.
 	startErr *error
 }
 
 func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOpts)) *testNode {
 	tb.Helper()
-	o := nodeOpts{cluster: identity.ClusterInfo{Name: "default"}, cfg: DefaultConfig, refs: newRefSet()}
+	o := nodeOpts{cluster: identity.ClusterInfo{Name: "default"}, cfg: DefaultConfig, refs: storetest.NewRefs()}
 	for _, f := range opts {
 		f(&o)
 	}
-	n := &testNode{tb: tb, name: name, refs: o.refs, ev: newEventLog()}
+	n := &testNode{tb: tb, name: name, refs: o.refs, ev: storetest.NewEvents()}
 	n.h = hive.New(append([]cell.Cell{
 		job.Cell,
 		cell.Provide(
 			func() *rest.Config { return rc },
 			func() identity.ClusterInfo { return o.cluster },
 			func() identity.NodeName { return identity.NodeName(name) },
+			globalstore.NewSinks,
 		),
 		Cell,
-		cell.Invoke(func(s *Store) { n.store = s }),
+		cell.Invoke(func(s *Store, sinks *globalstore.Sinks) {
+			n.store = s
+			sinks.For(identity.AllocationModeCRD).Bind(n.ev, n.refs)
+		}),
 	}, o.cells...)...)
 	hive.AddConfigOverride(n.h, func(c *Config) { *c = o.cfg })
 	log := o.log
@@ -149,28 +83,36 @@ func startNode(tb testing.TB, rc *rest.Config, name string, opts ...func(*nodeOp
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := n.h.Start(log, ctx); err != nil {
-		tb.Fatalf("starting node %s: %v", name, err)
+		if o.startErr == nil {
+			tb.Fatalf("starting node %s: %v", name, err)
+		}
+		*o.startErr = err
+		return n
 	}
 	if n.store == nil {
 		tb.Fatalf("node %s has no CRD store", name)
 	}
-	if err := n.store.Start(ctx, n.ev, n.refs); err != nil {
-		if o.startErr == nil {
-			tb.Fatalf("starting the store of node %s: %v", name, err)
-		}
-		*o.startErr = err
-		if err := n.h.Stop(log, ctx); err != nil {
-			tb.Errorf("stopping node %s: %v", name, err)
-		}
-		return n
-	}
 	select {
-	case <-n.ev.synced:
+	case <-n.ev.Listed():
 	case <-ctx.Done():
 		tb.Fatalf("node %s: identities not listed", name)
 	}
 	tb.Cleanup(n.stop)
 	return n
+}
+
+// newUnstartedStore returns a store on the API server of rc that never
+// starts, for the tests of its cache and walks alone.
+func newUnstartedStore(tb testing.TB, rc *rest.Config, cluster identity.ClusterInfo, node identity.NodeName) *Store {
+	tb.Helper()
+	s, err := newUnconnected(hivetest.Logger(tb), cluster, node, DefaultConfig, new(globalstore.Sink))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := s.connect(rc); err != nil {
+		tb.Fatal(err)
+	}
+	return s
 }
 
 func testLogger(tb testing.TB) *slog.Logger {
@@ -184,9 +126,6 @@ func (n *testNode) stop() {
 	n.once.Do(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		if err := n.store.Stop(ctx); err != nil {
-			n.tb.Errorf("stopping the store of %s: %v", n.name, err)
-		}
 		if err := n.h.Stop(testLogger(n.tb), ctx); err != nil {
 			n.tb.Errorf("stopping node %s: %v", n.name, err)
 		}
@@ -197,7 +136,7 @@ func (n *testNode) allocate(tb testing.TB, lbls labels.Labels) (identity.Numeric
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	id, created, err := n.store.Allocate(ctx, lbls, n.refs.record)
+	id, created, err := n.store.Allocate(ctx, lbls, n.refs.Record)
 	if err != nil {
 		tb.Fatalf("node %s: allocating %s: %v", n.name, lbls, err)
 	}
@@ -216,7 +155,7 @@ func (n *testNode) allocateWeb(tb testing.TB, count int) []identity.NumericIdent
 
 func (n *testNode) release(tb testing.TB, id identity.NumericIdentity) {
 	tb.Helper()
-	ref := n.refs.drop(id)
+	ref := n.refs.Remove(id)
 	if ref == nil {
 		tb.Fatalf("node %s holds no %d", n.name, id)
 	}
@@ -375,7 +314,7 @@ func TestAllocateAdoptRelease(t *testing.T) {
 	cli.nodeLists(t, "node-a", id)
 	cli.nodeLists(t, "node-b", id)
 	require(t, 10*time.Second, func() error {
-		if l, ok := b.ev.get(id); !ok || l != lbls.Canonical() {
+		if l, ok := b.ev.Get(id); !ok || !l.Equal(lbls) {
 			return fmt.Errorf("node-b's events do not have %d", id)
 		}
 		return nil
@@ -413,7 +352,7 @@ func TestRestartKeepsIdentities(t *testing.T) {
 
 	// The restarted node's allocator restores its references; the
 	// record is rewritten from them.
-	refs := newRefSet()
+	refs := storetest.NewRefs()
 	a2 := startNode(t, srv.RESTConfig(), "node-a", func(o *nodeOpts) { o.refs = refs })
 	for i, want := range ids {
 		id, created := a2.allocate(t, web(i))
@@ -673,21 +612,18 @@ func TestTakenIdentityReported(t *testing.T) {
 
 func TestSpaceExhausted(t *testing.T) {
 	cluster := identity.ClusterInfo{ID: 3, Name: "c3", MaxConnectedClusters: 511}
-	s, err := New(hivetest.Logger(t), &rest.Config{Host: "https://127.0.0.1:1"}, cluster, "node-a", DefaultConfig, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newUnstartedStore(t, &rest.Config{Host: "https://127.0.0.1:1"}, cluster, "node-a")
 	var list []any
 	for id := cluster.MinID(); id <= cluster.MaxID(); id++ {
 		list = append(list, object(id, labels.MustParse(fmt.Sprintf("k8s:n=%d", id)), time.Now()))
 	}
-	s.events = newEventLog()
+	s.events = storetest.NewEvents()
 	if err := s.ids.Replace(list, "1"); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	_, _, err = s.Allocate(ctx, web(1), func(*globalstore.Reference) { t.Error("record called on failure") })
+	_, _, err := s.Allocate(ctx, web(1), func(*globalstore.Reference) { t.Error("record called on failure") })
 	if !errors.Is(err, globalstore.ErrSpaceExhausted) {
 		t.Errorf("Allocate in a full range: %v, want ErrSpaceExhausted", err)
 	}
@@ -757,18 +693,15 @@ func TestAdoptFromStaleCache(t *testing.T) {
 		t.Fatal(err)
 	}
 	cli.mark(t, id) // a newer version
-	s, err := New(hivetest.Logger(t), srv.RESTConfig(), cluster, "node-a", DefaultConfig, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.events = newEventLog()
+	s := newUnstartedStore(t, srv.RESTConfig(), cluster, "node-a")
+	s.events = storetest.NewEvents()
 	if err := s.ids.Replace([]any{stale}, stale.ResourceVersion); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	refs := newRefSet()
-	got, created, err := s.Allocate(ctx, lbls, refs.record)
+	refs := storetest.NewRefs()
+	got, created, err := s.Allocate(ctx, lbls, refs.Record)
 	if err != nil || got != id || created {
 		t.Fatalf("Allocate = %d, %v, %v; want %d adopted", got, created, err, id)
 	}
@@ -787,7 +720,7 @@ func TestAllocateServerDown(t *testing.T) {
 	srv.Stop(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	_, _, err := a.store.Allocate(ctx, web(1), a.refs.record)
+	_, _, err := a.store.Allocate(ctx, web(1), a.refs.Record)
 	if !errors.Is(err, globalstore.ErrUnavailable) {
 		t.Fatalf("allocate with the API server stopped: %v, want ErrUnavailable", err)
 	}

@@ -28,7 +28,7 @@ func TestWatchSurvivesServerRestart(t *testing.T) {
 	require(t, time.Minute, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		id, _, err := b.store.Allocate(ctx, web(2), b.refs.record)
+		id, _, err := b.store.Allocate(ctx, web(2), b.refs.Record)
 		after = uint32(id)
 		return err
 	})
@@ -36,7 +36,7 @@ func TestWatchSurvivesServerRestart(t *testing.T) {
 		if id, ok := a.store.LookupByLabels(web(2)); !ok || uint32(id) != after {
 			return fmt.Errorf("node-a looks web-2 up as %d (%v), want %d", id, ok, after)
 		}
-		if _, ok := a.ev.get(before); !ok {
+		if _, ok := a.ev.Get(before); !ok {
 			return errors.New("node-a lost the identity it made before the restart")
 		}
 		return nil
@@ -83,7 +83,7 @@ func TestRelistAfterGone(t *testing.T) {
 	}
 	s1.Restart(t)
 	require(t, time.Minute, func() error {
-		if _, ok := a.ev.get(gone); ok {
+		if _, ok := a.ev.Get(gone); ok {
 			return fmt.Errorf("node-a still has %d, deleted while its server was down", gone)
 		}
 		if id, ok := a.store.LookupByLabels(web(2)); !ok || id != kept {

@@ -56,16 +56,14 @@ type Backend struct {
 
 	jobs     job.Group
 	health   cell.Health // the conflicts' scope; nil outside a hive
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup
 	stopping atomic.Bool
 }
 
 var _ globalstore.Backend = (*Backend)(nil)
 
-// New returns the Backend of mode (a double-write mode) over the two
+// newDoubleWrite returns the Backend of mode (a double-write mode) over the two
 // stores, by pure mode; its loops run in jobs.
-func New(log *slog.Logger, mode identity.AllocationMode, cluster identity.ClusterInfo, cfg Config, stores map[identity.AllocationMode]globalstore.Mirror, jobs job.Group) (*Backend, error) {
+func newDoubleWrite(log *slog.Logger, mode identity.AllocationMode, cluster identity.ClusterInfo, cfg Config, stores map[identity.AllocationMode]globalstore.Mirror, jobs job.Group) (*Backend, error) {
 	if !mode.DoubleWrite() {
 		return nil, fmt.Errorf("%q is not a double-write mode", mode)
 	}
@@ -92,54 +90,35 @@ func New(log *slog.Logger, mode identity.AllocationMode, cluster identity.Cluste
 // Mode returns the double-write mode served.
 func (b *Backend) Mode() identity.AllocationMode { return b.mode }
 
-// Start starts the read store, reporting its changes to events, then the
-// write-only store, and the jobs that retry failed mirror writes and
-// compare the stores. Both stores must start: a node that cannot reach
-// one of them does not serve in a double-write mode.
-func (b *Backend) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
-	b.refs = refs
+// register binds the two stores' Sinks to the comparison of the stores,
+// the read store's reporting on to the allocator's (the Sink of the
+// double-write mode), and adds the jobs that retry failed mirror writes
+// and compare the stores. The stores start before with their own hooks:
+// both must start, as a node that cannot reach one of them does not serve
+// in a double-write mode.
+func (b *Backend) register(lc cell.Lifecycle, sinks *globalstore.Sinks) {
+	out := sinks.For(b.mode)
+	b.refs = out
 	rv, wv := b.views[b.mode.ReadStore()], b.views[b.mode.WriteOnlyStore()]
-	rv.next = events
-	if err := b.read.Start(ctx, rv, refs); err != nil {
-		return fmt.Errorf("starting the read store (%s): %w", b.mode.ReadStore(), err)
-	}
-	if err := b.write.Start(ctx, wv, refs); err != nil {
-		b.read.Stop(ctx)
-		return fmt.Errorf("starting the write-only store (%s): %w", b.mode.WriteOnlyStore(), err)
-	}
-	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	b.cancel = cancel
-	b.wg.Add(1)
+	rv.next = out
+	sinks.For(b.mode.ReadStore()).Bind(rv, out)
+	sinks.For(b.mode.WriteOnlyStore()).Bind(wv, out)
 	b.jobs.Add(job.OneShot("doublewrite-retry", func(ctx context.Context, h cell.Health) error {
-		defer b.wg.Done()
-		ctx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		defer context.AfterFunc(life, cancel)()
 		b.retryLoop(ctx)
 		return nil
 	}))
 	if b.cfg.DoubleWriteMetricReporterInterval > 0 {
 		b.jobs.Add(job.Timer("doublewrite-metric-reporter", func(ctx context.Context) error {
-			if life.Err() == nil {
-				b.compareIfCollecting()
-			}
+			b.compareIfCollecting()
 			return nil
 		}, b.cfg.DoubleWriteMetricReporterInterval))
 	}
-	b.reportHealth()
-	return nil
-}
-
-// Stop ends the jobs, then stops the write-only store and the read store.
-func (b *Backend) Stop(ctx context.Context) error {
-	b.stopping.Store(true)
-	if b.cancel != nil {
-		b.cancel()
-	}
-	b.wg.Wait()
-	werr := b.write.Stop(ctx)
-	rerr := b.read.Stop(ctx)
-	return errors.Join(rerr, werr)
+	// After the jobs: its stop comes first, so that no mirror write
+	// failing in the stop is queued for a retry that no longer runs.
+	lc.Append(cell.Hook{
+		OnStart: func(cell.HookContext) error { b.reportHealth(); return nil },
+		OnStop:  func(cell.HookContext) error { b.stopping.Store(true); return nil },
+	})
 }
 
 // LookupByID implements globalstore.Backend from the read store.

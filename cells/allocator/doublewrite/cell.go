@@ -39,6 +39,8 @@ type params struct {
 	Log     *slog.Logger
 	Jobs    job.Registry
 	Health  cell.Health `optional:"true"`
+	Sinks   *globalstore.Sinks
+	Lc      cell.Lifecycle
 }
 
 func newBackend(p params) (*Backend, error) {
@@ -58,12 +60,13 @@ func newBackend(p params) (*Backend, error) {
 		}
 	}
 	h := health.OrDetached(p.Health)
-	b, err := New(p.Log, p.Mode, p.Cluster, p.Config, stores, p.Jobs.NewGroup(h))
+	b, err := newDoubleWrite(p.Log, p.Mode, p.Cluster, p.Config, stores, p.Jobs.NewGroup(h))
 	if err != nil {
 		return nil, err
 	}
 	b.gcElection = p.Stores.IdentityGCInterval > 0
 	b.health = h.NewScope("write-only-store")
+	b.register(p.Lc, p.Sinks)
 	return b, nil
 }
 

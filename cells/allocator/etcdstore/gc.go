@@ -10,8 +10,6 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/cilium/hive/job"
-
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
@@ -46,45 +44,43 @@ func (b *Store) GCStats() GCStats {
 	}
 }
 
-func (b *Store) gcTick(life context.Context) job.TimerFunc {
-	return func(ctx context.Context) error {
-		ctx, cancel := lifeOf(ctx, life)
-		defer cancel()
-		select {
-		case <-b.synced:
-		default:
-			// Nothing to collect from before the first listing.
-			return nil
-		}
-		select {
-		case <-b.kv.Stopping():
-			// No collection while the agent stops: it would only
-			// compete with the stop for its short etcd deadline.
-			return nil
-		default:
-		}
-		term := b.collector.term.Load()
-		if term == nil {
-			// Another node collects: note which, for health and
-			// the shell.
-			if cli := b.kv.Client(); cli != nil {
-				b.refreshCollector(ctx, cli)
-			}
-			return nil
-		}
-		// The run ends with the term.
-		defer context.AfterFunc(term.ctx, cancel)()
-		res, err := b.runGC(ctx, term)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			// etcd's doing, not the agent's: readiness, not liveness.
-			return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", res.Deleted, err))
-		}
-		b.logGCRun(res.Deleted, res.Skipped)
+func (b *Store) gcTick(ctx context.Context) error {
+	select {
+	case <-b.synced:
+	default:
+		// Nothing to collect from before the first listing.
 		return nil
 	}
+	select {
+	case <-b.kv.Stopping():
+		// No collection while the agent stops: it would only
+		// compete with the stop for its short etcd deadline.
+		return nil
+	default:
+	}
+	term := b.collector.term.Load()
+	if term == nil {
+		// Another node collects: note which, for health and
+		// the shell.
+		if cli := b.kv.Client(); cli != nil {
+			b.refreshCollector(ctx, cli)
+		}
+		return nil
+	}
+	// The run ends with the term.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(term.ctx, cancel)()
+	res, err := b.runGC(ctx, term)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		// etcd's doing, not the agent's: readiness, not liveness.
+		return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", res.Deleted, err))
+	}
+	b.logGCRun(res.Deleted, res.Skipped)
+	return nil
 }
 
 // logGCRun logs a run that deleted something at info level; a run that

@@ -76,6 +76,10 @@ type params struct {
 	Log     *slog.Logger
 	Jobs    job.Registry
 	Health  cell.Health `optional:"true"`
+	// Sinks is where the store reports; a hive without an allocator
+	// leaves its Sink unbound.
+	Sinks     *globalstore.Sinks `optional:"true"`
+	Lifecycle cell.Lifecycle
 }
 
 // newStore provides the *Store when the hive has a kvstore client and runs
@@ -98,8 +102,9 @@ func newStore(p params) (*Store, error) {
 		return nil, err
 	}
 	h := health.OrDetached(p.Health)
-	b := New(p.Log, p.Client, p.Cluster, p.Stores, p.Config, p.Jobs.NewGroup(h))
+	b := newUnstarted(p.Log, p.Client, p.Cluster, p.Stores, p.Config, p.Sinks.For(identity.AllocationModeKVStore))
 	b.health = h.NewScope("node-name")
+	b.register(p.Lifecycle, p.Jobs.NewGroup(h))
 	return b, nil
 }
 
@@ -142,8 +147,8 @@ type Store struct {
 	masterCache
 	events globalstore.Events
 
-	// refs is the allocator's record of this node's references (set by
-	// Start); the store keeps none of its own, only the revision it last
+	// refs is the allocator's record of this node's references (its
+	// Sink); the store keeps none of its own, only the revision it last
 	// wrote each reference at, in the reference's token.
 	//
 	// writeMu orders this node's reference writes against the
@@ -193,23 +198,22 @@ type Store struct {
 	conflictSeen atomic.Bool
 	health       cell.Health
 
-	// jobs runs the store's loops (see Start).
-	jobs   job.Group
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// jobs runs the loops started after the first listing (see
+	// waitListed).
+	jobs job.Group
 }
 
 var _ globalstore.Mirror = (*Store)(nil)
 
-// New returns the store for the cluster's ID range, writing through kv
-// (which must be started before Start is called) and running its loops as
-// jobs of jobs.
-func New(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, shared globalstore.Config, cfg Config, jobs job.Group) *Store {
+// newUnstarted returns the store for the cluster's ID range, writing
+// through kv and reporting to sink, with nothing registered to run.
+func newUnstarted(log *slog.Logger, kv *kvstore.Client, cluster identity.ClusterInfo, shared globalstore.Config, cfg Config, sink *globalstore.Sink) *Store {
 	perDeletion := shared.IdentityGCRateInterval / time.Duration(max(shared.IdentityGCRateLimit, 1))
 	b := &Store{
 		log:         log,
 		kv:          kv,
-		jobs:        jobs,
+		events:      sink,
+		refs:        sink,
 		shared:      shared,
 		cfg:         cfg,
 		cluster:     cluster,
@@ -267,19 +271,51 @@ func checkKeyLayout(key string) error {
 	return nil
 }
 
-// Start lists the master keys, then watches them in the background. It
-// waits for the first listing at most --allocator-list-timeout; when that
-// is not enough the listing goes on and WaitForInitialGlobalIdentities
-// callers wait for it.
-func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globalstore.References) error {
+// register makes the store an ordinary part of the hive: a hook that
+// claims the node name (and at stop revokes the node's lease), the loops
+// as jobs of g, and a hook that waits for the first listing. Hooks start
+// in that order and stop in the reverse one, so the loops end before the
+// lease goes.
+func (b *Store) register(lc cell.Lifecycle, g job.Group) {
+	b.jobs = g
+	lc.Append(cell.Hook{OnStart: b.claimAtStart, OnStop: b.stop})
+	// The requests the batcher sends for several callers at once run
+	// until the loops stop.
+	g.Add(job.OneShot("identity-create-batcher", func(ctx context.Context, _ cell.Health) error {
+		b.creates.start(ctx)
+		<-ctx.Done()
+		b.creates.stop()
+		return nil
+	}))
+	g.Add(job.OneShot("global-identities-watch", func(ctx context.Context, _ cell.Health) error {
+		b.cacheLoop(ctx)
+		return nil
+	}))
+	g.Add(job.OneShot("lease-repair", func(ctx context.Context, _ cell.Health) error {
+		b.repairLoop(ctx)
+		return nil
+	}))
+	if b.shared.IdentityGCInterval > 0 {
+		// One node of the cluster collects: the elected one.
+		g.Add(job.OneShot(CollectorJob, func(ctx context.Context, h cell.Health) error {
+			b.campaignLoop(ctx, h)
+			return nil
+		}))
+		g.Add(job.Timer("identity-gc", b.gcTick, b.shared.IdentityGCInterval))
+	}
+	if b.cfg.KVStorePeriodicSync > 0 {
+		g.Add(job.Timer("kvstore-periodic-sync", b.syncTick, b.cfg.KVStorePeriodicSync))
+	}
+	lc.Append(cell.Hook{OnStart: b.waitListed})
+}
+
+// claimAtStart refuses to run beside a second live agent with this node
+// name, which would delete this node's references when it stops. When
+// etcd does not answer now, the periodic sync claims the name later.
+func (b *Store) claimAtStart(ctx cell.HookContext) error {
 	if b.kv.Client() == nil {
 		return fmt.Errorf("%w: the kvstore client is not started", globalstore.ErrUnavailable)
 	}
-	b.events = events
-	b.refs = refs
-	// A second live agent with this node name would delete this node's
-	// references when it stops: refuse to run beside it. When etcd does
-	// not answer now, the periodic sync claims the name later.
 	cctx, ccancel := context.WithTimeout(ctx, b.kv.RequestTimeout())
 	err := b.claimNodeName(cctx)
 	ccancel()
@@ -291,35 +327,19 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	case b.health != nil:
 		b.health.OK(fmt.Sprintf("Node name %q claimed", b.node))
 	}
-	// The loops are jobs of the store's group, each with its health
-	// scope. They run on the job's context, ended by the hive's stop,
-	// and on the store's own, ended by Stop (or a failed start).
-	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	b.cancel = cancel
-	// The requests the batcher sends for several callers at once run on
-	// the store's life too.
-	b.creates.start(life)
-	b.jobs.Add(b.oneShot(life, "global-identities-watch", b.cacheLoop))
-	b.jobs.Add(b.oneShot(life, "lease-repair", b.repairLoop))
-	if b.shared.IdentityGCInterval > 0 {
-		// One node of the cluster collects: the elected one.
-		b.jobs.Add(b.oneShotHealth(life, CollectorJob, b.campaignLoop))
-		b.jobs.Add(job.Timer("identity-gc", b.gcTick(life), b.shared.IdentityGCInterval))
-	}
-	if b.cfg.KVStorePeriodicSync > 0 {
-		b.jobs.Add(job.Timer("kvstore-periodic-sync", b.syncTick(life), b.cfg.KVStorePeriodicSync))
-	}
+	return nil
+}
+
+// waitListed waits for the first listing of the master keys at most
+// --allocator-list-timeout; when that is not enough the listing goes on
+// and WaitForInitialGlobalIdentities callers wait for it. A listing that
+// shows another cluster's identities fails the start.
+func (b *Store) waitListed(ctx cell.HookContext) error {
 	timer := time.NewTimer(b.shared.AllocatorListTimeout)
 	defer timer.Stop()
 	select {
 	case <-b.synced:
-		if err := b.checkCluster(ctx); err != nil {
-			// A failed start hook is not stopped: end what started.
-			cancel()
-			b.wg.Wait()
-			return err
-		}
-		return nil
+		return b.checkCluster(ctx)
 	case <-timer.C:
 		b.log.Warn("Global identities not listed within --allocator-list-timeout; listing continues in the background",
 			"timeout", b.shared.AllocatorListTimeout)
@@ -328,66 +348,30 @@ func (b *Store) Start(ctx context.Context, events globalstore.Events, refs globa
 	}
 	// Compare the cluster once the listing is complete; too late to
 	// refuse the start, so a mismatch is an error in the log.
-	b.jobs.Add(b.oneShot(life, "cluster-check", func(ctx context.Context) {
+	b.jobs.Add(job.OneShot("cluster-check", func(ctx context.Context, _ cell.Health) error {
 		select {
 		case <-b.synced:
 		case <-ctx.Done():
-			return
+			return nil
 		}
 		if err := b.checkCluster(ctx); err != nil && ctx.Err() == nil {
 			b.log.Error("This node's cluster does not match the etcd's; its identities may be another cluster's", "error", err)
 		}
+		return nil
 	}))
 	return nil
 }
 
-// oneShot returns a job running loop until the hive stops the job or the
-// store ends life. Stop waits for it.
-func (b *Store) oneShot(life context.Context, name string, loop func(context.Context)) job.Job {
-	return b.oneShotHealth(life, name, func(ctx context.Context, _ cell.Health) { loop(ctx) })
-}
-
-// oneShotHealth is oneShot for a loop that reports to its job's health.
-func (b *Store) oneShotHealth(life context.Context, name string, loop func(context.Context, cell.Health)) job.Job {
-	b.wg.Add(1)
-	return job.OneShot(name, func(ctx context.Context, h cell.Health) error {
-		defer b.wg.Done()
-		ctx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		defer context.AfterFunc(life, cancel)()
-		loop(ctx, h)
-		return nil
-	})
-}
-
-// lifeOf bounds a timer job's run by the store's life as well.
-func lifeOf(ctx, life context.Context) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithCancel(ctx)
-	stop := context.AfterFunc(life, cancel)
-	return ctx, func() { stop(); cancel() }
-}
-
-// Stop ends the cache and the background work, then revokes the node's
-// lease so that its reference keys vanish at once rather than after the
-// TTL. The kvstore client stops after the allocator, so it is still usable.
-// Its etcd work shares the stop path's deadline (kvstore.StopBudget), which
-// also ends the requests of callers still in flight: with etcd gone the
-// stop takes seconds, and the references expire with the lease's TTL.
-func (b *Store) Stop(ctx context.Context) error {
+// stop runs after the loops ended (the jobs stop before this hook): it
+// revokes the node's lease so that its reference keys vanish at once
+// rather than after the TTL. The kvstore client stops after the store, so
+// it is still usable. Its etcd work shares the stop path's deadline
+// (kvstore.StopBudget), which also ends the requests of callers still in
+// flight: with etcd gone the stop takes seconds, and the references
+// expire with the lease's TTL.
+func (b *Store) stop(ctx cell.HookContext) error {
 	sctx, cancel := b.kv.StopContext(ctx)
 	defer cancel()
-	if b.cancel != nil {
-		// Ends the loops and the requests creates sends for queued
-		// callers.
-		b.cancel()
-	}
-	done := make(chan struct{})
-	go func() { b.wg.Wait(); b.creates.stop(); close(done) }()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return fmt.Errorf("stopping the etcd identity backend: %w", ctx.Err())
-	}
 	b.writeMu.Lock()
 	defer b.writeMu.Unlock()
 	// The allocator's record outlives the stop (its users release
@@ -1434,19 +1418,15 @@ func (b *Store) restoreMasters(ctx context.Context) (retry bool) {
 // a second agent with the same node name deletes them when it stops, an
 // operator may delete them by hand, and the GC then frees numbers this
 // node still uses. (Cilium's agents sync their keys the same way.)
-func (b *Store) syncTick(life context.Context) job.TimerFunc {
-	return func(ctx context.Context) error {
-		ctx, cancel := lifeOf(ctx, life)
-		defer cancel()
-		n, err := b.SyncReferences(ctx)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			return health.External(fmt.Errorf("checking this node's identity reference keys failed after rewriting %d: %w", n, err))
-		case n > 0:
-			b.log.Warn("Wrote missing identity reference keys of this node again", "rewritten", n)
-		}
-		return nil
+func (b *Store) syncTick(ctx context.Context) error {
+	n, err := b.SyncReferences(ctx)
+	switch {
+	case err != nil && ctx.Err() == nil:
+		return health.External(fmt.Errorf("checking this node's identity reference keys failed after rewriting %d: %w", n, err))
+	case n > 0:
+		b.log.Warn("Wrote missing identity reference keys of this node again", "rewritten", n)
 	}
+	return nil
 }
 
 // SyncReferences checks every reference key this node holds and writes

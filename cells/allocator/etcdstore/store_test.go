@@ -25,6 +25,7 @@ import (
 
 	"github.com/identityd/identityd/cells/allocator"
 	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/cells/allocator/globalstore/storetest"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
 	"github.com/identityd/identityd/cells/statedir"
@@ -368,7 +369,7 @@ func TestEtcdRelistAfterCompaction(t *testing.T) {
 	// falls behind: changes happen and etcd compacts them away before its
 	// watch starts.
 	rec := &recorder{}
-	b := New(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, globalstore.DefaultConfig, DefaultConfig, nil)
+	b := newUnstarted(hivetest.Logger(t), n1.kv, identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}, globalstore.DefaultConfig, DefaultConfig, new(globalstore.Sink))
 	b.events = rec
 	rev, err := b.list(ctx)
 	if err != nil {
@@ -532,50 +533,17 @@ func TestEtcdLeaseLossRecovery(t *testing.T) {
 	}
 }
 
-// recordedRefs is the record an allocator keeps, for a store started
-// without one.
-type recordedRefs struct {
-	mu   sync.Mutex
-	byID map[identity.NumericIdentity]*globalstore.Reference
-}
-
-func (r *recordedRefs) add(ref *globalstore.Reference) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.byID[ref.ID] = ref
-}
-
-// Each calls fn with the lock held: the store calls nothing of the record
-// from fn.
-func (r *recordedRefs) Each(fn func(*globalstore.Reference)) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, ref := range r.byID {
-		fn(ref)
-	}
-}
-
-func (r *recordedRefs) ByID(id identity.NumericIdentity) *globalstore.Reference {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.byID[id]
-}
-
-type ignoredEvents struct{}
-
-func (ignoredEvents) Upsert(identity.NumericIdentity, labels.Labels) {}
-func (ignoredEvents) Delete(identity.NumericIdentity, labels.Labels) {}
-func (ignoredEvents) Synced()                                        {}
-
 // startBareStore starts the etcd store of node name without an allocator,
 // keeping its references in the returned record.
-func startBareStore(t *testing.T, c *etcdtest.Cluster, name string, leaseTTL time.Duration) (*Store, *recordedRefs) {
+func startBareStore(t *testing.T, c *etcdtest.Cluster, name string, leaseTTL time.Duration) (*Store, *storetest.Refs) {
 	t.Helper()
 	var b *Store
+	refs := storetest.NewRefs()
 	h := hive.New(
 		statedir.Cell, job.Cell, statedb.Cell, kvstore.Cell, Cell,
-		cell.Provide(func() identity.ClusterInfo { return identity.ClusterInfo{Name: "default"} }),
+		cell.Provide(func() identity.ClusterInfo { return identity.ClusterInfo{Name: "default"} }, globalstore.NewSinks),
 		cell.Config(globalstore.DefaultConfig),
+		cell.Invoke(func(sinks *globalstore.Sinks) { sinks.For(identity.AllocationModeKVStore).Bind(nil, refs) }),
 		cell.Invoke(func(backend *Store) { b = backend }),
 	)
 	configureNode(t, h, c, name, func(kv *kvstore.Config, _ *storeConfig) { kv.KVStoreLeaseTTL = leaseTTL })
@@ -587,11 +555,6 @@ func startBareStore(t *testing.T, c *etcdtest.Cluster, name string, leaseTTL tim
 	if b == nil {
 		t.Fatal("no etcd store")
 	}
-	refs := &recordedRefs{byID: map[identity.NumericIdentity]*globalstore.Reference{}}
-	if err := b.Start(testCtx(t, time.Minute), ignoredEvents{}, refs); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { b.Stop(testCtx(t, time.Minute)) })
 	return b, refs
 }
 
@@ -657,7 +620,7 @@ func TestEtcdLeaseLostBeforeRecord(t *testing.T) {
 				if ranFirst {
 					t.Error("the lost lease's repair ran before the allocation recorded its reference")
 				}
-				refs.add(r)
+				refs.Record(r)
 			})
 			if t.Failed() {
 				return

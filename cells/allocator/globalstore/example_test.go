@@ -60,23 +60,26 @@ func (s *memStore) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity,
 	return id, ok
 }
 
-func (s *memStore) Start(_ context.Context, events globalstore.Events, _ globalstore.References) error {
-	// A real store lists, reports every identity to events, and watches.
-	s.events = events
-	events.Synced()
-	return nil
+// register starts the store with the hive. A real store lists, reports
+// every identity to its Sink, and watches, in jobs of its own.
+func (s *memStore) register(lc cell.Lifecycle, sink *globalstore.Sink) {
+	lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
+		s.events = sink
+		sink.Synced()
+		return nil
+	}})
 }
-
-func (s *memStore) Stop(context.Context) error { return nil }
 
 // A driver offers its Backend for an allocation mode; the allocator uses
 // the driver of the configured --identity-allocation-mode, and imports no
-// driver itself.
+// driver itself. The store's cell starts it and reports to the Sink of its
+// mode, which the allocator binds.
 func Example() {
 	store := &memStore{byKey: map[string]identity.NumericIdentity{}, byID: map[identity.NumericIdentity]labels.Labels{}, next: 1000}
 	var a allocator.Allocator
 	h := hive.New(job.Cell, statedb.Cell, allocator.Cell,
-		cell.Provide(func() globalstore.DriverOut {
+		cell.Provide(func(lc cell.Lifecycle, sinks *globalstore.Sinks) globalstore.DriverOut {
+			store.register(lc, sinks.For(identity.AllocationModeKVStore))
 			return globalstore.NewDriver(identity.AllocationModeKVStore, store)
 		}),
 		cell.Invoke(func(x allocator.Allocator) { a = x }))

@@ -15,6 +15,15 @@
 // References, and keeps what it needs of each (the revision it wrote the
 // reference at) in the Reference itself.
 //
+// A store is an ordinary cell: it registers its own start and stop hooks
+// and jobs. It reports the changes of its cache (every identity that
+// appears or disappears, and Synced once after its first complete
+// listing) to the Sink of its mode, and reads References from the same
+// Sink, which the allocator binds when it is built (see Sinks). An
+// identity that Allocate created need not be reported: the allocator
+// reports it from Allocate's result. The store's hooks run before the
+// allocator's start and after its stop.
+//
 // Each driver cell offers its Backend as a Driver in the DriverGroup value
 // group, named by the identity.AllocationMode it serves; the allocator uses
 // the one of the configured --identity-allocation-mode. The flags every
@@ -57,16 +66,6 @@ type Backend interface {
 	// global identities, without a request.
 	LookupByID(id identity.NumericIdentity) (labels.Labels, bool)
 	LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool)
-
-	// Start begins keeping the cache; every identity that appears or
-	// disappears is reported to events, and events.Synced is called once
-	// after the first complete listing. Stop ends it. An identity that
-	// Allocate created need not be reported: the allocator reports it
-	// from Allocate's result. refs is this node's record of references,
-	// which the backend reads when it writes them again. The allocator
-	// calls Start from its start hook and Stop from its stop hook.
-	Start(ctx context.Context, events Events, refs References) error
-	Stop(ctx context.Context) error
 }
 
 // DriverGroup is the hive value group of the Drivers the allocator picks
