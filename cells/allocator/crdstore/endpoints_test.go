@@ -256,7 +256,7 @@ func TestGCKeepsIdentitiesCiliumEndpointsName(t *testing.T) {
 	if res := runGC(t, a.Store); res.Marked != 1 || res.Deleted != 0 {
 		t.Fatalf("run after the CiliumEndpoint's deletion: %+v, want one marked and none deleted", res)
 	}
-	waitTimeout(gcTestConfig)
+	passTimeout(gcTestConfig, a.Store)
 	if res := runGC(t, a.Store); res.Deleted != 1 || res.KeptUsed != 2 {
 		t.Fatalf("run a timeout later: %+v, want it deleted and two kept", res)
 	}

@@ -20,7 +20,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
-	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/metrics"
 	"github.com/identityd/identityd/identity"
 )
@@ -122,12 +121,16 @@ type gcState struct {
 	// minGrace is the shortest grace without Cilium agents
 	// (MinHeartbeatTimeout; tests make it short).
 	minGrace time.Duration
+	// clock is the collector's clock: the time of its marks and the now
+	// its decisions compare marks, leases and creations with (time.Now;
+	// tests move it on rather than wait through a heartbeat timeout).
+	clock func() time.Time
 }
 
 func newGCState(cfg GCConfig) *gcState {
 	perDeletion := cfg.RateInterval / time.Duration(max(cfg.RateLimit, 1))
 	// A burst of one keeps every window of the interval within the limit.
-	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: gcStepWindow, minGrace: MinHeartbeatTimeout, deletesInFlight: cfg.deletesInFlight()}
+	return &gcState{cfg: cfg, limiter: rate.NewLimiter(rate.Every(perDeletion), 1), pageSize: gcListPageSize, stepWindow: gcStepWindow, minGrace: MinHeartbeatTimeout, deletesInFlight: cfg.deletesInFlight(), clock: time.Now}
 }
 
 // setGCConfig replaces the garbage collection's configuration, before the
@@ -164,36 +167,19 @@ func (s *Store) registerGC(g job.Group) {
 		<-ctx.Done()
 		s.gc.endpoints.attach(nil)
 	}))
-	g.Add(job.Timer("identity-gc", func(ctx context.Context) error {
-		el := s.election.Load()
-		if el == nil {
-			return nil
-		}
-		term := el.leading()
-		if term == nil || s.stopped.Load() || !s.ids.isSynced() {
-			// Another node collects; nothing to collect before the
-			// first listing, and nothing once the store stopped.
-			return nil
-		}
-		// The run ends with this node's term: a collector that lost
-		// its lock stops.
-		ctx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		defer context.AfterFunc(term, cancel)()
-		res, err := s.RunGC(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
+	g.Add(globalstore.CollectionJob("identity-gc", s.gc.cfg.Interval, s.log, globalstore.Collection{
+		What: "CiliumIdentity objects",
+		// Nothing to collect before the first listing, and nothing once
+		// the store stopped.
+		Ready: func() bool { return !s.stopped.Load() && s.ids.isSynced() },
+		Term: func() context.Context {
+			if el := s.election.Load(); el != nil {
+				return el.leading()
 			}
-			return health.External(fmt.Errorf("garbage collection of CiliumIdentity objects failed after %d deletions: %w", res.Deleted, err))
-		}
-		if res.Marked > 0 || res.Deleted > 0 || res.Skipped > 0 || res.Deferred > 0 || res.NodesDeleted > 0 {
-			s.log.Info("Garbage collection of global identities",
-				"marked", res.Marked, "deleted", res.Deleted, "skipped", res.Skipped, "deferred", res.Deferred,
-				"keptUsed", res.KeptUsed, "keptFenced", res.KeptFenced, "identityNodesDeleted", res.NodesDeleted)
-		}
-		return nil
-	}, s.gc.cfg.Interval))
+			return nil
+		},
+		Pass: s.RunGC,
+	}))
 }
 
 // gcObject is one listed CiliumIdentity of this cluster's range.
@@ -350,7 +336,7 @@ func (s *Store) RunGC(ctx context.Context) (res globalstore.GCResult, err error)
 // removed the mark (and so changed the object under the delete's
 // precondition).
 func (s *Store) gather(ctx context.Context) ([]gcObject, []IdentityNode, *gcInputs, error) {
-	now := time.Now()
+	now := s.gc.clock()
 	objs := s.gcIdentities()
 	nodes, err := s.listGCNodes(ctx)
 	if err != nil {
@@ -844,7 +830,7 @@ func (s *Store) listGCNodes(ctx context.Context) ([]IdentityNode, error) {
 func (s *Store) markForGC(ctx context.Context, o *gcObject) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
 		"resourceVersion": o.obj.ResourceVersion,
-		"annotations":     map[string]string{HeartbeatAnnotation: time.Now().UTC().Format(time.RFC3339Nano)},
+		"annotations":     map[string]string{HeartbeatAnnotation: s.gc.clock().UTC().Format(time.RFC3339Nano)},
 	}})
 	if err != nil {
 		return err

@@ -253,7 +253,19 @@ func waitCacheCurrent(t *testing.T, s *Store) {
 
 // waitTimeout waits until a mark made now is older than the heartbeat
 // timeout.
-func waitTimeout(cfg GCConfig) { time.Sleep(cfg.HeartbeatTimeout + 50*time.Millisecond) }
+// passTime moves the collector's clock of each store on by d, as if d had
+// passed: the tests do not sleep through heartbeat timeouts.
+func passTime(d time.Duration, stores ...*Store) {
+	for _, s := range stores {
+		clock := s.gc.clock
+		s.gc.clock = func() time.Time { return clock().Add(d) }
+	}
+}
+
+// passTimeout is passTime of cfg's heartbeat timeout, and a little more.
+func passTimeout(cfg GCConfig, stores ...*Store) {
+	passTime(cfg.HeartbeatTimeout+50*time.Millisecond, stores...)
+}
 
 func mustLabels(t *testing.T, s ...string) labels.Labels {
 	t.Helper()
@@ -293,7 +305,7 @@ func TestGCMarksThenDeletesUnused(t *testing.T) {
 	if m, _ := markOf(t, a.Store, id); m != mark {
 		t.Fatalf("mark changed from %q to %q", mark, m)
 	}
-	waitTimeout(gcTestConfig)
+	passTimeout(gcTestConfig, a.Store)
 	if res := runGC(t, a.Store); res.Deleted != 1 {
 		t.Fatalf("run after the timeout: %+v, want one deleted", res)
 	}
@@ -322,7 +334,7 @@ func TestGCKeepsUsed(t *testing.T) {
 		if _, ok := markOf(t, b.Store, id); ok {
 			t.Fatal("an identity a live node lists got the heartbeat mark")
 		}
-		waitTimeout(gcTestConfig)
+		passTimeout(gcTestConfig, b.Store)
 	}
 }
 
@@ -362,7 +374,7 @@ func TestGCExpiredNodeStopsProtecting(t *testing.T) {
 	if res := runGC(t, b.Store); res.Marked != 1 || res.NodesDeleted != 0 {
 		t.Fatalf("run after node-a's lease: %+v, want its identity marked and its record kept", res)
 	}
-	waitTimeout(gcTestConfig)
+	passTimeout(gcTestConfig, b.Store)
 	if res := runGC(t, b.Store); res.Deleted != 1 {
 		t.Fatalf("run after the timeout: %+v, want node-a's identity deleted", res)
 	}
@@ -396,7 +408,7 @@ func TestGCDeleteLosesToUnmark(t *testing.T) {
 	if res := runGC(t, a.Store); res.Marked != 1 {
 		t.Fatalf("first run: %+v, want one marked", res)
 	}
-	waitTimeout(gcTestConfig)
+	passTimeout(gcTestConfig, a.Store)
 
 	// Between the listing and the delete, node-b adopts the identity:
 	// its allocation removes the mark.
@@ -476,11 +488,11 @@ func TestGCFence(t *testing.T) {
 
 	// Later is old: every node's cache shows it, so nobody walks its
 	// sequence, and the first slot is no longer fenced.
-	time.Sleep(time.Until(oldAt) + 50*time.Millisecond)
+	passTime(time.Until(oldAt)+50*time.Millisecond, a.Store)
 	if res := runGC(t, a.Store); res.Marked != 1 || res.KeptFenced != 0 || res.KeptUsed != 1 {
 		t.Fatalf("run once later is old: %+v, want first marked, later kept as used", res)
 	}
-	waitTimeout(cfg)
+	passTimeout(cfg, a.Store)
 	if res := runGC(t, a.Store); res.Deleted != 1 || res.KeptUsed != 1 {
 		t.Fatalf("run after the timeout: %+v, want first deleted", res)
 	}
@@ -1358,7 +1370,7 @@ func TestGCRemarksUndatedMark(t *testing.T) {
 	if _, err := time.Parse(time.RFC3339Nano, mark); err != nil {
 		t.Fatalf("mark %q: %v", mark, err)
 	}
-	waitTimeout(gcTestConfig)
+	passTimeout(gcTestConfig, a.Store)
 	if res := runGC(t, a.Store); res.Deleted != 1 {
 		t.Fatalf("run after the timeout: %+v, want it deleted", res)
 	}

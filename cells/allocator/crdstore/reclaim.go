@@ -142,7 +142,7 @@ func (a *allocation) reclaim(ctx context.Context, p idprobe.Sequence, limit uint
 	// kept them while it refilled.
 	crowded := s.ids.fill() >= globalstore.SpaceWarnRatio && !a.reclaimWaitOver(time.Now())
 	horizon := reclaimHorizon(limit >= p.Len())
-	markedBefore := time.Now().Add(-s.gcTimeout())
+	markedBefore := s.gc.clock().Add(-s.gcTimeout())
 	if crowded {
 		markedBefore = markedBefore.Add(horizon)
 	}

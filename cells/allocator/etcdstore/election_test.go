@@ -1,11 +1,9 @@
 package etcdstore
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/exec"
 	"slices"
@@ -174,32 +172,6 @@ func TestEtcdCollectorKilledAndRestarted(t *testing.T) {
 		t.Errorf("the election key of the gone agent of another node name: %q %v, want it kept", v, ok)
 	}
 }
-
-// TestGCLogOnChange: a run that only skipped keys (foreign keys another
-// writer keeps referencing) is logged at info level when the count
-// changes, and at debug level when it repeats; a run that deleted is
-// always logged at info level.
-func TestGCLogOnChange(t *testing.T) {
-	var rec levelRecorder
-	b := &Store{log: slog.New(&rec)}
-	for _, run := range []struct{ deleted, skipped int }{{0, 3}, {0, 3}, {0, 3}, {0, 4}, {1, 4}, {0, 0}} {
-		b.logGCRun(run.deleted, run.skipped)
-	}
-	want := []slog.Level{slog.LevelInfo, slog.LevelDebug, slog.LevelDebug, slog.LevelInfo, slog.LevelInfo}
-	if !slices.Equal(rec.levels, want) {
-		t.Errorf("log levels %v, want %v", rec.levels, want)
-	}
-}
-
-type levelRecorder struct{ levels []slog.Level }
-
-func (r *levelRecorder) Enabled(context.Context, slog.Level) bool { return true }
-func (r *levelRecorder) Handle(_ context.Context, rec slog.Record) error {
-	r.levels = append(r.levels, rec.Level)
-	return nil
-}
-func (r *levelRecorder) WithAttrs([]slog.Attr) slog.Handler { return r }
-func (r *levelRecorder) WithGroup(string) slog.Handler      { return r }
 
 // TestEtcdCollectorKeysDeletedOrRewritten: under three running nodes, the
 // election's keys are deleted by hand (etcdctl del --prefix), then the

@@ -11,7 +11,6 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/cells/allocator/globalstore"
-	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 )
 
@@ -27,8 +26,6 @@ type GCStats struct {
 
 type gcCounters struct {
 	runs, failed, deleted, skipped atomic.Uint64
-	// lastSkipped is the last run's skipped count, for its log line.
-	lastSkipped atomic.Int64
 	// afterListing, when set (by tests), runs between the listing of
 	// reference keys and the choice of candidates.
 	afterListing func()
@@ -44,56 +41,39 @@ func (b *Store) GCStats() GCStats {
 	}
 }
 
-func (b *Store) gcTick(ctx context.Context) error {
-	select {
-	case <-b.synced:
-	default:
-		// Nothing to collect from before the first listing.
-		return nil
-	}
-	select {
-	case <-b.kv.Stopping():
-		// No collection while the agent stops: it would only
-		// compete with the stop for its short etcd deadline.
-		return nil
-	default:
-	}
-	term := b.collector.term.Load()
-	if term == nil {
-		// Another node collects: note which, for health and
-		// the shell.
-		if cli := b.kv.Client(); cli != nil {
-			b.refreshCollector(ctx, cli)
-		}
-		return nil
-	}
-	// The run ends with the term.
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	defer context.AfterFunc(term.ctx, cancel)()
-	res, err := b.runGC(ctx, term)
-	if err != nil {
-		if ctx.Err() != nil {
+// collection is the store's side of the collection job: no collection
+// before the first listing, nor while the agent stops (it would only
+// compete with the stop for its short etcd deadline); while another node
+// collects, a tick notes which, for health and the shell.
+func (b *Store) collection() globalstore.Collection {
+	return globalstore.Collection{
+		What: "global identities",
+		Ready: func() bool {
+			select {
+			case <-b.kv.Stopping():
+				return false
+			default:
+				return b.Synced()
+			}
+		},
+		Term: func() context.Context {
+			if term := b.collector.term.Load(); term != nil {
+				return term.ctx
+			}
 			return nil
-		}
-		// etcd's doing, not the agent's: readiness, not liveness.
-		return health.External(fmt.Errorf("garbage collection of global identities failed after %d deletions: %w", res.Deleted, err))
-	}
-	b.logGCRun(res.Deleted, res.Skipped)
-	return nil
-}
-
-// logGCRun logs a run that deleted something at info level; a run that
-// only skipped keys is logged at info level when its count changes, and at
-// debug level otherwise, so that keys another writer keeps referencing do
-// not repeat the same line every run.
-func (b *Store) logGCRun(deleted, skipped int) {
-	last := b.gc.lastSkipped.Swap(int64(skipped))
-	switch {
-	case deleted > 0 || (skipped > 0 && int64(skipped) != last):
-		b.log.Info("Garbage collection of global identities", "deleted", deleted, "skipped", skipped)
-	case skipped > 0:
-		b.log.Debug("Garbage collection of global identities", "deleted", deleted, "skipped", skipped)
+		},
+		Idle: func(ctx context.Context) {
+			if cli := b.kv.Client(); cli != nil {
+				b.refreshCollector(ctx, cli)
+			}
+		},
+		Pass: func(ctx context.Context) (globalstore.GCResult, error) {
+			term := b.collector.term.Load()
+			if term == nil {
+				return globalstore.GCResult{}, nil
+			}
+			return b.runGC(ctx, term)
+		},
 	}
 }
 

@@ -301,7 +301,7 @@ func (b *Store) register(lc cell.Lifecycle, g job.Group) {
 			b.campaignLoop(ctx, h)
 			return nil
 		}))
-		g.Add(job.Timer("identity-gc", b.gcTick, b.shared.IdentityGCInterval))
+		g.Add(globalstore.CollectionJob("identity-gc", b.shared.IdentityGCInterval, b.log, b.collection()))
 	}
 	if b.cfg.KVStorePeriodicSync > 0 {
 		g.Add(job.Timer("kvstore-periodic-sync", b.syncTick, b.cfg.KVStorePeriodicSync))
