@@ -118,6 +118,9 @@ func newAllocator(p params) (allocatorOut, error) {
 	a.metrics = p.Metrics
 	if p.Remote != nil {
 		a.mesh = p.Remote
+		// Remote clusters' identities reach the dispatcher like the
+		// global ones, marked as remote.
+		p.Sinks.Remote().Bind(remoteEvents{a.queue}, nil)
 	}
 	a.health = p.Health
 	if backend != nil {
@@ -218,15 +221,10 @@ func (a *identityAllocator) jobs() []job.Job {
 	}
 }
 
-// Start starts the remote clusters. The global store started before, by
-// its own hooks: its cell is built before the allocator, which takes its
-// driver.
+// Start reports whether global identities were listed. The global store
+// and the remote clusters started before, by their own hooks: their cells
+// are built before the allocator, which takes them.
 func (a *identityAllocator) Start(ctx cell.HookContext) error {
-	// Remote clusters connect in the background; their identities reach
-	// the dispatcher like the global ones, marked as remote.
-	if err := a.mesh.Start(ctx, remoteEvents{a.queue}); err != nil {
-		return fmt.Errorf("starting the cluster mesh: %w", err)
-	}
 	a.reportHealth()
 	return nil
 }
@@ -251,11 +249,11 @@ func (a *identityAllocator) reportHealth() {
 	}
 }
 
-// Stop runs the finalizers (the final checkpoint), then stops the remote
-// clusters; the dispatcher's job, stopped next, delivers what is queued,
-// and the global store's hooks stop after it.
+// Stop runs the finalizers (the final checkpoint); the dispatcher's job,
+// stopped next, delivers what is queued, and the hooks of the global
+// store and of the remote clusters stop after it.
 func (a *identityAllocator) Stop(ctx cell.HookContext) error {
-	return errors.Join(a.contracts.finalize(ctx), a.mesh.Stop(ctx))
+	return a.contracts.finalize(ctx)
 }
 
 // Upsert implements globalstore.Events.
@@ -522,5 +520,3 @@ type noRemote struct{}
 
 func (noRemote) LookupByID(identity.NumericIdentity) (labels.Labels, bool)     { return nil, false }
 func (noRemote) LookupByLabels(labels.Labels) (identity.NumericIdentity, bool) { return 0, false }
-func (noRemote) Start(context.Context, globalstore.Events) error               { return nil }
-func (noRemote) Stop(context.Context) error                                    { return nil }

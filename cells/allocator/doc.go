@@ -94,6 +94,8 @@
 // on its own (tests) is used instead, and crd mode without a crd driver
 // fails the hive's start. A globalstore.Remote (cells/allocator/clustermesh)
 // adds other clusters' identities, source "remote", to lookups, Observe
-// and handlers. The allocator's start hook starts both with its own
-// globalstore.Events, and its stop hook stops them.
+// and handlers. Both are cells with hooks and jobs of their own, built
+// before the allocator, which binds the globalstore.Sinks they report to
+// when it is built: they start before its start hook and stop after its
+// stop hook.
 package allocator

@@ -46,8 +46,9 @@ type Mesh struct {
 	log   *slog.Logger
 	// events receives the remote identities' changes (the allocator's).
 	events globalstore.Events
-	jobs   job.Group
-	// life ends when the mesh stops; every cluster's loops run on it.
+	// life ends when the mesh's hook stops; every cluster's loops run on
+	// it: clusters come and go with the directory, so their loops are not
+	// jobs, which run as long as the hive.
 	life context.Context
 
 	mu       sync.RWMutex
@@ -58,7 +59,6 @@ type Mesh struct {
 	reported map[string]string // name -> fingerprint whose error was logged
 
 	cancel context.CancelFunc
-	wg     sync.WaitGroup
 }
 
 type params struct {
@@ -69,6 +69,10 @@ type params struct {
 	Log     *slog.Logger
 	Jobs    job.Registry
 	Health  cell.Health `optional:"true"`
+	// Sinks is where the mesh reports; a hive without an allocator
+	// leaves its Sink unbound.
+	Sinks     *globalstore.Sinks `optional:"true"`
+	Lifecycle cell.Lifecycle
 }
 
 type out struct {
@@ -83,26 +87,26 @@ func newMesh(p params) (out, error) {
 		return out{}, err
 	}
 	h := health.OrDetached(p.Health)
-	m := New(p.Log, p.Config, p.Cluster, p.Jobs.NewGroup(h))
+	m := newUnstarted(p.Log, p.Config, p.Cluster, p.Sinks.Remote())
 	if p.Config.ClusterMeshConfig == "" {
 		// Nothing else reports to the module when no cluster is
 		// configured; a scope that never reports reads as unknown.
 		h.OK("No remote clusters: --clustermesh-config is empty")
 	} else {
 		h.OK("Following the remote clusters of " + p.Config.ClusterMeshConfig)
+		m.register(p.Lifecycle, p.Jobs.NewGroup(h))
 	}
 	return out{Mesh: m, Remote: m}, nil
 }
 
-// New returns the remote cluster manager of the local cluster. It does
-// nothing until the allocator that owns it starts it; its loops are jobs
-// of jobs.
-func New(log *slog.Logger, cfg Config, local identity.ClusterInfo, jobs job.Group) *Mesh {
+// newUnstarted returns the remote cluster manager of the local cluster,
+// reporting to events, with nothing registered to run.
+func newUnstarted(log *slog.Logger, cfg Config, local identity.ClusterInfo, events globalstore.Events) *Mesh {
 	return &Mesh{
 		cfg:      cfg,
 		local:    local,
 		log:      log,
-		jobs:     jobs,
+		events:   events,
 		clusters: map[string]*remoteCluster{},
 		invalid:  map[string]*configFile{},
 		reported: map[string]string{},
@@ -111,46 +115,37 @@ func New(log *slog.Logger, cfg Config, local identity.ClusterInfo, jobs job.Grou
 
 var _ globalstore.Remote = (*Mesh)(nil)
 
-// Start reads the directory at once, so that clusters configured at start
-// begin connecting before the allocator's start returns, then polls it in
-// the job clustermesh-config-poll. Identities are reported to events.
-func (m *Mesh) Start(ctx context.Context, events globalstore.Events) error {
-	if m.cfg.ClusterMeshConfig == "" {
-		return nil
-	}
-	m.events = events
-	m.life, m.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	m.sync(ctx)
-	m.wg.Add(1)
-	m.jobs.Add(job.OneShot("clustermesh-config-poll", func(ctx context.Context, _ cell.Health) error {
-		defer m.wg.Done()
-		// The clusters' loops end with the poll: the hive stops jobs
-		// before the allocator, which stops the mesh.
-		defer m.cancel()
+// register makes the mesh start with the hive: its start hook reads the
+// directory at once, so that clusters configured at start begin connecting
+// before the allocator starts, and the job clustermesh-config-poll polls
+// it. The hook stops after the job: it disconnects every cluster without
+// deleting its identities (the allocator stopped before).
+func (m *Mesh) register(lc cell.Lifecycle, g job.Group) {
+	lc.Append(cell.Hook{
+		OnStart: func(ctx cell.HookContext) error {
+			m.life, m.cancel = context.WithCancel(context.Background())
+			m.sync(ctx)
+			return nil
+		},
+		OnStop: m.stop,
+	})
+	g.Add(job.OneShot("clustermesh-config-poll", func(ctx context.Context, _ cell.Health) error {
 		t := time.NewTicker(clusterMeshPollInterval)
 		defer t.Stop()
 		for {
 			select {
 			case <-ctx.Done():
 				return nil
-			case <-m.life.Done():
-				return nil
 			case <-t.C:
 				m.sync(ctx)
 			}
 		}
 	}))
-	return nil
 }
 
-// Stop disconnects every cluster without deleting its identities: the
-// allocator is stopping with them.
-func (m *Mesh) Stop(ctx context.Context) error {
-	if m.cancel == nil {
-		return nil
-	}
+// stop ends every cluster's loops and disconnects it.
+func (m *Mesh) stop(ctx cell.HookContext) error {
 	m.cancel()
-	m.wg.Wait()
 	m.mu.Lock()
 	clusters := m.clusters
 	m.clusters = map[string]*remoteCluster{}

@@ -135,17 +135,14 @@ type References interface {
 
 // Remote is a read-only source of other clusters' identities. It never
 // allocates or releases; the allocator serves its identities to lookups
-// and reports them with the source "remote".
+// and reports them with the source "remote". Like a store, it is a cell
+// with hooks and jobs of its own: it reports the identities it follows to
+// Sinks.Remote as they appear and disappear (Synced is not called: remote
+// clusters come and go), and its stop does not report the deletion of
+// what it reported.
 type Remote interface {
 	LookupByID(id identity.NumericIdentity) (labels.Labels, bool)
 	LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bool)
-
-	// Start begins following the remote clusters; their identities are
-	// reported to events as they appear and disappear (Synced is not
-	// called: remote clusters come and go). Stop ends it without
-	// reporting the deletion of what it reported.
-	Start(ctx context.Context, events Events) error
-	Stop(ctx context.Context) error
 }
 
 // Events receives the changes of a store's cache of identities.

@@ -80,8 +80,18 @@ func (s *Sink) ByID(id identity.NumericIdentity) *Reference {
 // The allocator cell provides it; a store in a hive without one reports
 // to an unbound Sink.
 type Sinks struct {
-	mu    sync.Mutex
-	modes map[identity.AllocationMode]*Sink
+	mu     sync.Mutex
+	modes  map[identity.AllocationMode]*Sink
+	remote Sink
+}
+
+// Remote returns the Sink a Remote reports other clusters' identities to.
+// A nil *Sinks returns a new unbound Sink.
+func (s *Sinks) Remote() *Sink {
+	if s == nil {
+		return new(Sink)
+	}
+	return &s.remote
 }
 
 // NewSinks returns Sinks with nothing bound.
