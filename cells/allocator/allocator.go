@@ -335,7 +335,7 @@ func (a *identityAllocator) AllocateBatch(ctx context.Context, reqs []Request) [
 			out[i].Err = waitErr
 			continue
 		}
-		o := allocateOptions{oldID: r.OldID, restored: r.Restored}
+		o := allocateOptions{oldID: r.OldID, restored: r.Restored, adoptOnly: r.AdoptOnly}
 		id, allocated, err := a.allocate(ctx, r.Labels, &o)
 		out[i] = Result{Identity: id, Allocated: allocated, Err: err}
 	}

@@ -85,8 +85,9 @@ type Allocator interface {
 type AllocateOption func(*allocateOptions)
 
 type allocateOptions struct {
-	oldID    identity.NumericIdentity
-	restored bool
+	oldID     identity.NumericIdentity
+	restored  bool
+	adoptOnly bool
 }
 
 // WithOldID asks for a specific numeric ID, as restoration does to keep a
@@ -103,12 +104,25 @@ func AsRestored() AllocateOption {
 	return func(o *allocateOptions) { o.restored = true }
 }
 
+// AdoptOnly makes a global label set's allocation take the identity the
+// global store holds and never create one: another writer creates them
+// (an identity manager, with --identity-management-mode=operator). When
+// the store's cache shows none, the allocation fails at once, without a
+// request, with an error wrapping globalstore.ErrNoIdentity. Node-local
+// and reserved label sets are allocated as without it.
+func AdoptOnly() AllocateOption {
+	return func(o *allocateOptions) { o.adoptOnly = true }
+}
+
 // Request is one allocation of a batch.
 type Request struct {
 	Labels labels.Labels
 	OldID  identity.NumericIdentity
 	// Restored marks the reference as taken by restoration (AsRestored).
 	Restored bool
+	// AdoptOnly takes the global store's identity without creating one
+	// (AdoptOnly).
+	AdoptOnly bool
 }
 
 // Result is the outcome of one Request.

@@ -96,7 +96,7 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 			done := make(chan struct{})
 			g.inflight[skey] = done
 			g.mu.Unlock()
-			return g.create(ctx, skey, lbls, done)
+			return g.create(ctx, skey, lbls, done, o.adoptOnly)
 		}
 		g.mu.Unlock()
 		select {
@@ -107,7 +107,7 @@ func (g *globalRefs) acquire(ctx context.Context, lbls labels.Labels, o *allocat
 	}
 }
 
-func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels, done chan struct{}) (*identity.Identity, bool, error) {
+func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels, done chan struct{}, adoptOnly bool) (*identity.Identity, bool, error) {
 	var e *globalEntry
 	// The backend calls record under its write lock, right after the
 	// reference was written: from then on the entry is in the record a
@@ -129,7 +129,16 @@ func (g *globalRefs) create(ctx context.Context, key string, lbls labels.Labels,
 		g.events.pushEvent(event{kind: ChangeUpsert, ident: &e.ident, ref: &e.refEntry})
 		g.mu.Unlock()
 	}
-	id, allocated, err := g.backend.Allocate(ctx, lbls, record)
+	var (
+		id        identity.NumericIdentity
+		allocated bool
+		err       error
+	)
+	if adoptOnly {
+		id, err = g.backend.Adopt(ctx, lbls, record)
+	} else {
+		id, allocated, err = g.backend.Allocate(ctx, lbls, record)
+	}
 	if errors.Is(err, globalstore.ErrSpaceExhausted) {
 		g.space.refusedAllocation()
 	}

@@ -462,3 +462,43 @@ func TestHealthWithoutGlobalStore(t *testing.T) {
 		t.Errorf("allocator health %q, want it to say %q and not name the kvstore", status, want)
 	}
 }
+
+// TestAdoptOnly: an allocation that may only adopt fails at once with
+// globalstore.ErrNoIdentity while the store holds no identity for the label
+// set, and creates nothing; once another node created it, it takes that
+// identity and the node's reference; node-local label sets are allocated
+// as without it. Without the option the first allocation creates
+// (checked by the count of identities).
+func TestAdoptOnly(t *testing.T) {
+	store := allocatortest.NewStore(identity.ClusterInfo{Name: "default"})
+	manager, _, err := node(t, store.NewBackend("manager"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, _, err := node(t, store.NewBackend("agent"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := labels.MustParse("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default")
+	if id, _, err := agent.Allocate(t.Context(), web, allocator.AdoptOnly()); !errors.Is(err, globalstore.ErrNoIdentity) {
+		t.Fatalf("adopting a label set nobody created: %v, %v, want ErrNoIdentity", id, err)
+	}
+	if n := store.Len(); n != 0 {
+		t.Fatalf("a refused adoption left %d identities in the store", n)
+	}
+	created, allocated, err := manager.Allocate(t.Context(), web)
+	if err != nil || !allocated {
+		t.Fatalf("the manager's allocation: %v, %v", allocated, err)
+	}
+	results := agent.AllocateBatch(t.Context(), []allocator.Request{{Labels: web, AdoptOnly: true}})
+	if r := results[0]; r.Err != nil || r.Identity.ID != created.ID || r.Allocated {
+		t.Fatalf("adopting the manager's identity %d: %+v", created.ID, r)
+	}
+	if n := store.Refs(web); n != 2 {
+		t.Fatalf("%d nodes hold the label set, want the manager and the agent", n)
+	}
+	cidr := labels.MustParse("cidr:10.0.0.0/8")
+	if id, _, err := agent.Allocate(t.Context(), cidr, allocator.AdoptOnly()); err != nil || !id.ID.HasLocalScope() {
+		t.Fatalf("a node-local label set with AdoptOnly: %v, %v", id, err)
+	}
+}

@@ -7,6 +7,7 @@ package allocatortest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 
@@ -96,6 +97,10 @@ func (s *Store) broadcast(fn func(globalstore.Events)) {
 // Allocate implements globalstore.Backend; it records the reference while
 // the store is locked, as a store's write and its record are one step.
 func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, bool, error) {
+	return b.allocate(ctx, lbls, record, true)
+}
+
+func (b *Backend) allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference), create bool) (identity.NumericIdentity, bool, error) {
 	b.Requests.Add(1)
 	if b.store.Down.Load() {
 		return 0, false, ErrDown
@@ -109,6 +114,9 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels, record func(
 	defer s.mu.Unlock()
 	id, ok := s.byKey[key]
 	created := false
+	if !ok && !create {
+		return 0, false, fmt.Errorf("adopting %s: %w", lbls, globalstore.ErrNoIdentity)
+	}
 	if !ok {
 		nid := s.pool.AllocateID()
 		if nid == idpool.NoID {
@@ -126,6 +134,12 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels, record func(
 	s.refs[key][b.node] = struct{}{}
 	record(globalstore.NewReference(id, lbls, 0))
 	return id, created, nil
+}
+
+// Adopt implements globalstore.Backend.
+func (b *Backend) Adopt(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, error) {
+	id, _, err := b.allocate(ctx, lbls, record, false)
+	return id, err
 }
 
 // Release implements globalstore.Backend.

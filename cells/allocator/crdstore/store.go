@@ -472,6 +472,36 @@ func (s *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 	return id, created, nil
 }
 
+// Adopt implements globalstore.Backend: the rule's pick among the label
+// set's objects the cache shows, settled as an allocation settles it and
+// with its heartbeat mark removed; never a create.
+func (s *Store) Adopt(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, error) {
+	key := lbls.Canonical()
+	a := &allocation{s: s, key: key, lbls: lbls}
+	for {
+		e := s.ids.lookup(key)
+		if e == nil {
+			return 0, fmt.Errorf("adopting global identity for %s: %w", key, globalstore.ErrNoIdentity)
+		}
+		pick, err := a.settle(ctx, e.id)
+		if err == nil {
+			err = a.adopt(ctx, pick)
+		}
+		if errors.Is(err, errRestart) {
+			continue
+		}
+		if err != nil {
+			s.stats.failed.Add(1)
+			return 0, fmt.Errorf("adopting global identity for %s: %w", key, err)
+		}
+		s.stats.adopted.Add(1)
+		record(globalstore.NewReference(pick.id, lbls, 0))
+		s.writer.request(false)
+		s.splits.signalIfHeld(s.ids, key, pick.id)
+		return pick.id, nil
+	}
+}
+
 // allocation is the state of one Allocate.
 type allocation struct {
 	s                     *Store

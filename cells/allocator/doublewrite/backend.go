@@ -153,6 +153,23 @@ func (b *Backend) Allocate(ctx context.Context, lbls labels.Labels, record func(
 	return id, created, nil
 }
 
+// Adopt implements globalstore.Backend: the read store adopts, and the
+// write-only store gets the same ID and label set, as after Allocate.
+func (b *Backend) Adopt(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, error) {
+	var ref *globalstore.Reference
+	id, err := b.read.Adopt(ctx, lbls, func(r *globalstore.Reference) {
+		ref = r
+		record(r)
+	})
+	if err != nil {
+		return id, err
+	}
+	if ref != nil {
+		b.mirror(ctx, ref)
+	}
+	return id, nil
+}
+
 // mirror writes ref to the write-only store, and keeps it for the retry
 // job when that fails.
 func (b *Backend) mirror(ctx context.Context, ref *globalstore.Reference) {

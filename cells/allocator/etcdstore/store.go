@@ -428,6 +428,20 @@ type attempt struct {
 // lock, in the same critical section as the transaction that wrote the
 // reference.
 func (b *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, bool, error) {
+	return b.allocate(ctx, lbls, record, true)
+}
+
+// Adopt implements globalstore.Backend: Allocate's adoption of the master
+// key the cache shows for the label set, never its create.
+func (b *Store) Adopt(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, error) {
+	id, _, err := b.allocate(ctx, lbls, record, false)
+	return id, err
+}
+
+// allocate is Allocate; without create, a label set whose master key the
+// cache does not show (at the start, or after an attempt found the key
+// gone or another label set's) fails with ErrNoIdentity.
+func (b *Store) allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference), create bool) (identity.NumericIdentity, bool, error) {
 	key := lbls.Canonical()
 	if err := checkKeyLayout(key); err != nil {
 		return 0, false, fmt.Errorf("allocating global identity for %s: %w", key, err)
@@ -448,6 +462,11 @@ func (b *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 			a   attempt
 			err error
 		)
+		if hint == 0 && !create {
+			if hint, _ = b.cachedID(key); hint == 0 {
+				return 0, false, fmt.Errorf("adopting global identity for %s: %w", key, globalstore.ErrNoIdentity)
+			}
+		}
 		if hint != 0 {
 			a, err = b.adopt(ctx, key, lbls, hint, adoptRev, record)
 		} else {

@@ -44,6 +44,14 @@ func (s *memStore) Allocate(_ context.Context, lbls labels.Labels, record func(*
 	return id, !ok, nil
 }
 
+func (s *memStore) Adopt(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, error) {
+	if _, ok := s.LookupByLabels(lbls); !ok {
+		return 0, globalstore.ErrNoIdentity
+	}
+	id, _, err := s.Allocate(ctx, lbls, record)
+	return id, err
+}
+
 func (s *memStore) Release(context.Context, *globalstore.Reference) error { return nil }
 
 func (s *memStore) LookupByID(id identity.NumericIdentity) (labels.Labels, bool) {

@@ -56,6 +56,15 @@ type Backend interface {
 	// from them.
 	Allocate(ctx context.Context, lbls labels.Labels, record func(*Reference)) (id identity.NumericIdentity, allocated bool, err error)
 
+	// Adopt is Allocate for a label set the store already holds: it
+	// never creates. It returns the identity every node uses for the
+	// label set and writes this node's reference as Allocate does
+	// (calling record once when it returns no error), or an error
+	// wrapping ErrNoIdentity when the store holds no identity for it, as
+	// far as the store's cache shows. Agents whose identities an identity
+	// manager creates (--identity-management-mode=operator) adopt them.
+	Adopt(ctx context.Context, lbls labels.Labels, record func(*Reference)) (identity.NumericIdentity, error)
+
 	// Release removes this node's reference. The allocator has removed
 	// ref from its References before the call; ref is the one Allocate
 	// recorded, and its token is whatever the backend last stored in it,
@@ -171,6 +180,9 @@ var (
 	// ErrUnavailable: the store (etcd, or the Kubernetes API server) did not
 	// answer, or refused the request.
 	ErrUnavailable = errors.New("global identity store unavailable")
+	// ErrNoIdentity: the store holds no identity for the label set, and
+	// the caller may not create one (Adopt).
+	ErrNoIdentity = errors.New("no global identity for the label set in the store")
 )
 
 // GCResult is what one garbage collection of a global store did. The etcd

@@ -12,6 +12,7 @@ package storetest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -58,6 +59,7 @@ const collectWithin = time.Minute
 func Run(t *testing.T, h Harness) {
 	t.Run("Allocate", func(t *testing.T) { testAllocate(t, h) })
 	t.Run("Adopt", func(t *testing.T) { testAdopt(t, h) })
+	t.Run("AdoptOnly", func(t *testing.T) { testAdoptOnly(t, h) })
 	t.Run("Race", func(t *testing.T) { testRace(t, h) })
 	t.Run("Events", func(t *testing.T) { testEvents(t, h) })
 	t.Run("CollectKeepsUsed", func(t *testing.T) { testCollectKeepsUsed(t, h) })
@@ -194,6 +196,40 @@ func testAdopt(t *testing.T, h Harness) {
 		t.Fatalf("node b got %d (created %v) for the label set node a holds as %d, want %d adopted", got, created, id, id)
 	}
 	b.seesID(t, id, set(t, 0))
+}
+
+// testAdoptOnly: Adopt of a label set the store does not hold fails with
+// ErrNoIdentity and creates nothing; once another node created it, Adopt
+// gives its ID and writes the node's reference, so that collections keep
+// it while only the adopting node uses it.
+func testAdoptOnly(t *testing.T, h Harness) {
+	a := h.start(t, nodeName(t, "a"))
+	b := h.start(t, nodeName(t, "b"))
+	if id, err := b.b.Adopt(ctx(t), set(t, 0), b.refs.Record); !errors.Is(err, globalstore.ErrNoIdentity) {
+		t.Fatalf("Adopt of a label set nobody created: %d, %v, want ErrNoIdentity", id, err)
+	}
+	if _, ok := b.b.LookupByLabels(set(t, 0)); ok || b.refs.Len() != 0 {
+		t.Fatalf("a refused Adopt left an identity or a reference (%d references)", b.refs.Len())
+	}
+	id, _ := a.allocate(t, h, set(t, 0))
+	b.seesID(t, id, set(t, 0))
+	var records int
+	got, err := b.b.Adopt(ctx(t), set(t, 0), func(r *globalstore.Reference) {
+		records++
+		b.refs.Record(r)
+	})
+	if err != nil || got != id || records != 1 {
+		t.Fatalf("Adopt after node a created %d: %d, %v, %d records", id, got, err, records)
+	}
+	a.release(t, id)
+	unused, _ := a.allocate(t, h, set(t, 1))
+	a.release(t, unused)
+	h.collectUntilGone(t, a, unused)
+	if l, ok := a.b.LookupByID(id); !ok || !l.Equal(set(t, 0)) {
+		t.Fatalf("a collection deleted %d, which node b adopted", id)
+	}
+	b.release(t, id)
+	h.collectUntilGone(t, a, id)
 }
 
 // testRace: three nodes allocate the same label sets at once; each set
