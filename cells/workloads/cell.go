@@ -53,7 +53,10 @@ type params struct {
 	Node      identity.NodeName `optional:"true"`
 	Cluster   identity.ClusterInfo
 	Allocator allocator.Allocator
-	IPCache   *ipcache.IPCache
+	// AllocatorConfig gives --identity-allocation-timeout, how long a pod
+	// waits in operator mode before the wait is reported.
+	AllocatorConfig allocator.Config
+	IPCache         *ipcache.IPCache
 }
 
 // ErrNoNodeName: the cell needs this node's name to select its pods.
@@ -79,6 +82,7 @@ func newCell(p params) (*Workloads, error) {
 	}
 	m := newWorkloadMetrics()
 	w := newWorkloads(p.Log, p.Config, filter, string(p.Node), p.Cluster.Name, p.Allocator, p.IPCache, m)
+	w.createTimeout = p.AllocatorConfig.IdentityAllocationTimeout
 	// Registered before any hook runs: the ipcache prunes nothing of the
 	// datapath map until the pods of the first listing are back in it.
 	w.initDone = p.IPCache.RegisterInitializer("workloads")
@@ -211,6 +215,7 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 		"namespaces", len(nsStore.ListKeys()), "duration", w.now().Sub(start))
 	w.markDirty(podStore.ListKeys()...)
 	h.OK("Serving this node's pods")
+	w.health = h
 	w.serve(ctx)
 	return nil
 }

@@ -9,15 +9,24 @@ import (
 	"github.com/spf13/pflag"
 )
 
-// ManagementModeAgent is the identity management mode in which each node
-// allocates the identities of its own pods (Cilium's default).
-const ManagementModeAgent = "agent"
+// The identity management modes (--identity-management-mode), Cilium's.
+const (
+	// ManagementModeAgent: each node allocates the identities of its own
+	// pods (Cilium's default).
+	ManagementModeAgent = "agent"
+	// ManagementModeOperator: an identity manager creates the identities
+	// of pods; each node adopts those of its own pods, and creates none.
+	ManagementModeOperator = "operator"
+	// ManagementModeBoth: nodes create as in agent mode while a manager
+	// creates too, for the switch between the two.
+	ManagementModeBoth = "both"
+)
 
 // Config is the workloads cell's configuration. The flag names and
 // defaults are Cilium's.
 type Config struct {
-	// IdentityManagementMode says who allocates the pods' identities;
-	// agent (each node for its own pods) is the only mode served.
+	// IdentityManagementMode says who creates the pods' identities:
+	// ManagementModeAgent, ManagementModeOperator or ManagementModeBoth.
 	IdentityManagementMode string
 	// IdentityChangeGracePeriod is how long a pod's old identity is held
 	// after the pod is deleted or its labels change, so that packets in
@@ -38,21 +47,23 @@ var DefaultConfig = Config{
 
 // Flags registers the workloads cell's flags.
 func (def Config) Flags(flags *pflag.FlagSet) {
-	flags.String("identity-management-mode", def.IdentityManagementMode, "Who allocates the identities of pods: agent (each node for its own pods; the only mode served)")
+	flags.String("identity-management-mode", def.IdentityManagementMode, "Who creates the identities of pods: agent (each node for its own pods), operator (an identity manager; nodes only adopt them) or both (nodes and a manager, while switching)")
 	flags.Duration("identity-change-grace-period", def.IdentityChangeGracePeriod, "How long a pod's old identity is held after the pod is deleted or its labels change")
 	flags.String("label-prefix-file", def.LabelPrefixFile, "Cilium's label prefix file (JSON, version 1): the prefixes of identity labels, instead of the default list")
 	flags.StringSlice("labels", def.Labels, "Label prefixes added to the default list or the file's, [source:][!]regexp (! excludes)")
 }
 
-// ErrManagementMode: an identity management mode this cell does not serve.
+// ErrManagementMode: not an identity management mode.
 var ErrManagementMode = errors.New("unsupported --identity-management-mode")
 
 // Validate checks the configuration without reading files.
 func (c Config) Validate() error {
 	var errs []error
-	if c.IdentityManagementMode != ManagementModeAgent {
-		errs = append(errs, fmt.Errorf("%w %q: only %q is served (each node allocates its own pods' identities); operator and both are not implemented",
-			ErrManagementMode, c.IdentityManagementMode, ManagementModeAgent))
+	switch c.IdentityManagementMode {
+	case ManagementModeAgent, ManagementModeOperator, ManagementModeBoth:
+	default:
+		errs = append(errs, fmt.Errorf("%w %q: want %q, %q or %q",
+			ErrManagementMode, c.IdentityManagementMode, ManagementModeAgent, ManagementModeOperator, ManagementModeBoth))
 	}
 	if c.IdentityChangeGracePeriod < 0 {
 		errs = append(errs, fmt.Errorf("--identity-change-grace-period %s must not be negative", c.IdentityChangeGracePeriod))

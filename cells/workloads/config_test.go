@@ -13,12 +13,19 @@ func TestConfigValidate(t *testing.T) {
 	if err := DefaultConfig.Validate(); err != nil {
 		t.Fatalf("default config: %v", err)
 	}
-	for _, mode := range []string{"operator", "both", "", "Agent"} {
+	for _, mode := range []string{"operator", "both"} {
+		c := DefaultConfig
+		c.IdentityManagementMode = mode
+		if err := c.Validate(); err != nil {
+			t.Errorf("mode %q: %v", mode, err)
+		}
+	}
+	for _, mode := range []string{"", "Agent", "operators"} {
 		c := DefaultConfig
 		c.IdentityManagementMode = mode
 		err := c.Validate()
-		if !errors.Is(err, ErrManagementMode) || !strings.Contains(err.Error(), `only "agent" is served`) {
-			t.Errorf("mode %q: %v, want ErrManagementMode naming agent", mode, err)
+		if !errors.Is(err, ErrManagementMode) || !strings.Contains(err.Error(), `want "agent", "operator" or "both"`) {
+			t.Errorf("mode %q: %v, want ErrManagementMode naming the modes", mode, err)
 		}
 	}
 	c := DefaultConfig

@@ -13,8 +13,8 @@
 // allocator.Allocator, *ipcache.IPCache, identity.ClusterInfo (the cluster
 // name label), identity.NodeName (--node-name), job and health.
 //
-// With --identity-management-mode=agent (Cilium's default, and the only
-// mode served; others are refused at start) each node serves its own pods:
+// With --identity-management-mode=agent (Cilium's default) or both each
+// node serves its own pods:
 // a job lists and watches the pods whose spec.nodeName is this node (a
 // field selector: no node reads another node's pods) and all namespaces.
 // Once both are listed, for each pod:
@@ -26,6 +26,15 @@
 //     allocated for all changed pods of a pass in one batch; a failed
 //     allocation is counted and retried with a jittered backoff that grows
 //     to about a minute, and the pod keeps its previous identity meanwhile;
+//   - with --identity-management-mode=operator the node creates no global
+//     identity: an identity manager does, and the pod adopts it
+//     (allocator.AdoptOnly). While the store's cache shows none the pod
+//     waits, costing no request, and tries again every second; that is
+//     not a failure. A pod that waits longer than
+//     --identity-allocation-timeout is reported once: an error line,
+//     identityd_workloads_identity_not_created_total, and the count in the
+//     job's health message. identityd has no identity manager yet: in
+//     operator mode the identities come from nodes in agent or both mode;
 //   - its IPs (status.podIPs, else status.podIP) are ipcache rows of the
 //     owner "pod/<namespace>/<name>", /32 and /128, with the identity given
 //     directly; an IP that leaves the pod leaves the ipcache, and an IP
@@ -56,7 +65,8 @@
 //
 // # Flags
 //
-//	--identity-management-mode=agent       who allocates pods' identities
+//	--identity-management-mode=MODE        who creates pods' identities:
+//	                                       agent (default), operator, both
 //	--identity-change-grace-period=DURATION how long an old identity is held
 //	                                       after a relabel or a deletion
 //	                                       (default 5s, Cilium's)

@@ -15,11 +15,15 @@ import (
 //     the identity of its current labels, from the moment the node saw the
 //     pod (or its new labels) to the moment it held the identity;
 //   - identityd_workloads_allocation_failures_total: allocations of a
-//     pod's identity that failed (each is retried with backoff).
+//     pod's identity that failed (each is retried with backoff);
+//   - identityd_workloads_identity_not_created_total: in operator mode,
+//     pods that waited longer than --identity-allocation-timeout for the
+//     identity manager to create the identity of their labels.
 type workloadMetrics struct {
 	withoutIdentity prometheus.Gauge
 	wait            prometheus.Histogram
 	failures        prometheus.Counter
+	notCreated      prometheus.Counter
 }
 
 func newWorkloadMetrics() *workloadMetrics {
@@ -42,6 +46,11 @@ func newWorkloadMetrics() *workloadMetrics {
 			Name:      "workloads_allocation_failures_total",
 			Help:      "Allocations of a pod's security identity that failed; each is retried with backoff",
 		}),
+		notCreated: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: metrics.Namespace,
+			Name:      "workloads_identity_not_created_total",
+			Help:      "Pods that waited longer than --identity-allocation-timeout for the identity manager to create the identity of their labels (operator mode)",
+		}),
 	}
 }
 
@@ -50,6 +59,7 @@ func (m *workloadMetrics) Describe(ch chan<- *prometheus.Desc) {
 	m.withoutIdentity.Describe(ch)
 	m.wait.Describe(ch)
 	m.failures.Describe(ch)
+	m.notCreated.Describe(ch)
 }
 
 // Collect implements prometheus.Collector.
@@ -57,4 +67,5 @@ func (m *workloadMetrics) Collect(ch chan<- prometheus.Metric) {
 	m.withoutIdentity.Collect(ch)
 	m.wait.Collect(ch)
 	m.failures.Collect(ch)
+	m.notCreated.Collect(ch)
 }

@@ -12,10 +12,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cilium/hive/cell"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/labels"
@@ -71,6 +73,10 @@ type podState struct {
 	// retryAt is when the next one is due.
 	failures int
 	retryAt  time.Time
+	// awaiting: in operator mode, the last attempt found no identity for
+	// the pod's labels in the store (the manager has not created it);
+	// overdue: that has lasted longer than the allocation timeout.
+	awaiting, overdue bool
 }
 
 // pendingRelease is an identity a pod no longer uses, held until at.
@@ -117,6 +123,15 @@ type Workloads struct {
 	ipc     *ipcache.IPCache
 	metrics *workloadMetrics
 	now     func() time.Time
+	// adoptOnly: operator mode, the pods' identities are adopted, never
+	// created; createTimeout is how long a pod waits for the manager to
+	// create one before it is reported (--identity-allocation-timeout).
+	adoptOnly     bool
+	createTimeout time.Duration
+	// health is the serving job's; overdueReported the number of overdue
+	// pods it last said.
+	health          cell.Health
+	overdueReported int
 
 	// mu guards pods; the serving loop is its only writer, List reads.
 	mu   sync.Mutex
@@ -145,13 +160,20 @@ const initialHoldBound = 2 * time.Minute
 // does not hold up the releases that fall due meanwhile.
 const allocationTimeout = time.Minute
 
+// awaitCreation is how often a pod whose identity the manager has not
+// created yet tries again: an adoption that finds nothing costs no
+// request, and the pod gets its identity within a second of the store's
+// cache showing it.
+const awaitCreation = time.Second
+
 func newWorkloads(log *slog.Logger, cfg Config, filter *LabelFilter, node, cluster string, alloc allocator.Allocator, ipc *ipcache.IPCache, m *workloadMetrics) *Workloads {
 	return &Workloads{
 		log: log, grace: cfg.IdentityChangeGracePeriod, filter: filter, node: node, cluster: cluster,
 		alloc: alloc, ipc: ipc, metrics: m, now: time.Now,
-		pods:  map[string]*podState{},
-		dirty: map[string]struct{}{},
-		kick:  make(chan struct{}, 1),
+		adoptOnly: cfg.IdentityManagementMode == ManagementModeOperator,
+		pods:      map[string]*podState{},
+		dirty:     map[string]struct{}{},
+		kick:      make(chan struct{}, 1),
 	}
 }
 
@@ -172,6 +194,9 @@ func (w *Workloads) List() []Pod {
 			p.State = "allocating"
 			if st.failures > 0 {
 				p.State = fmt.Sprintf("allocation failed %d times", st.failures)
+			}
+			if st.awaiting {
+				p.State = "waiting for the identity manager"
 			}
 		}
 		out = append(out, p)
@@ -248,7 +273,7 @@ func (w *Workloads) pass(ctx context.Context) time.Time {
 	keys := w.takeDirty()
 	w.mu.Lock()
 	for key, st := range w.pods {
-		if st.failures > 0 && !st.retryAt.After(now) {
+		if (st.failures > 0 || st.awaiting) && !st.retryAt.After(now) {
 			keys = append(keys, key)
 		}
 	}
@@ -263,7 +288,7 @@ func (w *Workloads) pass(ctx context.Context) time.Time {
 	for _, key := range keys {
 		if w.decidePod(ctx, key, now) {
 			w.mu.Lock()
-			reqs = append(reqs, allocator.Request{Labels: w.pods[key].want.labels})
+			reqs = append(reqs, allocator.Request{Labels: w.pods[key].want.labels, AdoptOnly: w.adoptOnly})
 			w.mu.Unlock()
 			reqKeys = append(reqKeys, key)
 		}
@@ -356,6 +381,23 @@ func (w *Workloads) allocated(ctx context.Context, key string, lbls labels.Label
 	}
 	w.mu.Lock()
 	st := w.pods[key]
+	if res.Err != nil && w.adoptOnly && errors.Is(res.Err, globalstore.ErrNoIdentity) {
+		// Not a failure: the manager has not created it yet.
+		overdue := false
+		if st != nil {
+			st.awaiting, st.retryAt = true, now.Add(awaitCreation)
+			if !st.overdue && !st.waitingSince.IsZero() && now.Sub(st.waitingSince) > w.createTimeout {
+				st.overdue, overdue = true, true
+			}
+		}
+		w.mu.Unlock()
+		if overdue {
+			w.metrics.notCreated.Inc()
+			w.log.Error("The identity manager has not created the identity of the pod's labels within --identity-allocation-timeout; the pod waits for it",
+				"pod", key, "labels", lbls, "timeout", w.createTimeout)
+		}
+		return
+	}
 	if res.Err != nil {
 		w.metrics.failures.Inc()
 		if st != nil {
@@ -380,6 +422,7 @@ func (w *Workloads) allocated(ctx context.Context, key string, lbls labels.Label
 	}
 	st.held, st.heldLabels = res.Identity, lbls
 	st.waitingSince, st.failures, st.retryAt = time.Time{}, 0, time.Time{}
+	st.awaiting, st.overdue = false, false
 	w.mu.Unlock()
 	if old != nil && old.ID != res.Identity.ID {
 		// Every row gets the new number.
@@ -479,17 +522,28 @@ func (w *Workloads) finishPass(now time.Time) time.Time {
 			next = t
 		}
 	}
-	without := 0
+	without, overdue := 0, 0
 	w.mu.Lock()
 	for _, st := range w.pods {
 		if st.want.needsIdentity() && st.held == nil {
 			without++
 		}
-		if st.failures > 0 {
+		if st.failures > 0 || st.awaiting {
 			earlier(st.retryAt)
+		}
+		if st.awaiting && st.overdue {
+			overdue++
 		}
 	}
 	w.mu.Unlock()
+	if overdue != w.overdueReported && w.health != nil {
+		w.overdueReported = overdue
+		if overdue == 0 {
+			w.health.OK("Serving this node's pods")
+		} else {
+			w.health.OK(fmt.Sprintf("Serving this node's pods; %d wait longer than --identity-allocation-timeout (%s) for identities the identity manager has not created", overdue, w.createTimeout))
+		}
+	}
 	for _, r := range w.releases {
 		earlier(r.at)
 	}

@@ -540,18 +540,18 @@ func expectReleasedAfterGrace(t *testing.T, a *healthAgent, id int, since time.T
 }
 
 // TestWorkloadsManagementModeRefused: the agent refuses to start with an
-// identity management mode other than agent, with an error naming the
-// flag and the mode it serves, whether or not it has a Kubernetes client.
+// identity management mode that is not one, with an error naming the flag
+// and the modes, whether or not it has a Kubernetes client.
 func TestWorkloadsManagementModeRefused(t *testing.T) {
 	parallelProcess(t)
 	if testing.Short() {
 		t.Skip("starts agent processes")
 	}
-	for _, mode := range []string{"operator", "both"} {
+	for _, mode := range []string{"operators", "Agent"} {
 		out, err := runAgentToExit(t, "--state-dir", t.TempDir(), "--identity-management-mode", mode,
 			"--ipcache-map", "file", "--prometheus-serve-addr", "", "--log-level", "error")
-		if err == nil || !strings.Contains(out, "--identity-management-mode \""+mode+"\"") || !strings.Contains(out, `only "agent" is served`) {
-			t.Errorf("--identity-management-mode=%s: %v, want a refusal naming the flag and agent:\n%s", mode, err, out)
+		if err == nil || !strings.Contains(out, "--identity-management-mode \""+mode+"\"") || !strings.Contains(out, `want "agent", "operator" or "both"`) {
+			t.Errorf("--identity-management-mode=%s: %v, want a refusal naming the flag and the modes:\n%s", mode, err, out)
 		}
 	}
 }
