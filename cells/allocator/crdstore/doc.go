@@ -5,8 +5,8 @@
 // Cilium agents in CRD mode share one API server; each node's uses are its
 // identityd.io/v1 IdentityNode object; one node of the cluster, the holder
 // of a coordination.k8s.io/v1 Lease, collects unused identities. The
-// design, and why racing nodes never give one label set two identities, is
-// docs/crd-store.md.
+// design and its rules are docs/crd-store.md; why racing nodes never give
+// one label set two identities is below ("One object per label set").
 //
 // The store serves --identity-allocation-mode=crd and the two double-write
 // modes, doublewrite-readcrd (it decides the IDs) and
@@ -35,6 +35,49 @@
 // are not a valid label set are left out and counted. The store's start
 // hook installs or updates the three CRDs (RegisterCRDs) when they are
 // missing or outdated.
+//
+// # One object per label set
+//
+// Why identityd nodes that allocate a label set L at the same moment, with
+// caches that lag each other, never hold two IDs for it:
+//
+//  1. An ID names at most one object (object names are unique).
+//  2. Without deletions: a node places L at slot(k) of L's probe sequence
+//     only after seeing slot(0..k-1) held by other label sets. Those
+//     objects stay, so a node B that does not see that object yet walks the
+//     same sequence, gets AlreadyExists or sees another label set at each
+//     of slot(0..k-1), and then AlreadyExists with L at slot(k): it adopts
+//     the object. Two objects of L would need a free slot before slot(k),
+//     which does not exist.
+//  3. With deletions, the only way to a second object is a slot before
+//     slot(k) that becomes free while a node that does not see L's object
+//     at slot(k) yet walks L's sequence. So the collector never deletes
+//     such a slot while L's object is young: created less than maxCacheLag
+//     plus maxWalkAge before the run (the fence, fenced), decided on the
+//     collector's own cache. An older object is in every node's cache, so
+//     a node that allocates L adopts it and no walk reaches the freed slot
+//     for L. The collector deletes only objects it marked at least
+//     MinHeartbeatTimeout earlier (the shortest heartbeat timeout, and the
+//     shortest grace without Cilium agents), with the resourceVersion it
+//     planned on as precondition. A creator whose cache showed the slot
+//     marked at least stepNoteAge before its create announces its step on
+//     it first (announceSteps), which fails a delete planned on the older
+//     state and defers a later one by gcStepWindow. A creator that saw the
+//     slot unmarked, or marked more recently, created its object more than
+//     maxCacheLag plus stepClockMargin (room for the nodes' clocks to
+//     disagree) before any run that deletes it, and that run's cache shows
+//     the new object. A mark that does not parse is announced. This assumes
+//     that a creator does not stall between its check of the cache and its
+//     create for longer than maxWalkAge (it checks the time and walks again
+//     if it did), and that a node's cache does not lag by more than
+//     maxCacheLag.
+//  4. Where L has several objects (Cilium agents made them), every node
+//     answers the rule's pick among all of them at the moment it decides
+//     (settle): the cache decides only when it shows the object the walk
+//     of L's sequence reaches first, or when its pick ranks more than
+//     maxCacheLag before now; otherwise the allocation finds or creates the
+//     sequence's object at the server first. A later object ranks later
+//     (walkHeadStart), so the pick stays the pick.
 //
 // # Jobs
 //
