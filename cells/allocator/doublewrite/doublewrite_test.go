@@ -27,6 +27,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/eventually"
 	"github.com/identityd/identityd/internal/k8stest"
 	"github.com/identityd/identityd/labels"
 )
@@ -190,17 +191,6 @@ func (e *env) seedObject(t *testing.T, id identity.NumericIdentity, lbls labels.
 	}
 }
 
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 var doubleWriteModes = []identity.AllocationMode{identity.AllocationModeDoubleWriteReadKVStore, identity.AllocationModeDoubleWriteReadCRD}
 
 // In each double-write mode an allocation writes the same ID and label set
@@ -228,7 +218,7 @@ func TestAllocationWritesBothStores(t *testing.T) {
 			if got := e.objectLabels(t, id.ID); got != web.Canonical() {
 				t.Errorf("CiliumIdentity %d holds %q, want %q", id.ID, got, web.Canonical())
 			}
-			eventually(t, "node-a's IdentityNode to list the ID", func() bool {
+			eventually.True(t, "node-a's IdentityNode to list the ID", func() bool {
 				return slices.Contains(e.nodeRecord(t, "node-a"), int64(id.ID))
 			})
 			if mode == identity.AllocationModeDoubleWriteReadCRD {
@@ -251,7 +241,7 @@ func TestAllocationWritesBothStores(t *testing.T) {
 			if _, err := a.a.Release(t.Context(), id); err != nil {
 				t.Fatal(err)
 			}
-			eventually(t, "node-a's uses to end in both stores", func() bool {
+			eventually.True(t, "node-a's uses to end in both stores", func() bool {
 				return e.reference(t, web, "node-a") == "" && !slices.Contains(e.nodeRecord(t, "node-a"), int64(id.ID))
 			})
 		})
@@ -329,7 +319,7 @@ func TestWriteOnlyGCKeepsMirrored(t *testing.T) {
 			t.Fatal(err)
 		}
 		e.seedMaster(t, 400, unused)
-		eventually(t, "the collector's cache to hold both", func() bool {
+		eventually.True(t, "the collector's cache to hold both", func() bool {
 			_, ok1 := collector.etcd.LookupByID(id.ID)
 			_, ok2 := collector.etcd.LookupByID(400)
 			return ok1 && ok2
@@ -355,10 +345,10 @@ func TestWriteOnlyGCKeepsMirrored(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, "node-a's IdentityNode to list the ID", func() bool {
+		eventually.True(t, "node-a's IdentityNode to list the ID", func() bool {
 			return slices.Contains(e.nodeRecord(t, "node-a"), int64(id.ID))
 		})
-		eventually(t, "the collector's cache to hold it", func() bool {
+		eventually.True(t, "the collector's cache to hold it", func() bool {
 			_, ok := collector.crd.LookupByID(id.ID)
 			return ok
 		})
@@ -389,7 +379,7 @@ func TestConvergence(t *testing.T) {
 	}
 	e.seedObject(t, 2000, labels.MustParse("k8s:app=crd-only"))
 	n := e.startNode(t, "node-a", identity.AllocationModeDoubleWriteReadKVStore, map[string]string{"identity-gc-interval": "0"})
-	eventually(t, "both caches", func() bool {
+	eventually.True(t, "both caches", func() bool {
 		r := n.dw.Compare()
 		return r.Synced && r.KVStore == 5 && r.CRD == 1
 	})
@@ -414,7 +404,7 @@ func TestConvergence(t *testing.T) {
 	if err := e.dyn.Resource(crdstore.CiliumIdentityResource).Delete(t.Context(), "2000", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "0 differences", func() bool {
+	eventually.True(t, "0 differences", func() bool {
 		n.dw.compareIfCollecting()
 		r := n.dw.LastReport()
 		return r != nil && len(r.Diffs) == 0 && r.KVStore == 5 && r.CRD == 5
