@@ -1,10 +1,7 @@
 package allocatortest_test
 
 import (
-	"context"
-	"log/slog"
 	"testing"
-	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
@@ -13,6 +10,7 @@ import (
 	"github.com/identityd/identityd/cells/allocator/globalstore/storetest"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/allocatortest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // TestConformance runs the contract of global stores on the in-memory
@@ -36,23 +34,7 @@ func TestConformance(t *testing.T) {
 				allocatortest.BackendCell(b),
 				cell.Invoke(func(globalstore.Backend) {}),
 			}, cells...)...)
-			log := slog.New(slog.DiscardHandler)
-			if err := h.Start(log, t.Context()); err != nil {
-				t.Fatal(err)
-			}
-			stopped := false
-			stop := func() {
-				if !stopped {
-					stopped = true
-					ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-					defer cancel()
-					if err := h.Stop(log, ctx); err != nil {
-						t.Error(err)
-					}
-				}
-			}
-			t.Cleanup(stop)
-			return b, stop
+			return b, testhive.Start(t, h).Stop
 		},
 		Collect: func(t *testing.T, b globalstore.Backend) {
 			stores[t.Name()].GC()

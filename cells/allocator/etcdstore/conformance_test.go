@@ -1,9 +1,7 @@
 package etcdstore
 
 import (
-	"context"
 	"testing"
-	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
@@ -15,6 +13,7 @@ import (
 	"github.com/identityd/identityd/cells/statedir"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/etcdtest"
+	"github.com/identityd/identityd/internal/testhive"
 )
 
 // TestConformance runs the contract of global stores on the etcd store,
@@ -34,25 +33,11 @@ func TestConformance(t *testing.T) {
 				cell.Invoke(func(s *Store) { b = s }),
 			}, cells...)...)
 			configureNode(t, h, c, name)
-			log := nodeLogger(t)
-			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-			defer cancel()
-			if err := h.Start(log, ctx); err != nil {
+			running, err := testhive.TryStart(t, h, nodeLogger(t))
+			if err != nil {
 				t.Fatal(err)
 			}
-			stopped := false
-			stop := func() {
-				if !stopped {
-					stopped = true
-					ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-					defer cancel()
-					if err := h.Stop(log, ctx); err != nil {
-						t.Error(err)
-					}
-				}
-			}
-			t.Cleanup(stop)
-			return b, stop
+			return b, running.Stop
 		},
 		Collect: func(t *testing.T, b globalstore.Backend) {
 			if _, err := b.(*Store).RunGC(t.Context()); err != nil {
