@@ -112,7 +112,12 @@ func newMetricsOut(w *Workloads) metrics.CollectorOut {
 // both are listed.
 func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.CoreV1Interface) error {
 	logger := logr.FromSlogHandler(w.log.Handler())
-	nodeSelector := fields.OneTermEqualSelector("spec.nodeName", w.node).String()
+	// The manager (no node) reads every pod of the cluster.
+	var nodeSelector string
+	if w.node != "" {
+		nodeSelector = fields.OneTermEqualSelector("spec.nodeName", w.node).String()
+	}
+	whose := w.whosePods()
 	// A failed listing or watch shows in the module's health message,
 	// not in readiness: the node's other identities are served all the
 	// same, and client-go retries with its backoff.
@@ -125,13 +130,13 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 			opts.FieldSelector = nodeSelector
 			l, err := core.Pods(metav1.NamespaceAll).List(ctx, opts)
-			report("Listing this node's pods", err)
+			report("Listing "+whose, err)
 			return l, err
 		},
 		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
 			opts.FieldSelector = nodeSelector
 			wi, err := core.Pods(metav1.NamespaceAll).Watch(ctx, opts)
-			report("Watching this node's pods", err)
+			report("Watching "+whose, err)
 			return wi, err
 		},
 	}
@@ -194,7 +199,7 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 	go func() { nsCtl.RunWithContext(ctx); done <- struct{}{} }()
 	defer func() { cancel(); <-done; <-done }()
 
-	h.OK("Listing this node's pods and the namespaces")
+	h.OK("Listing " + whose + " and the namespaces")
 	start := w.now()
 	w.initDeadline = start.Add(initialHoldBound)
 	poll := time.NewTicker(100 * time.Millisecond)
@@ -211,10 +216,10 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 		case <-poll.C:
 		}
 	}
-	w.log.Info("Listed this node's pods and the namespaces", "node", w.node, "pods", len(podStore.ListKeys()),
+	w.log.Info("Listed "+whose+" and the namespaces", "node", w.node, "pods", len(podStore.ListKeys()),
 		"namespaces", len(nsStore.ListKeys()), "duration", w.now().Sub(start))
 	w.markDirty(podStore.ListKeys()...)
-	h.OK("Serving this node's pods")
+	h.OK("Serving " + whose)
 	w.health = h
 	w.serve(ctx)
 	return nil

@@ -75,3 +75,24 @@ func TestConfigFilter(t *testing.T) {
 		})
 	}
 }
+
+// TestManagerConfigValidate: the election's timings are checked as
+// client-go checks them, so that a bad one fails the start with the flag's
+// name instead of a panic in the election.
+func TestManagerConfigValidate(t *testing.T) {
+	if err := DefaultManagerConfig.Validate(); err != nil {
+		t.Fatalf("default: %v", err)
+	}
+	for flag, change := range map[string]func(*ManagerConfig){
+		"--identity-manager-lease-namespace": func(c *ManagerConfig) { c.IdentityManagerLeaseNamespace = "" },
+		"--leader-election-retry-period":     func(c *ManagerConfig) { c.LeaderElectionRetryPeriod = 0 },
+		"--leader-election-renew-deadline":   func(c *ManagerConfig) { c.LeaderElectionRenewDeadline = c.LeaderElectionRetryPeriod },
+		"--leader-election-lease-duration":   func(c *ManagerConfig) { c.LeaderElectionLeaseDuration = c.LeaderElectionRenewDeadline },
+	} {
+		c := DefaultManagerConfig
+		change(&c)
+		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), flag) {
+			t.Errorf("%s: %v, want an error naming it", flag, err)
+		}
+	}
+}

@@ -33,8 +33,8 @@
 //     not a failure. A pod that waits longer than
 //     --identity-allocation-timeout is reported once: an error line,
 //     identityd_workloads_identity_not_created_total, and the count in the
-//     job's health message. identityd has no identity manager yet: in
-//     operator mode the identities come from nodes in agent or both mode;
+//     job's health message. The manager is ManagerCell (`identityd
+//     manager`);
 //   - its IPs (status.podIPs, else status.podIP) are ipcache rows of the
 //     owner "pod/<namespace>/<name>", /32 and /128, with the identity given
 //     directly; an IP that leaves the pod leaves the ipcache, and an IP

@@ -51,9 +51,10 @@ func decide(pod *corev1.Pod, ns *corev1.Namespace, node, cluster string, f *Labe
 		// The pod uses the node's addresses, which have the host's
 		// identity; it has none of its own.
 		return want{skip: reasonHostNetwork}
-	case pod.Spec.NodeName != node:
+	case node != "" && pod.Spec.NodeName != node:
 		// The field selector keeps other nodes' pods out; a pod read
-		// otherwise is not this node's to serve.
+		// otherwise is not this node's to serve. The manager (no node)
+		// serves every pod.
 		return want{skip: reasonOtherNode}
 	case ns == nil:
 		return want{skip: reasonNoNamespace}

@@ -443,8 +443,21 @@ func retryDelay(n int) time.Duration {
 // owner is the pod's owner name in the ipcache.
 func owner(key string) ipcache.ResourceID { return ipcache.ResourceID("pod/" + key) }
 
+// whosePods names the pods served: this node's, or the cluster's (the
+// manager's).
+func (w *Workloads) whosePods() string {
+	if w.node == "" {
+		return "the cluster's pods"
+	}
+	return "this node's pods"
+}
+
 // syncPrefixes brings the pod's ipcache rows from cur to next, with id.
+// The manager has no ipcache.
 func (w *Workloads) syncPrefixes(ctx context.Context, key string, id *identity.Identity, cur, next []netip.Prefix) {
+	if w.ipc == nil {
+		return
+	}
 	add, remove := prefixDiff(cur, next)
 	var errs []error
 	if len(add) > 0 {
@@ -481,7 +494,7 @@ func (w *Workloads) syncPrefixes(ctx context.Context, key string, id *identity.I
 
 // removePrefixes drops the pod's ipcache rows.
 func (w *Workloads) removePrefixes(ctx context.Context, key string, prefixes []netip.Prefix) {
-	if len(prefixes) == 0 {
+	if len(prefixes) == 0 || w.ipc == nil {
 		return
 	}
 	if err := w.ipc.Remove(ctx, owner(key), prefixes...); err != nil && ctx.Err() == nil {
@@ -539,9 +552,9 @@ func (w *Workloads) finishPass(now time.Time) time.Time {
 	if overdue != w.overdueReported && w.health != nil {
 		w.overdueReported = overdue
 		if overdue == 0 {
-			w.health.OK("Serving this node's pods")
+			w.health.OK("Serving " + w.whosePods())
 		} else {
-			w.health.OK(fmt.Sprintf("Serving this node's pods; %d wait longer than --identity-allocation-timeout (%s) for identities the identity manager has not created", overdue, w.createTimeout))
+			w.health.OK(fmt.Sprintf("Serving %s; %d wait longer than --identity-allocation-timeout (%s) for identities the identity manager has not created", w.whosePods(), overdue, w.createTimeout))
 		}
 	}
 	for _, r := range w.releases {

@@ -1,8 +1,8 @@
 // Command identityd runs the identityd agent: the allocator, kvstore,
 // checkpoint, ipcache and restoration cells in one hive. Its subcommands
 // inspect the hive (hive, hive dot-graph), reach the running agent's shell
-// (shell), copy global identities between the stores (migrate) and print
-// the version (version).
+// (shell), copy global identities between the stores (migrate), run the
+// identity manager (manager) and print the version (version).
 package main
 
 import (
@@ -68,19 +68,25 @@ func newRootCmd(h *hive.Hive, stdout, stderr io.Writer) *cobra.Command {
 		SilenceErrors: true,
 		Args:          cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			log, err := logOpts.logger(stderr)
-			if err != nil {
-				return err
-			}
-			slog.SetDefault(log)
-			return h.Run(log)
+			return runHive(h, logOpts, stderr)
 		},
 	}
 	root.PersistentFlags().StringVar(&logOpts.format, "log-format", "text", "Log format: text or json")
 	root.PersistentFlags().StringVar(&logOpts.level, "log-level", "info", "Log level: debug, info, warn or error")
 	h.RegisterFlags(root.Flags())
-	root.AddCommand(h.Command(), newShellCmd(stdout), newVersionCmd(stdout), newMigrateCmd(stdout, &logOpts))
+	root.AddCommand(h.Command(), newShellCmd(stdout), newVersionCmd(stdout), newMigrateCmd(stdout, &logOpts), newManagerCmd(stderr, &logOpts))
 	return root
+}
+
+// runHive runs h until a signal or a failure, logging to stderr as the
+// log flags say.
+func runHive(h *hive.Hive, logOpts logOptions, stderr io.Writer) error {
+	log, err := logOpts.logger(stderr)
+	if err != nil {
+		return err
+	}
+	slog.SetDefault(log)
+	return h.Run(log)
 }
 
 func newVersionCmd(stdout io.Writer) *cobra.Command {

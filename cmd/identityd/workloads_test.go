@@ -152,19 +152,7 @@ func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubec
 
 	// One identity per label set, the same on every node; another per
 	// other label set.
-	groupID := map[string]int{}
-	idGroup := map[int]string{}
-	for _, p := range pods {
-		id := ids[p.key()]
-		if g, ok := groupID[p.group()]; ok && g != id {
-			t.Errorf("%s has identity %d, another pod of its labels %d", p.key(), id, g)
-		}
-		groupID[p.group()] = id
-		if g, ok := idGroup[id]; ok && g != p.group() {
-			t.Errorf("identity %d is given to the labels of %s and of %s", id, g, p.group())
-		}
-		idGroup[id] = p.group()
-	}
+	expectOneIDPerLabelSet(t, pods, ids)
 	for _, node := range nodes {
 		expectNodeMap(t, agents[node], node, byNode[node], ids)
 	}
@@ -329,6 +317,24 @@ func workloadsAcceptance(t *testing.T, srv *k8stest.Server, storeArgs func(kubec
 // createPods creates the pods, each bound to its node, and writes their
 // IPs and phase Running through the status subresource, as a kubelet
 // would; hostNetwork(p) marks the pods that use the node's network.
+// expectOneIDPerLabelSet checks that pods of equal labels hold one
+// identity (ids, by pod key) and pods of other labels another.
+func expectOneIDPerLabelSet(t *testing.T, pods []workloadPod, ids map[string]int) {
+	t.Helper()
+	groupID, idGroup := map[string]int{}, map[int]string{}
+	for _, p := range pods {
+		id := ids[p.key()]
+		if g, ok := groupID[p.group()]; ok && g != id {
+			t.Errorf("%s has identity %d, another pod of its labels %d", p.key(), id, g)
+		}
+		groupID[p.group()] = id
+		if g, ok := idGroup[id]; ok && g != p.group() {
+			t.Errorf("identity %d is given to the labels of %s and of %s", id, g, p.group())
+		}
+		idGroup[id] = p.group()
+	}
+}
+
 func createPods(t *testing.T, core corev1client.CoreV1Interface, pods []workloadPod, hostNetwork func(workloadPod) bool) {
 	t.Helper()
 	ctx := t.Context()
