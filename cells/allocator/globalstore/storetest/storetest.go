@@ -314,6 +314,10 @@ func testCollectKeepsUsed(t *testing.T, h Harness) {
 	if got, _ := b.allocate(t, h, set(t, 0)); got != shared {
 		t.Fatalf("node b got %d for node a's %d", got, shared)
 	}
+	// Both caches show it before the collections: a cache that
+	// lags is not a deletion.
+	a.seesID(t, shared, set(t, 0))
+	b.seesID(t, shared, set(t, 0))
 	unused, _ := a.allocate(t, h, set(t, 1))
 	a.release(t, shared)
 	a.release(t, unused)
