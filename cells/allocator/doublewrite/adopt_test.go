@@ -2,6 +2,7 @@ package doublewrite
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/identityd/identityd/cells/allocator"
@@ -18,12 +19,14 @@ import (
 // Without the mirror in Adopt the etcd reference of the second node, in
 // doublewrite-readcrd, is missing (checked).
 func TestAdoptMirrors(t *testing.T) {
-	for _, mode := range []identity.AllocationMode{identity.AllocationModeDoubleWriteReadKVStore, identity.AllocationModeDoubleWriteReadCRD} {
+	// One etcd and one API server for both modes, each with nodes and a
+	// label set of its own.
+	e := newEnv(t)
+	for i, mode := range []identity.AllocationMode{identity.AllocationModeDoubleWriteReadKVStore, identity.AllocationModeDoubleWriteReadCRD} {
 		t.Run(string(mode), func(t *testing.T) {
-			e := newEnv(t)
-			a := e.startNode(t, "node-a", mode, nil)
-			b := e.startNode(t, "node-b", mode, nil)
-			web := labels.MustParse("k8s:app=adopted")
+			a := e.startNode(t, fmt.Sprintf("node-a%d", i), mode, nil)
+			b := e.startNode(t, fmt.Sprintf("node-b%d", i), mode, nil)
+			web := labels.MustParse(fmt.Sprintf("k8s:app=adopted-%d", i))
 			if id, _, err := b.a.Allocate(t.Context(), web, allocator.AdoptOnly()); !errors.Is(err, globalstore.ErrNoIdentity) {
 				t.Fatalf("adopting a label set nobody created: %v, %v, want ErrNoIdentity", id, err)
 			}
@@ -40,7 +43,7 @@ func TestAdoptMirrors(t *testing.T) {
 				t.Fatalf("adopting node-a's %d: %v (created %v), %v", created.ID, got, allocated, err)
 			}
 			eventually.True(t, "both stores record node-b's use", func() bool {
-				return e.reference(t, web, "node-b") == created.ID.String() && e.objectLabels(t, created.ID) == web.Canonical()
+				return e.reference(t, web, fmt.Sprintf("node-b%d", i)) == created.ID.String() && e.objectLabels(t, created.ID) == web.Canonical()
 			})
 		})
 	}
