@@ -2,8 +2,6 @@ package workloads
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -20,6 +18,7 @@ import (
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/k8sclient"
 	"github.com/identityd/identityd/cells/kvstore"
@@ -136,9 +135,9 @@ func newManager(p managerParams) (*Workloads, error) {
 		return nil, err
 	}
 	w := newWorkloads(p.Log, p.Config, filter, "", p.Cluster.Name, p.Allocator, nil, newWorkloadMetrics())
-	var instance [8]byte
-	_, _ = rand.Read(instance[:])
-	id := string(p.Node) + "_" + hex.EncodeToString(instance[:])
+	// The process's instance tells this replica's term from an earlier
+	// one of the same node name, as the stores' node claims do.
+	id := string(p.Node) + "_" + globalstore.NewNodeClaim().Instance
 	name := fmt.Sprintf("identityd-manager-%d", p.Cluster.ID)
 	client, el, log := p.Client, p.Election, p.Log
 	p.Jobs.NewGroup(health.OrDetached(p.Health)).Add(job.OneShot("identity-manager", func(ctx context.Context, h cell.Health) error {
