@@ -300,24 +300,68 @@ func (e *gcElection) release() {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), e.timings.renewDeadline)
-		now := time.Now()
-		rec := lockRecord{leaseSeconds: 1, acquired: now, renewed: now, transitions: l.observed.transitions}
-		if err := e.update(ctx, l, rec); err != nil {
+		if err := e.releaseLock(ctx, l); err != nil {
 			e.s.log.Info("Failed to release the collector lock", "lock", l.what, "error", err)
-		} else {
-			l.setObserved(rec)
 		}
 		cancel()
 	}
 }
 
+// releaseTries bounds the writes of one release that the lock's
+// precondition refuses.
+const releaseTries = 3
+
+// releaseLock writes lock l without a holder. The write's precondition is
+// the resourceVersion this node last saw, which is stale when the lock
+// was written behind it: a renewal that the stop cancelled after the
+// server had applied it, or an edit of the lock's metadata. Such a
+// Conflict is followed by a read, and the write is tried again as long as
+// the read shows this node holding the lock; otherwise the lock is not
+// this node's to release.
+func (e *gcElection) releaseLock(ctx context.Context, l *electionLock) error {
+	var err error
+	for range releaseTries {
+		now := time.Now()
+		rec := lockRecord{leaseSeconds: 1, acquired: now, renewed: now, transitions: l.observed.transitions}
+		if err = e.update(ctx, l, rec); err == nil {
+			l.setObserved(rec)
+			return nil
+		}
+		if !apierrors.IsConflict(err) {
+			return err
+		}
+		cur, _, err := e.get(ctx, l)
+		if err != nil {
+			return err
+		}
+		if cur.holder != e.id {
+			return nil
+		}
+		l.observed.transitions = cur.transitions
+	}
+	return err
+}
+
 // tryAcquireOrRenew takes or renews every lock, in order, and reports
 // whether this node holds them all: a lock held by another node ends the
 // try, leaving the ones after it alone.
+//
+// A holder writes the locks in order and stops at the first it cannot
+// write, and ends its term when it could not renew them for the renew
+// deadline, which is shorter than the lease. So once the first lock shows
+// its holder's lease passed, that holder collects no more, and a later
+// lock that still names it is taken at once: each lock's lease counted
+// from when this node first read it would put a takeover after a
+// killed holder at one lease per lock.
 func (e *gcElection) tryAcquireOrRenew(ctx context.Context) bool {
+	gone := ""
 	for _, l := range e.locks {
-		if !e.tryLock(ctx, l) {
+		ok, from := e.tryLock(ctx, l, gone)
+		if !ok {
 			return false
+		}
+		if from != "" {
+			gone = from
 		}
 	}
 	return true
@@ -327,8 +371,10 @@ func (e *gcElection) tryAcquireOrRenew(ctx context.Context) bool {
 // holder whose lease has not passed (on this node's clock) renews with a
 // PUT alone; otherwise the lock is read, created when missing, left alone
 // when another holder's lease has not passed, and written (taken or
-// renewed) with the read's resourceVersion as precondition.
-func (e *gcElection) tryLock(ctx context.Context, l *electionLock) bool {
+// renewed) with the read's resourceVersion as precondition. A lock held
+// by gone, whose term an earlier lock showed over, is taken whatever its
+// lease. from is the other holder this try took the lock from.
+func (e *gcElection) tryLock(ctx context.Context, l *electionLock, gone string) (ok bool, from string) {
 	now := time.Now()
 	rec := lockRecord{
 		holder:       e.id,
@@ -340,7 +386,7 @@ func (e *gcElection) tryLock(ctx context.Context, l *electionLock) bool {
 		rec.acquired, rec.transitions = l.observed.acquired, l.observed.transitions
 		if err := e.update(ctx, l, rec); err == nil {
 			l.setObserved(rec)
-			return true
+			return true, ""
 		}
 		// Read the lock and try again below.
 	}
@@ -349,19 +395,19 @@ func (e *gcElection) tryLock(ctx context.Context, l *electionLock) bool {
 	switch {
 	case apierrors.IsNotFound(err):
 		if err := e.create(ctx, l, rec); err != nil {
-			return false
+			return false, ""
 		}
 		l.setObserved(rec)
-		return true
+		return true, ""
 	case err != nil:
-		return false
+		return false, ""
 	}
 	if raw != l.observedRaw {
 		l.setObserved(*old)
 		l.observedRaw = raw
 	}
-	if old.holder != "" && old.holder != e.id && l.leaseValid(now) {
-		return false
+	if old.holder != "" && old.holder != e.id && old.holder != gone && l.leaseValid(now) {
+		return false, ""
 	}
 	if old.holder == e.id {
 		rec.acquired, rec.transitions = old.acquired, old.transitions
@@ -369,10 +415,13 @@ func (e *gcElection) tryLock(ctx context.Context, l *electionLock) bool {
 		rec.transitions = old.transitions + 1
 	}
 	if err := e.update(ctx, l, rec); err != nil {
-		return false
+		return false, ""
 	}
 	l.setObserved(rec)
-	return true
+	if old.holder != e.id {
+		from = old.holder
+	}
+	return true, from
 }
 
 // leaseValid: the observed holder's lease, counted from when this node saw

@@ -345,6 +345,71 @@ func TestGCLeaderHandsOverOnStop(t *testing.T) {
 	}
 }
 
+// TestGCLeaderReleasesEditedLock: the lock written behind the holder's
+// back (its metadata edited, as kubectl annotate does, or a renewal that
+// the stop cancelled after the server applied it) leaves the holder's
+// resourceVersion stale; the release at its stop still lands, so another
+// node collects within 2.2 retry periods rather than after the lease.
+func TestGCLeaderReleasesEditedLock(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	// Renewals a second apart: the edit and the stop below land between
+	// two of them, so the stop finds the resourceVersion stale.
+	el := electionTimings{lease: 8 * time.Second, renewDeadline: 5 * time.Second, retry: time.Second}
+	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
+	collector(t, []*electionNode{a}, 10*time.Second)
+	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
+	legacy, lease := testLocks(t, srv.RESTConfig())
+	for _, k := range []testLock{legacy, lease} {
+		cur, err := k.get(t)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cur.Annotations = map[string]string{"example.com/edited": "true"}
+		if err := k.write(t, cur, cur.Spec); err != nil {
+			t.Fatalf("editing %s: %v", k.what, err)
+		}
+	}
+	stopped := time.Now()
+	if err := a.stop(); err != nil {
+		t.Fatal(err)
+	}
+	collector(t, []*electionNode{b}, 40*time.Second)
+	took := time.Since(stopped)
+	t.Logf("node-b collects %s after node-a's stop began", took.Round(10*time.Millisecond))
+	if bound := 22*el.retry/10 + 2*time.Second; took > bound {
+		t.Errorf("node-b collects %s after node-a's stop, want within 2.2 retry periods (and 2 s for a loaded machine): %s", took, bound)
+	}
+}
+
+// TestGCCutOffCollectorReplacedWithinALease: a collector that sends
+// nothing more (killed, or cut off) is replaced within one lease and 4.4
+// retry periods, the documented bound, although the election has two
+// locks: a node that takes the first lock from it takes the second at
+// once, rather than a lease after it first read that one.
+func TestGCCutOffCollectorReplacedWithinALease(t *testing.T) {
+	srv := serialServer(t)
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	el := electionTimings{lease: 4 * time.Second, renewDeadline: 3 * time.Second, retry: 300 * time.Millisecond}
+	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
+	collector(t, []*electionNode{a}, 10*time.Second)
+	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
+	collector(t, []*electionNode{a, b}, 10*time.Second)
+	a.wire.cut.Store(true)
+	cut := time.Now()
+	if err := a.stop(); err != nil {
+		t.Fatal(err)
+	}
+	collector(t, []*electionNode{b}, 4*el.lease)
+	took := time.Since(cut)
+	t.Logf("node-b collects %s after node-a was cut off", took.Round(10*time.Millisecond))
+	if bound := el.lease + 44*el.retry/10 + time.Second; took > bound {
+		t.Errorf("the takeover took %s, more than lease + 4.4 retry periods (and 1 s for a loaded machine): %s", took, bound)
+	}
+}
+
 // TestGCKilledCollectorRestarted: a collector killed with SIGKILL leaves
 // the lock held and its IdentityNode in place. When it comes back under
 // its node name, it takes the record over from its gone process and the
