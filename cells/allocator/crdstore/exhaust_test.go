@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -19,7 +20,9 @@ import (
 // new label set is refused with ErrSpaceExhausted in under 10 ms, without
 // a request (the store's API server address answers nothing), instead of
 // after a walk past every slot. Without the check of the cache's fill the
-// refusal walks all 65,280 slots and takes longer (checked).
+// refusal walks all 65,280 slots and takes longer (checked). The median
+// of 20 refusals is checked: a loaded machine delays single ones (14 ms,
+// once, beside a parallel build), a walk delays them all.
 func TestRefusalFast(t *testing.T) {
 	cluster := identity.ClusterInfo{Name: "default"}
 	s := newUnstartedStore(t, &rest.Config{Host: "http://127.0.0.1:1"}, cluster, "node-a")
@@ -37,19 +40,20 @@ func TestRefusalFast(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	refs := storetest.NewRefs()
-	var slowest time.Duration
+	var took []time.Duration
 	for i := range 20 {
 		start := time.Now()
 		_, _, err := s.Allocate(ctx, web(100000+i), refs.Record)
-		d := time.Since(start)
+		took = append(took, time.Since(start))
 		if !errors.Is(err, globalstore.ErrSpaceExhausted) {
 			t.Fatalf("allocation in the full range: %v, want ErrSpaceExhausted", err)
 		}
-		slowest = max(slowest, d)
 	}
-	t.Logf("slowest of 20 refusals in a full range of %d: %s", cluster.MaxID()-cluster.MinID()+1, slowest)
-	if slowest > 10*time.Millisecond {
-		t.Fatalf("a refusal took %s, want under 10ms", slowest)
+	slices.Sort(took)
+	median := took[len(took)/2]
+	t.Logf("20 refusals in a full range of %d: median %s, slowest %s", cluster.MaxID()-cluster.MinID()+1, median, took[len(took)-1])
+	if median > 10*time.Millisecond {
+		t.Fatalf("refusals took %s (median), want under 10ms", median)
 	}
 	if got := s.stats.exhausted.Load(); got != 20 {
 		t.Fatalf("%d refusals counted, want 20", got)
