@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"net/http"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -24,11 +25,12 @@ import (
 // SIGKILL half way through the creation of 200 pods of 40 label sets: the
 // other takes the Lease within the lease duration and the retries, every
 // pod gets its identity within that takeover and 5 s after the last
-// creation, and no label set has two CiliumIdentity objects.
+// creation, and no label set has two CiliumIdentity objects. It runs in
+// make test-long (MANAGER_TAKEOVER=1).
 func TestManagerTakeover(t *testing.T) {
 	parallelProcess(t)
-	if testing.Short() {
-		t.Skip("runs an API server, two managers and an agent")
+	if testing.Short() || os.Getenv("MANAGER_TAKEOVER") == "" {
+		t.Skip("runs an API server, two managers and an agent: make test-long (MANAGER_TAKEOVER=1)")
 	}
 	srv := k8stest.Start(t)
 	ctx := t.Context()
