@@ -25,9 +25,10 @@ import (
 	"github.com/identityd/identityd/identity"
 )
 
-// ManagerCell is the identity manager (`identityd manager`): of its
-// replicas, the one that holds the Lease holds the global identity of
-// every pod's label set in the cluster, from one watch of all Pods and
+// ManagerCell is the identity manager (`identityd manager`): with
+// --identity-management-mode operator or both, of its replicas, the one
+// that holds the Lease holds the global identity of every pod's label set
+// in the cluster, from one watch of all Pods and
 // Namespaces and with the agents' label derivation (--label-prefix-file,
 // --labels), so that agents with --identity-management-mode=operator only
 // adopt them. It creates an identity when a pod has a label set no
@@ -41,7 +42,9 @@ import (
 // term's context) and stops the process with an error, to start again as
 // a candidate; its references end with its store record (its etcd lease,
 // its IdentityNode's lease). It needs a Kubernetes client, and in kvstore
-// mode the cluster's etcd (--kvstore-endpoints).
+// mode the cluster's etcd (--kvstore-endpoints). In agent mode, as
+// Cilium's operator, it creates no identity: the process runs the store,
+// and with it the store's garbage collection, alone.
 var ManagerCell = cell.Module(
 	"identity-manager",
 	"Global identities of the cluster pods held by one elected manager",
@@ -133,6 +136,16 @@ func newManager(p managerParams) (*Workloads, error) {
 	filter, err := p.Config.filter()
 	if err != nil {
 		return nil, err
+	}
+	if p.Config.IdentityManagementMode == ManagementModeAgent {
+		// As Cilium's operator in agent mode: the nodes create the
+		// identities, and the manager runs the store alone, for its
+		// garbage collection.
+		p.Log.Info("Identity management mode agent: the nodes create the identities; this manager only runs the store's garbage collection")
+		if p.Health != nil {
+			p.Health.OK("Identity management mode agent: the nodes create the identities")
+		}
+		return nil, nil
 	}
 	w := newWorkloads(p.Log, p.Config, filter, "", p.Cluster.Name, p.Allocator, nil, newWorkloadMetrics())
 	// The process's instance tells this replica's term from an earlier

@@ -166,11 +166,14 @@ const allocationTimeout = time.Minute
 // cache showing it.
 const awaitCreation = time.Second
 
+// newWorkloads serves the pods of node, or of the cluster for the manager
+// (node ""): the manager creates identities in every mode it runs them in,
+// a node in operator mode only adopts them.
 func newWorkloads(log *slog.Logger, cfg Config, filter *LabelFilter, node, cluster string, alloc allocator.Allocator, ipc *ipcache.IPCache, m *workloadMetrics) *Workloads {
 	return &Workloads{
 		log: log, grace: cfg.IdentityChangeGracePeriod, filter: filter, node: node, cluster: cluster,
 		alloc: alloc, ipc: ipc, metrics: m, now: time.Now,
-		adoptOnly: cfg.IdentityManagementMode == ManagementModeOperator,
+		adoptOnly: node != "" && cfg.IdentityManagementMode == ManagementModeOperator,
 		pods:      map[string]*podState{},
 		dirty:     map[string]struct{}{},
 		kick:      make(chan struct{}, 1),

@@ -55,7 +55,7 @@ func TestManagerTakeover(t *testing.T) {
 		"--leader-election-renew-deadline", "3s", "--leader-election-retry-period", retry.String()}
 	managers := map[string]*healthAgent{}
 	for _, name := range []string{"manager-0", "manager-1"} {
-		managers[name] = startManager(t, filepath.Join(t.TempDir(), name), append(append(slices.Clone(store), "--node-name", name), election...)...)
+		managers[name] = startManager(t, filepath.Join(t.TempDir(), name), append(append(slices.Clone(store), "--node-name", name, "--identity-management-mode", "operator"), election...)...)
 	}
 	agent := startHealthAgentIn(t, filepath.Join(t.TempDir(), "node-0"), append(slices.Clone(store),
 		"--node-name", "node-0", "--identity-management-mode", "operator")...)

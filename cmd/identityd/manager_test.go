@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -143,9 +144,23 @@ func operatorModeManager(t *testing.T, srv *k8stest.Server, store []string, iden
 		t.Fatalf("before any manager runs the store holds %d identities (%v), want none: the agent created them", n, err)
 	}
 
+	// A manager in agent mode, as Cilium's operator, runs the store for
+	// its collection and creates nothing: the pods keep waiting.
+	idle := startManager(t, filepath.Join(t.TempDir(), "manager-idle"), append(slices.Clone(store),
+		"--node-name", "manager-idle", "--identity-management-mode", "agent")...)
+	idle.waitFor("/readyz", http.StatusOK, 90*time.Second)
+	time.Sleep(3 * time.Second)
+	if n, err := identities(); err != nil || n != 0 {
+		t.Fatalf("a manager in agent mode ran 3 s: the store holds %d identities (%v), want none", n, err)
+	}
+	if !strings.Contains(idle.log(), "this manager only runs the store's garbage collection") {
+		t.Errorf("the manager in agent mode did not say that it only collects:\n%s", idle.log())
+	}
+	idle.stop(syscall.SIGTERM)
+
 	start := time.Now()
 	manager = startManager(t, filepath.Join(t.TempDir(), "manager"), append(slices.Clone(store),
-		"--node-name", "manager-0", "--identity-manager-lease-namespace", "default",
+		"--node-name", "manager-0", "--identity-management-mode", "operator", "--identity-manager-lease-namespace", "default",
 		"--leader-election-lease-duration", "4s", "--leader-election-renew-deadline", "3s", "--leader-election-retry-period", "500ms")...)
 	ids := waitPodsReady(t, agent, pods, 90*time.Second)
 	t.Logf("node-0's %d pods held the manager's identities %s after the manager started", len(pods), time.Since(start).Round(time.Millisecond))
