@@ -576,7 +576,7 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.backend.SyncReferences(ctx); err != nil {
+	if _, err := n.backend.syncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if ok, _ := prov.Healthy(); !ok || n.backend.nodeCheckStats().NameConflicts != 0 {
@@ -591,7 +591,7 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if _, err := cli.Put(ctx, refKey(l, "busy"), id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
-	rewritten, err := n.backend.SyncReferences(ctx)
+	rewritten, err := n.backend.syncReferences(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -613,7 +613,7 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 
 	// Another agent's node key.
 	putClaim(t, cli, "busy", globalstore.NodeClaim{Instance: "0123456789abcdef", Host: "elsewhere", PID: 1})
-	if _, err := n.backend.SyncReferences(ctx); err != nil {
+	if _, err := n.backend.syncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
 	// The check counts the node key and, again, the other writer's
@@ -630,7 +630,7 @@ func TestEtcdNodeNameConflictWhileRunning(t *testing.T) {
 	if _, err := cli.Revoke(ctx, other.ID); err != nil {
 		t.Fatal(err)
 	}
-	if rewritten, err := n.backend.SyncReferences(ctx); err != nil || rewritten != 1 {
+	if rewritten, err := n.backend.syncReferences(ctx); err != nil || rewritten != 1 {
 		t.Fatalf("sync after the other writer left: %d rewritten, %v; want 1", rewritten, err)
 	}
 	if ok, bad := prov.Healthy(); !ok {
@@ -744,7 +744,7 @@ func TestEtcdDuplicateMasterKeys(t *testing.T) {
 }
 
 // startCheckedNode starts node name without its periodic check of its
-// keys (the test runs SyncReferences itself), reporting to the returned
+// keys (the test runs syncReferences itself), reporting to the returned
 // provider's node-name scope.
 func startCheckedNode(t *testing.T, c *etcdtest.Cluster, name string) (*etcdNode, *health.Provider) {
 	t.Helper()
@@ -780,7 +780,7 @@ func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 		t.Fatalf("the other node adopted %d; the test needs a second ID", theirs)
 	}
 
-	n, err := n1.backend.SyncReferences(ctx)
+	n, err := n1.backend.syncReferences(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -808,7 +808,7 @@ func TestEtcdRestoreKeepsSplitOut(t *testing.T) {
 	if _, err := cli.Delete(ctx, refKey(l, "other")); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := n1.backend.SyncReferences(ctx); err != nil || n != 1 {
+	if n, err := n1.backend.syncReferences(ctx); err != nil || n != 1 {
 		t.Fatalf("sync after the split ended: %d, %v", n, err)
 	}
 	if v, _, ok := getValue(t, cli, refKey(l, "node1")); !ok || v != mine.ID.String() {
@@ -858,7 +858,7 @@ func TestEtcdTakenIdentityReported(t *testing.T) {
 
 	// Every check finds it again while it lasts.
 	before := n1.backend.nodeCheckStats().TakenIdentities
-	if n, err := n1.backend.SyncReferences(ctx); err != nil || n != 0 {
+	if n, err := n1.backend.syncReferences(ctx); err != nil || n != 0 {
 		t.Fatalf("sync while the ID is taken: %d written, %v", n, err)
 	}
 	if ok, _ := prov.Healthy(); ok {
@@ -883,7 +883,7 @@ func TestEtcdTakenIdentityReported(t *testing.T) {
 		v, _, ok := getValue(t, cli, masterKey(mine.ID))
 		return ok && v == l.Canonical()
 	})
-	if _, err := n1.backend.SyncReferences(ctx); err != nil {
+	if _, err := n1.backend.syncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if ok, bad := prov.Healthy(); !ok {
@@ -936,7 +936,7 @@ func TestEtcdForeignReferenceNotWrittenOver(t *testing.T) {
 	if ok, _ := prov.Healthy(); ok {
 		t.Error("health is OK while another writer uses the node's name")
 	}
-	if _, err := n.backend.SyncReferences(ctx); err != nil {
+	if _, err := n.backend.syncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
 	untouched("after a sync")

@@ -111,7 +111,7 @@ func TestEtcdOutageLongerThanLeaseTTL(t *testing.T) {
 			t.Errorf("%s gone with the old lease", key)
 		}
 	}
-	if _, err := n.backend.SyncReferences(ctx); err != nil {
+	if _, err := n.backend.syncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if s := n.backend.nodeCheckStats(); s.NameConflicts != 0 || s.ReferencesRewritten != 0 {
@@ -140,7 +140,7 @@ func TestEtcdSyncMovesNodeKey(t *testing.T) {
 	if _, err := cli.Put(ctx, NodeKeyPrefix+"node1", claim, clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.backend.SyncReferences(ctx); err != nil {
+	if _, err := n.backend.syncReferences(ctx); err != nil {
 		t.Fatal(err)
 	}
 	v, l, ok := getValue(t, cli, NodeKeyPrefix+"node1")

@@ -1438,7 +1438,7 @@ func (b *Store) restoreMasters(ctx context.Context) (retry bool) {
 // operator may delete them by hand, and the GC then frees numbers this
 // node still uses. (Cilium's agents sync their keys the same way.)
 func (b *Store) syncTick(ctx context.Context) error {
-	n, err := b.SyncReferences(ctx)
+	n, err := b.syncReferences(ctx)
 	switch {
 	case err != nil && ctx.Err() == nil:
 		return health.External(fmt.Errorf("checking this node's identity reference keys failed after rewriting %d: %w", n, err))
@@ -1448,11 +1448,11 @@ func (b *Store) syncTick(ctx context.Context) error {
 	return nil
 }
 
-// SyncReferences checks every reference key this node holds and writes
+// syncReferences checks every reference key this node holds and writes
 // again those that are missing or were written by someone else since this
 // node wrote them, re-creating their master keys if these are gone too. It
 // returns how many it wrote.
-func (b *Store) SyncReferences(ctx context.Context) (int, error) {
+func (b *Store) syncReferences(ctx context.Context) (int, error) {
 	cli := b.kv.Client()
 	if cli == nil {
 		return 0, kvstore.ErrStopped

@@ -37,7 +37,7 @@ func TestEtcdPeriodicSyncBatches(t *testing.T) {
 		keyBytes += len(refKey(labels.MustParse(fmt.Sprintf("k8s:app=sync-%d", i)), "node1"))
 	}
 	before, receivedBefore := n.kv.RequestCounts(), receivedBytes(t, c)
-	if rewritten, err := n.backend.SyncReferences(ctx); err != nil || rewritten != 0 {
+	if rewritten, err := n.backend.syncReferences(ctx); err != nil || rewritten != 0 {
 		t.Fatalf("sync: %d rewritten, %v", rewritten, err)
 	}
 	after, received := n.kv.RequestCounts(), receivedBytes(t, c)-receivedBefore
@@ -53,7 +53,7 @@ func TestEtcdPeriodicSyncBatches(t *testing.T) {
 	if _, err := cli.Delete(ctx, refKey(first, "node1")); err != nil {
 		t.Fatal(err)
 	}
-	if rewritten, err := n.backend.SyncReferences(ctx); err != nil || rewritten != 1 {
+	if rewritten, err := n.backend.syncReferences(ctx); err != nil || rewritten != 1 {
 		t.Fatalf("sync after a deleted reference: %d rewritten, %v; want 1", rewritten, err)
 	}
 	if _, _, ok := getValue(t, cli, refKey(first, "node1")); !ok {

@@ -1,4 +1,4 @@
-package allocator_test
+package etcdstore
 
 import (
 	"context"
@@ -11,7 +11,6 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/identityd/identityd/cells/allocator"
-	"github.com/identityd/identityd/cells/allocator/etcdstore"
 	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/kvstore"
@@ -23,7 +22,8 @@ import (
 	"github.com/identityd/identityd/labels"
 )
 
-// The etcd store's collector, in a hive with the allocator that drives it.
+// The etcd store's metrics, scraped from a hive with the allocator that
+// drives the store.
 
 func TestScrapeGC(t *testing.T) {
 	var (
@@ -33,8 +33,8 @@ func TestScrapeGC(t *testing.T) {
 	)
 	h := hive.New(
 		health.Cell, metrics.Cell, job.Cell, statedb.Cell, statedir.Cell,
-		kvstore.Cell, allocator.Cell, etcdstore.Cell,
-		cell.Invoke(func(a allocator.Allocator, b *etcdstore.Store, s *metrics.Server) {
+		kvstore.Cell, allocator.Cell, Cell,
+		cell.Invoke(func(a allocator.Allocator, b *Store, s *metrics.Server) {
 			alloc, server = a, s
 			if b != nil {
 				backend = b
@@ -47,7 +47,7 @@ func TestScrapeGC(t *testing.T) {
 	// The test runs the GC itself, so that the counts are exact.
 	hive.AddConfigOverride(h, func(c *globalstore.Config) { c.IdentityGCInterval = 0 })
 	testhive.Start(t, h)
-	etcd, ok := backend.(*etcdstore.Store)
+	etcd, ok := backend.(*Store)
 	if !ok {
 		t.Fatalf("global backend is %T, want the etcd backend", backend)
 	}
@@ -99,8 +99,8 @@ func TestScrapeNodeChecks(t *testing.T) {
 	)
 	h := hive.New(
 		health.Cell, metrics.Cell, job.Cell, statedb.Cell, statedir.Cell,
-		kvstore.Cell, allocator.Cell, etcdstore.Cell,
-		cell.Invoke(func(a allocator.Allocator, b *etcdstore.Store, k *kvstore.Client, s *metrics.Server) {
+		kvstore.Cell, allocator.Cell, Cell,
+		cell.Invoke(func(a allocator.Allocator, b *Store, k *kvstore.Client, s *metrics.Server) {
 			alloc, kv, server = a, k, s
 			if b != nil {
 				backend = b
@@ -112,9 +112,9 @@ func TestScrapeNodeChecks(t *testing.T) {
 	hive.AddConfigOverride(h, func(c *metrics.Config) { c.PrometheusServeAddr = "127.0.0.1:0" })
 	hive.AddConfigOverride(h, func(c *kvstore.Config) { c.NodeName = "scraped" })
 	// The test runs the checks itself, so that the counts are exact.
-	hive.AddConfigOverride(h, func(c *etcdstore.Config) { c.KVStorePeriodicSync = 0 })
+	hive.AddConfigOverride(h, func(c *Config) { c.KVStorePeriodicSync = 0 })
 	testhive.Start(t, h)
-	etcd := backend.(*etcdstore.Store)
+	etcd := backend.(*Store)
 	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{
 		`identityd_kvstore_node_name_conflicts_total`:  0,
 		`identityd_kvstore_references_rewritten_total`: 0,
@@ -132,12 +132,12 @@ func TestScrapeNodeChecks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ref := etcdstore.ReferenceKeyPrefix + l.Canonical() + "/scraped"
+	ref := ReferenceKeyPrefix + l.Canonical() + "/scraped"
 	if _, err := cli.Put(t.Context(), ref, id.ID.String(), clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
 	// The other writer's key is reported, never written over.
-	if n, err := etcd.SyncReferences(t.Context()); err != nil || n != 0 {
+	if n, err := etcd.syncReferences(t.Context()); err != nil || n != 0 {
 		t.Fatalf("sync rewrote %d, err %v; want 0", n, err)
 	}
 	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{
@@ -148,7 +148,7 @@ func TestScrapeNodeChecks(t *testing.T) {
 	if _, err := cli.Revoke(t.Context(), other.ID); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := etcd.SyncReferences(t.Context()); err != nil || n != 1 {
+	if n, err := etcd.syncReferences(t.Context()); err != nil || n != 1 {
 		t.Fatalf("sync rewrote %d, err %v; want 1", n, err)
 	}
 	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{
