@@ -28,6 +28,7 @@ import (
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/identity"
 	"github.com/identityd/identityd/internal/eventually"
+	"github.com/identityd/identityd/internal/k8stest"
 )
 
 // testElection are short election timings: the others take a lock whose
@@ -307,36 +308,46 @@ func TestGCOneCollector(t *testing.T) {
 	}
 }
 
+// handover starts node-a, the collector, and node-b with the timings el
+// on srv, calls before once both run, stops node-a and returns how long
+// after the stop began node-b collects, waiting at most wait.
+func handover(t *testing.T, srv *k8stest.Server, el electionTimings, wait time.Duration, before func(a, b *electionNode)) time.Duration {
+	t.Helper()
+	cfg := gcTestConfig
+	cfg.Interval = time.Hour
+	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
+	collector(t, []*electionNode{a}, 10*time.Second)
+	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
+	collector(t, []*electionNode{a, b}, 10*time.Second)
+	before(a, b)
+	stopped := time.Now()
+	if err := a.stop(); err != nil {
+		t.Fatal(err)
+	}
+	collector(t, []*electionNode{b}, wait)
+	took := time.Since(stopped)
+	t.Logf("node-b collects %s after node-a's stop began", took.Round(10*time.Millisecond))
+	return took
+}
+
 // TestGCLeaderHandsOverOnStop: a clean stop (SIGTERM) of the collector
 // releases the lock, and another node collects at its next read, within
 // 2.2 retry periods (client-go's jitter) rather than a lease. A node
 // whose --identity-gc-interval is 0 neither collects nor reads the lock.
 func TestGCLeaderHandsOverOnStop(t *testing.T) {
 	srv := serialServer(t)
-	cfg := gcTestConfig
-	cfg.Interval = time.Hour
 	// A lease far longer than the retry period: without the release,
 	// node-b would collect only 3.3 s or more after the stop.
 	el := electionTimings{lease: 4 * time.Second, renewDeadline: 3 * time.Second, retry: 300 * time.Millisecond}
-	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
-	collector(t, []*electionNode{a}, 10*time.Second)
-	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
-	off := cfg
-	off.Interval = 0
-	c := startElectionNode(t, srv.RESTConfig(), "node-c", off, el)
-	collector(t, []*electionNode{a, b}, 10*time.Second)
-
-	stopped := time.Now()
-	if err := a.stop(); err != nil {
-		t.Fatal(err)
-	}
-	collector(t, []*electionNode{b}, 10*time.Second)
-	took := time.Since(stopped)
-	t.Logf("node-b collects %s after node-a's stop began", took.Round(10*time.Millisecond))
+	var c *electionNode
+	took := handover(t, srv, el, 10*time.Second, func(a, b *electionNode) {
+		off := gcTestConfig
+		off.Interval = 0
+		c = startElectionNode(t, srv.RESTConfig(), "node-c", off, el)
+	})
 	if bound := 22*el.retry/10 + time.Second; took > bound {
 		t.Errorf("node-b collects %s after node-a's stop, want within 2.2 retry periods (and 1 s for a loaded machine): %s", took, bound)
 	}
-
 	if holder, self := c.GCLeader(); holder != "" || self {
 		t.Errorf("node-c, which does not collect, names %q as the collector (self %v)", holder, self)
 	}
@@ -352,32 +363,22 @@ func TestGCLeaderHandsOverOnStop(t *testing.T) {
 // node collects within 2.2 retry periods rather than after the lease.
 func TestGCLeaderReleasesEditedLock(t *testing.T) {
 	srv := serialServer(t)
-	cfg := gcTestConfig
-	cfg.Interval = time.Hour
 	// Renewals a second apart: the edit and the stop below land between
 	// two of them, so the stop finds the resourceVersion stale.
 	el := electionTimings{lease: 8 * time.Second, renewDeadline: 5 * time.Second, retry: time.Second}
-	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
-	collector(t, []*electionNode{a}, 10*time.Second)
-	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
-	legacy, lease := testLocks(t, srv.RESTConfig())
-	for _, k := range []testLock{legacy, lease} {
-		cur, err := k.get(t)
-		if err != nil {
-			t.Fatal(err)
+	took := handover(t, srv, el, 40*time.Second, func(a, b *electionNode) {
+		legacy, lease := testLocks(t, srv.RESTConfig())
+		for _, k := range []testLock{legacy, lease} {
+			cur, err := k.get(t)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cur.Annotations = map[string]string{"example.com/edited": "true"}
+			if err := k.write(t, cur, cur.Spec); err != nil {
+				t.Fatalf("editing %s: %v", k.what, err)
+			}
 		}
-		cur.Annotations = map[string]string{"example.com/edited": "true"}
-		if err := k.write(t, cur, cur.Spec); err != nil {
-			t.Fatalf("editing %s: %v", k.what, err)
-		}
-	}
-	stopped := time.Now()
-	if err := a.stop(); err != nil {
-		t.Fatal(err)
-	}
-	collector(t, []*electionNode{b}, 40*time.Second)
-	took := time.Since(stopped)
-	t.Logf("node-b collects %s after node-a's stop began", took.Round(10*time.Millisecond))
+	})
 	if bound := 22*el.retry/10 + 2*time.Second; took > bound {
 		t.Errorf("node-b collects %s after node-a's stop, want within 2.2 retry periods (and 2 s for a loaded machine): %s", took, bound)
 	}
@@ -390,21 +391,8 @@ func TestGCLeaderReleasesEditedLock(t *testing.T) {
 // once, rather than a lease after it first read that one.
 func TestGCCutOffCollectorReplacedWithinALease(t *testing.T) {
 	srv := serialServer(t)
-	cfg := gcTestConfig
-	cfg.Interval = time.Hour
 	el := electionTimings{lease: 4 * time.Second, renewDeadline: 3 * time.Second, retry: 300 * time.Millisecond}
-	a := startElectionNode(t, srv.RESTConfig(), "node-a", cfg, el)
-	collector(t, []*electionNode{a}, 10*time.Second)
-	b := startElectionNode(t, srv.RESTConfig(), "node-b", cfg, el)
-	collector(t, []*electionNode{a, b}, 10*time.Second)
-	a.wire.cut.Store(true)
-	cut := time.Now()
-	if err := a.stop(); err != nil {
-		t.Fatal(err)
-	}
-	collector(t, []*electionNode{b}, 4*el.lease)
-	took := time.Since(cut)
-	t.Logf("node-b collects %s after node-a was cut off", took.Round(10*time.Millisecond))
+	took := handover(t, srv, el, 4*el.lease, func(a, b *electionNode) { a.wire.cut.Store(true) })
 	if bound := el.lease + 44*el.retry/10 + time.Second; took > bound {
 		t.Errorf("the takeover took %s, more than lease + 4.4 retry periods (and 1 s for a loaded machine): %s", took, bound)
 	}
