@@ -280,13 +280,22 @@ func (b *Store) register(lc cell.Lifecycle, g job.Group) {
 	b.jobs = g
 	lc.Append(cell.Hook{OnStart: b.claimAtStart, OnStop: b.stop})
 	// The requests the batcher sends for several callers at once run
-	// until the loops stop.
-	g.Add(job.OneShot("identity-create-batcher", func(ctx context.Context, _ cell.Health) error {
-		b.creates.start(ctx)
-		<-ctx.Done()
-		b.creates.stop()
-		return nil
-	}))
+	// until the loops stop (the hooks of g's jobs come after this one, so
+	// they stop before it). A hook, not a job: a job's goroutine may run
+	// only after the hive's start returned, and an allocation right after
+	// the start was refused as if the store had stopped.
+	batches, endBatches := context.WithCancel(context.Background())
+	lc.Append(cell.Hook{
+		OnStart: func(cell.HookContext) error {
+			b.creates.start(batches)
+			return nil
+		},
+		OnStop: func(cell.HookContext) error {
+			endBatches()
+			b.creates.stop()
+			return nil
+		},
+	})
 	g.Add(job.OneShot("global-identities-watch", func(ctx context.Context, _ cell.Health) error {
 		b.cacheLoop(ctx)
 		return nil
