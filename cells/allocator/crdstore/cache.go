@@ -512,6 +512,39 @@ func (c *identityCache) scan(p idprobe.Sequence, from uint64, key string, steppe
 	return 0, nil, stepped, false
 }
 
+// dependsOn reads, under one lock, what a create of key's object at
+// position pos of p depends on: the slots before pos, each held by
+// another label set. ok is false when the cache shows one of them the
+// set's own, or an object of the set at pos, or one identityd placed
+// anywhere: the walk that is about to create must look again (recheck).
+// A slot the cache shows free is not a reason: the walk found it held at
+// the server (an object the cache leaves out, or another walk of this
+// node creating there), and an object it stepped over is not deleted
+// before the create (docs/crd-store.md). marked holds the objects before
+// pos that carry the heartbeat mark.
+func (c *identityCache) dependsOn(p idprobe.Sequence, pos uint64, key string) (marked []*entry, ok bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for _, e := range c.byKey[key] {
+		if k, on := p.Position(e.id); e.placed || (on && k <= pos) {
+			return nil, false
+		}
+	}
+	for i := range pos {
+		e := c.byID[p.Slot(i)]
+		if e == nil {
+			continue
+		}
+		if e.key == key {
+			return nil, false
+		}
+		if e.obj != nil && e.marked() {
+			marked = append(marked, e)
+		}
+	}
+	return marked, true
+}
+
 // anyMarkedBefore reports whether an object among the first limit
 // positions of p carries a heartbeat mark written before since: only then
 // can a walk take such an identity's slot (reclaim).

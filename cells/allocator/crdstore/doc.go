@@ -53,24 +53,27 @@
 //     slot(k) that becomes free while a node that does not see L's object
 //     at slot(k) yet walks L's sequence. So the collector never deletes
 //     such a slot while L's object is young: created less than maxCacheLag
-//     plus maxWalkAge before the run (the fence, fenced), decided on the
-//     collector's own cache. An older object is in every node's cache, so
-//     a node that allocates L adopts it and no walk reaches the freed slot
-//     for L. The collector deletes only objects it marked at least
-//     MinHeartbeatTimeout earlier (the shortest heartbeat timeout, and the
-//     shortest grace without Cilium agents), with the resourceVersion it
-//     planned on as precondition. A creator whose cache showed the slot
-//     marked at least stepNoteAge before its create announces its step on
-//     it first (announceSteps), which fails a delete planned on the older
-//     state and defers a later one by gcStepWindow. A creator that saw the
-//     slot unmarked, or marked more recently, created its object more than
-//     maxCacheLag plus stepClockMargin (room for the nodes' clocks to
-//     disagree) before any run that deletes it, and that run's cache shows
-//     the new object. A mark that does not parse is announced. This assumes
-//     that a creator does not stall between its check of the cache and its
-//     create for longer than maxWalkAge (it checks the time and walks again
-//     if it did), and that a node's cache does not lag by more than
-//     maxCacheLag.
+//     plus stepClockMargin before the run (the fence, fenced), decided on
+//     the collector's own cache. An older object is in every node's cache,
+//     and a walk looks at its cache once more just before it creates
+//     (recheck): a node that allocates L then adopts L's object instead of
+//     creating at the freed slot. The collector deletes only objects it
+//     marked at least MinHeartbeatTimeout earlier (the shortest heartbeat
+//     timeout, and the shortest grace without Cilium agents), with the
+//     resourceVersion it planned on as precondition. A creator whose last
+//     look shows the slot marked at least stepNoteAge before announces its
+//     step on it first, which fails a delete planned on the older state and
+//     defers a later one by gcStepWindow; it creates within maxAnnounceAge
+//     of its first announcement, or walks again. A creator whose last look
+//     shows the slot unmarked, or marked more recently, created its object
+//     more than maxCacheLag plus stepClockMargin before any run that
+//     deletes it (the mark it did not see is at most maxCacheLag older than
+//     the look, and MinHeartbeatTimeout is twice maxCacheLag), and that
+//     run's cache shows the new object. A mark that does not parse is
+//     announced. This assumes that a node's cache does not lag by more
+//     than maxCacheLag, and that the nodes' clocks disagree, plus the time
+//     a creator stalls between its last look and its create, by less than
+//     stepClockMargin.
 //  4. Where L has several objects (Cilium agents made them), every node
 //     answers the rule's pick among all of them at the moment it decides
 //     (settle): the cache decides only when it shows the object the walk
@@ -132,8 +135,7 @@
 // identities Cilium agents use: it marks identities no live IdentityNode
 // lists, no endpoint object names and no fence needs (a fence lasts while
 // the object that needs it is young), deletes those marked a heartbeat timeout
-// earlier, unless a walk announced a step over them in the last two
-// minutes,
+// earlier, unless a walk announced a step over them within gcStepWindow,
 // with their UID and resourceVersion as preconditions, paced by a
 // rate limit, and deletes IdentityNode objects a lease after their lease
 // ended. Its settings are a GCConfig (DefaultGCConfig unless the hive

@@ -51,12 +51,12 @@ var DefaultGCConfig = GCConfig{
 }
 
 // MinHeartbeatTimeout is the shortest HeartbeatTimeout. The fence's
-// safety rests on it: a creator that saw a slot held and unmarked creates
-// its object within maxWalkAge of its look, so a mark at least this old
-// was set before any walk that still relies on the slot began, or that
-// walk's cache lagged by more than the rest of the timeout
+// safety rests on it: a creator whose last look (recheck) saw a slot held
+// and unmarked created its object less than maxCacheLag after the slot's
+// mark, so a run that finds the mark this old has a cache that shows the
+// object, whose fence keeps the slot while it is young
 // (docs/crd-store.md).
-const MinHeartbeatTimeout = 2 * maxWalkAge
+const MinHeartbeatTimeout = 2 * maxCacheLag
 
 // Validate checks the configuration.
 func (c GCConfig) Validate() error {
@@ -211,14 +211,14 @@ type gcObject struct {
 // after a free slot; the store assumes that a node's cache lags by less
 // than maxCacheLag (docs/crd-store.md), so the cache shows every object
 // created maxCacheLag before the run: an object whose walk saw a slot
-// unmarked was created within maxWalkAge of that look, before the slot's
-// mark, and the mark is at least MinHeartbeatTimeout old when the slot is
-// deleted, which leaves the object maxWalkAge, as long as maxCacheLag, to
-// reach the cache before the run; one whose walk saw it marked recently
-// (younger than stepNoteAge) is the same case, as the mark cannot reach
-// the timeout before the object is in the cache; one whose walk saw an
-// older mark announced the step, which defers the delete for
-// gcStepWindow, by when the object is in the cache too.
+// unmarked at its last look before the create (recheck) was created less
+// than maxCacheLag after the slot's mark, and the mark is at least
+// MinHeartbeatTimeout old when the slot is deleted, which leaves the
+// object maxCacheLag to reach the cache before the run; one whose walk saw
+// it marked recently (younger than stepNoteAge) is the same case, as the
+// mark cannot reach the timeout before the object is in the cache; one
+// whose walk saw an older mark announced the step, which defers the
+// delete for gcStepWindow, by when the object is in the cache too.
 //
 // It runs only once the store's cache of identities has its first
 // listing. The store's timer calls it while this
@@ -572,10 +572,11 @@ func (c GCConfig) deletesInFlight() int {
 
 // gcStepWindow is how long a step annotation defers the delete of the
 // identity it is on: the walk that wrote it creates its object within
-// maxWalkAge, and the collector's cache shows that object within
-// maxCacheLag more, after which the fence keeps the slot while the object
-// is young.
-const gcStepWindow = maxWalkAge + maxCacheLag
+// maxAnnounceAge, the collector's cache shows that object within
+// maxCacheLag more, and the collector's clock may be stepClockMargin
+// behind the walker's; from then on a node that walks the sequence sees
+// the object in its last look before a create (recheck).
+const gcStepWindow = maxAnnounceAge + maxCacheLag + stepClockMargin
 
 // gcDelete deletes the identities of deletes, paced by the rate limit,
 // each with its UID and listed resourceVersion as preconditions. The
@@ -670,11 +671,11 @@ func nodeGone(n *IdentityNode, now time.Time) bool {
 // a second object of M there. An object is young when it may have been
 // created after youngSince (creationTimestamp counts whole seconds, so one
 // created in youngSince's second or later is young). The collection passes
-// fenceWindow before its listing: a node that walks after a delete started
-// its walk at most maxWalkAge before it, on a cache that lags by at most
-// the rest of the window (docs/crd-store.md), so its cache shows every
-// object created a window before the run, and it finds M's object in the
-// cache instead of walking. Only younger objects need their
+// fenceWindow before its listing: a node creates only after a last look
+// at its cache (recheck), which lags by at most maxCacheLag
+// (docs/crd-store.md), so a node that creates after a delete sees every
+// object created a window before the run, and walks again to M's object
+// instead of creating. Only younger objects need their
 // fences; an old object displaced far along a crowded range holds nothing,
 // so a full range frees what its released identities held.
 //
@@ -763,11 +764,12 @@ func (s *Store) gcTimeout() time.Duration {
 }
 
 // fenceWindow is how long after its creation an object fences the slots
-// before it: maxWalkAge plus the lag of a node's cache, which the store
-// assumes under a minute (MinHeartbeatTimeout, docs/crd-store.md), or the
+// before it: the lag of a node's cache, which the store assumes under
+// maxCacheLag (docs/crd-store.md), and the margin between the API
+// server's clock, which stamps the creation, and the collector's; or the
 // heartbeat timeout where that is shorter (tests).
 func fenceWindow(c GCConfig) time.Duration {
-	return min(c.HeartbeatTimeout, MinHeartbeatTimeout)
+	return min(c.HeartbeatTimeout, maxCacheLag+stepClockMargin)
 }
 
 // young reports whether obj may have been created after since: the API

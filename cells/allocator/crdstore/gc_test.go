@@ -1171,6 +1171,139 @@ func TestWalkAnnouncesOldMarksOnly(t *testing.T) {
 	}
 }
 
+// TestWalkLooksAgainBeforeCreate: a walk's last look before its create
+// reads the cache as it is then, not as the walk saw it slot by slot. The
+// walk of a label set steps over an old mark at the first slot of its
+// sequence and announces the step; the test holds that write at the API
+// server while the node's cache changes:
+//   - placed: an object of the set that identityd placed further on the
+//     sequence reaches the cache, as a lagging node's cache shows another
+//     node's object late, after the collector freed a slot that node's walk
+//     had stepped over (the fence then keeps that slot only for the lag of
+//     a cache). The walk adopts that object; it does not create a second
+//     one at the free slot.
+//   - marked: the held, unmarked second slot gets an old mark. The walk
+//     announces its step over that one too.
+//
+// Without the last look, the first case leaves the set two objects and the
+// second announces nothing on the second slot (checked).
+func TestWalkLooksAgainBeforeCreate(t *testing.T) {
+	srv := serialServer(t)
+	var (
+		mu      sync.Mutex
+		held    string
+		arrived chan struct{}
+		release chan struct{}
+	)
+	// hold makes the next PATCH of the CiliumIdentity of id wait, once it
+	// reached the server's client, until the returned function runs.
+	hold := func(id identity.NumericIdentity) (<-chan struct{}, func()) {
+		mu.Lock()
+		defer mu.Unlock()
+		held, arrived, release = "/ciliumidentities/"+id.String(), make(chan struct{}), make(chan struct{})
+		return arrived, sync.OnceFunc(func() { close(release) })
+	}
+	rc := rest.CopyConfig(srv.RESTConfig())
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			mu.Lock()
+			wait := r.Method == http.MethodPatch && held != "" && strings.HasSuffix(r.URL.Path, held)
+			a, rel := arrived, release
+			if wait {
+				held = ""
+			}
+			mu.Unlock()
+			if wait {
+				close(a)
+				<-rel
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	cfg := gcTestConfig
+	// No collector; the production floor of the timeouts, so that only
+	// old marks are announced.
+	cfg.Interval, cfg.HeartbeatTimeout = 0, DefaultGCConfig.HeartbeatTimeout
+	n := startGCNode(t, rc, "node-a", cfg)
+	oldMark := time.Now().Add(-10 * time.Minute).UTC().Format(time.RFC3339Nano)
+
+	// walk starts the allocation of lbls, waits until it announces its
+	// step over the first slot, runs meanwhile, and returns the ID.
+	walk := func(lbls labels.Labels, meanwhile func()) identity.NumericIdentity {
+		t.Helper()
+		arrived, release := hold(n.ids.rng.probe(lbls.Canonical()).Slot(0))
+		defer release()
+		type result struct {
+			id  identity.NumericIdentity
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			id, _, err := n.Allocate(t.Context(), lbls, n.refs.Record)
+			done <- result{id, err}
+		}()
+		select {
+		case <-arrived:
+		case r := <-done:
+			t.Fatalf("%s: allocated %d (%v) without announcing its step over the first slot", lbls, r.id, r.err)
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s: no step annotation within 30s", lbls)
+		}
+		meanwhile()
+		release()
+		r := <-done
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		return r.id
+	}
+
+	t.Run("placed", func(t *testing.T) {
+		lbls := mustLabels(t, "k8s:app=recheck-placed")
+		p := n.ids.rng.probe(lbls.Canonical())
+		createIdentity(t, n.Store, p.Slot(0), mustLabels(t, "k8s:app=recheck-placed-first"), oldMark)
+		waitCacheCurrent(t, n.Store)
+		got := walk(lbls, func() {
+			if err := n.create(t.Context(), p.Slot(2), lbls); err != nil {
+				t.Fatal(err)
+			}
+			eventually.True(t, "the cache shows the placed object", func() bool { return n.ids.get(p.Slot(2)) != nil })
+		})
+		if got != p.Slot(2) {
+			t.Errorf("got %d, want %d, the object placed while the walk was announcing", got, p.Slot(2))
+		}
+		if obj := readIdentity(t, n.Store, p.Slot(1)); obj != nil {
+			t.Errorf("the walk created a second object of %s at %d", lbls, p.Slot(1))
+		}
+	})
+
+	t.Run("marked", func(t *testing.T) {
+		lbls := mustLabels(t, "k8s:app=recheck-marked")
+		p := n.ids.rng.probe(lbls.Canonical())
+		createIdentity(t, n.Store, p.Slot(0), mustLabels(t, "k8s:app=recheck-marked-first"), oldMark)
+		createIdentity(t, n.Store, p.Slot(1), mustLabels(t, "k8s:app=recheck-marked-second"), "")
+		waitCacheCurrent(t, n.Store)
+		got := walk(lbls, func() {
+			patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, HeartbeatAnnotation, oldMark)
+			if err := n.ciliumClient.Patch(types.MergePatchType).Resource("ciliumidentities").Name(p.Slot(1).String()).Body(patch).Do(t.Context()).Error(); err != nil {
+				t.Fatal(err)
+			}
+			eventually.True(t, "the cache shows the second slot marked", func() bool {
+				e := n.ids.get(p.Slot(1))
+				return e != nil && e.marked()
+			})
+		})
+		if got != p.Slot(2) {
+			t.Fatalf("got %d, want %d", got, p.Slot(2))
+		}
+		for _, id := range []identity.NumericIdentity{p.Slot(0), p.Slot(1)} {
+			if obj := readIdentity(t, n.Store, id); obj == nil || obj.Annotations[stepAnnotation] == "" {
+				t.Errorf("identity %d the walk stepped over carries no step annotation", id)
+			}
+		}
+	})
+}
+
 // TestGCFenceYoungOnly: the fence decision on a full range. Only an
 // object that may have been created after the run's start minus the
 // heartbeat timeout fences the slots before it; an old one, however far

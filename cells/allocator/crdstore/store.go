@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,9 +39,10 @@ const (
 	maxConflicts = 32
 	maxTransient = 12
 	// maxWalkAge bounds the time from a walk's first look at the cache to
-	// its create: the garbage collection's fence assumes that a creator
-	// that skipped an unmarked slot creates its object well within the
-	// heartbeat timeout (docs/crd-store.md). An older walk starts again.
+	// its create, so that what a walk decides, and the listings a
+	// reclaiming walk shares (reclaimInputs), are recent. An older walk
+	// starts again. Safety rests on the last look before the create
+	// (recheck), not on this bound.
 	maxWalkAge = time.Minute
 	// cacheWait is how long an AlreadyExists waits for the watch to
 	// deliver the object before it reads it with a request.
@@ -517,11 +519,16 @@ type allocation struct {
 	readOnly bool
 	// adopted is the ID whose object find adopted (its mark removed).
 	adopted identity.NumericIdentity
+	// seq is the label set's probe sequence.
+	seq idprobe.Sequence
 	// walkStart is when the current walk first looked at the cache;
 	// stepped holds the marked objects of other label sets it stepped
-	// over and has not announced yet (announceSteps).
-	walkStart time.Time
-	stepped   []*entry
+	// over, which the walk may reclaim; announced the IDs it wrote its
+	// step annotation on (recheck), the first at firstAnnounce.
+	walkStart     time.Time
+	stepped       []*entry
+	announced     map[identity.NumericIdentity]bool
+	firstAnnounce time.Time
 	// reclaimWaitUntil ends the allocation's wait for identities the
 	// collector is going to delete (waitToReclaim); zero before its
 	// first wait.
@@ -564,8 +571,8 @@ var errRestart = errors.New("walk again")
 // one the rule picks among all of the label set's objects (settle): a node
 // whose cache was behind may have found or created another.
 func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
-	a := &allocation{s: s, key: key, lbls: lbls}
 	p := s.ids.rng.probe(key)
+	a := &allocation{s: s, key: key, lbls: lbls, seq: p, announced: map[identity.NumericIdentity]bool{}}
 	for {
 		a.adopted = 0
 		id, created, err := a.find(ctx, p)
@@ -736,7 +743,8 @@ var errNoSequenceObject = errors.New("no object of the label set on its probe se
 // walk goes along the probe sequence from its start.
 func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	start := time.Now()
-	a.walkStart, a.stepped = start, nil
+	a.walkStart, a.stepped, a.firstAnnounce = start, nil, time.Time{}
+	clear(a.announced)
 	if a.s.ids.full() {
 		// Decided at once, however large the range, rather than
 		// after a walk past every slot.
@@ -836,17 +844,6 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 					continue
 				}
 			}
-			if err := a.announceSteps(ctx); err != nil {
-				return false, false, err
-			}
-			if !a.walkStart.IsZero() && time.Since(a.walkStart) > maxWalkAge {
-				// The announcements and the collector's fence
-				// assume a create within maxWalkAge of the look.
-				if err := a.conflict(); err != nil {
-					return false, false, err
-				}
-				return false, false, errRestart
-			}
 			slot, mine := a.claimed, a.claimed != nil && a.claimed.id == id
 			if !mine {
 				slot, mine = s.pending.claim(id, a.key, time.Now())
@@ -875,6 +872,10 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 					return false, false, errRestart
 				}
 				continue
+			}
+			if err := a.recheck(ctx, id); err != nil {
+				s.pending.finish(slot, false)
+				return false, false, err
 			}
 			began := time.Now()
 			err := s.create(ctx, id, a.lbls)
@@ -921,8 +922,8 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 		}
 		if e.obj != nil && e.marked() {
 			// A new identity further on would depend on this slot
-			// staying held: announced before the create
-			// (announceSteps). Its mark stays, so that its
+			// staying held: announced before the create if its
+			// mark is old (recheck). Its mark stays, so that its
 			// timeout goes on.
 			a.stepped = append(a.stepped, e)
 		}
@@ -930,58 +931,89 @@ func (a *allocation) trySlot(ctx context.Context, id identity.NumericIdentity, e
 	}
 }
 
-// announceSteps writes the step annotation on each marked object the walk
-// stepped over that a collector could delete before the walk's object is
-// in its cache (stepNoteAge), with its resourceVersion as precondition,
-// before the walk creates an object that depends on those slots staying
-// held: a collector that listed the object before the write leaves it
-// until the announcement is older than gcStepWindow, by when the create
-// is in its cache and the fence keeps the slot; one that listed it after
-// fails its delete on the changed resourceVersion. The writes go
-// stepNotesInFlight at a time. A walk that finds no free slot, or the
-// label set's object, writes nothing: it depends on no slot. An object
-// whose mark is too young to need the annotation stays in a.stepped, so
-// that it is weighed again at the walk's next create, or after the
-// writes, which take time. errRestart: an object changed or went since
-// the cache showed it.
-func (a *allocation) announceSteps(ctx context.Context) error {
+// recheck is the walk's last look at the cache before it creates the
+// label set's object at id, read under one lock with nothing but the
+// create after it: the object must not become a second one of the set,
+// and the collector must not free a slot before it while a node that does
+// not see it yet could walk there (docs/crd-store.md, "One ID per label
+// set"). It restarts the walk (errRestart) when the cache now shows an
+// object of the set that identityd placed, or one at or before id on the
+// sequence, or a slot before id free: the cache caught up with a change
+// the walk did not see. It announces the steps over marked objects before
+// id that a collector could delete before the object is in its cache
+// (stepNoteAge), as the cache shows their marks now, not as the walk
+// first saw them, with their resourceVersion as precondition: a collector
+// that listed such an object before the write leaves it until the
+// announcement is older than gcStepWindow, by when the create is in its
+// cache; one that listed it after fails its delete on the changed
+// resourceVersion. The create follows the walk's first announcement
+// within maxAnnounceAge, and the walk's start within maxWalkAge, or the
+// walk starts again.
+func (a *allocation) recheck(ctx context.Context, id identity.NumericIdentity) error {
+	s := a.s
+	pos, onSequence := a.seq.Position(id)
 	for {
-		due := a.dueSteps(time.Now())
-		if len(due) == 0 {
-			return nil
+		var marked []*entry
+		if onSequence {
+			var ok bool
+			if marked, ok = s.ids.dependsOn(a.seq, pos, a.key); !ok {
+				if err := a.conflict(); err != nil {
+					return err
+				}
+				return errRestart
+			}
 		}
-		left, err := a.s.announce(ctx, due)
+		due := a.dueSteps(marked, time.Now())
+		if len(due) == 0 {
+			break
+		}
+		if a.firstAnnounce.IsZero() {
+			a.firstAnnounce = time.Now()
+		}
+		left, err := s.announce(ctx, due)
+		for _, e := range due {
+			if !slices.Contains(left, e) {
+				a.announced[e.id] = true
+			}
+		}
 		switch {
 		case err == nil:
 			continue
 		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
-			a.stepped = nil
 			if err := a.conflict(); err != nil {
 				return err
 			}
 			return errRestart
 		}
-		a.stepped = append(a.stepped, left...)
 		if err := a.retry(ctx, err); err != nil {
 			return err
 		}
 	}
+	now := time.Now()
+	if (!a.walkStart.IsZero() && now.Sub(a.walkStart) > maxWalkAge) ||
+		(!a.firstAnnounce.IsZero() && now.Sub(a.firstAnnounce) > maxAnnounceAge) {
+		if err := a.conflict(); err != nil {
+			return err
+		}
+		return errRestart
+	}
+	return nil
 }
 
 // Why a young mark needs no step annotation: an identityd collector
 // deletes a marked object only when its mark is at least its timeout old,
 // and no collector's timeout is shorter than MinHeartbeatTimeout (Validate;
 // the grace without Cilium agents is at least that too). A walk checks the
-// marks it stepped over just before it creates (nothing but the create
-// comes between the check and the request, as for the fence's maxWalkAge
-// check). An object whose mark is then younger than the timeout less
-// maxCacheLag and stepClockMargin is deleted, if ever, after a run that
-// started at least maxCacheLag after the create, whose cache therefore
-// shows the walk's object: the fence keeps the slot while that object is
-// young, and once it is old every node's cache shows it, as for a slot the
-// walk saw unmarked (docs/crd-store.md). stepClockMargin covers the
-// difference between the walking node's clock and the collecting node's,
-// which compares the same mark with its own. A Cilium operator's
+// marks before its slot in its cache just before it creates (recheck). An
+// object whose mark is then younger than the timeout less maxCacheLag and
+// stepClockMargin is deleted, if ever, after a run that started at least
+// maxCacheLag after the create, whose cache therefore shows the walk's
+// object: the fence keeps the slot while that object is young, and once it
+// is old every node's cache shows it. An object the check sees unmarked
+// was marked at most maxCacheLag before the check, so the same holds for
+// it, as MinHeartbeatTimeout is twice maxCacheLag. stepClockMargin covers
+// the difference between the walking node's clock and the collecting
+// node's, which compares the same mark with its own. A Cilium operator's
 // collection ignores the annotation anyway.
 const (
 	// stepClockMargin is how far the nodes' clocks may disagree.
@@ -989,6 +1021,9 @@ const (
 	// stepNotesInFlight bounds the step annotations a walk has sent and
 	// not seen answered, as gcMarksInFlight bounds the collector's marks.
 	stepNotesInFlight = 8
+	// maxAnnounceAge bounds the time from a walk's first step
+	// annotation to its create (gcStepWindow).
+	maxAnnounceAge = 10 * time.Second
 )
 
 // stepNoteAge is the age of a heartbeat mark, at the walk's create, from
@@ -1000,22 +1035,21 @@ func (s *Store) stepNoteAge() time.Duration {
 	return min(MinHeartbeatTimeout, s.gc.cfg.HeartbeatTimeout, s.gc.minGrace) - maxCacheLag - stepClockMargin
 }
 
-// dueSteps takes out of a.stepped, and returns, the objects that need the
-// step annotation at now: those whose mark is at least stepNoteAge old,
-// or cannot be dated.
-func (a *allocation) dueSteps(now time.Time) []*entry {
+// dueSteps returns the objects of marked that need the step annotation at
+// now and that this walk has not announced: those whose mark is at least
+// stepNoteAge old, or cannot be dated.
+func (a *allocation) dueSteps(marked []*entry, now time.Time) []*entry {
 	noteAge := a.s.stepNoteAge()
 	var due []*entry
-	young := a.stepped[:0]
-	for _, e := range a.stepped {
+	for _, e := range marked {
+		if a.announced[e.id] {
+			continue
+		}
 		at, err := time.Parse(time.RFC3339Nano, e.obj.Annotations[HeartbeatAnnotation])
-		if err == nil && now.Sub(at) < noteAge {
-			young = append(young, e)
-		} else {
+		if err != nil || now.Sub(at) >= noteAge {
 			due = append(due, e)
 		}
 	}
-	a.stepped = young
 	return due
 }
 
