@@ -178,16 +178,18 @@ bench-anchor:
 # the same against two identityd processes per store (docs/benchmarks.md,
 # "Identity churn"): two nodes allocate CHURN_RATE new label sets a second
 # each, held 10 s, for CHURN_SECONDS, collecting every CHURN_GC_INTERVAL
-# seconds at CHURN_GC_LIMIT deletions a minute; the identities must level
-# off.
+# seconds at CHURN_GC_LIMIT deletions a minute, the CRD store's heartbeat
+# timeout CHURN_HEARTBEAT_TIMEOUT seconds; the identities must level off.
 CHURN_SECONDS ?= 300
 CHURN_RATE ?= 40
 CHURN_GC_INTERVAL ?= 10
 CHURN_GC_LIMIT ?= 2500
+CHURN_HEARTBEAT_TIMEOUT ?= 120
 bench-churn:
 	IDENTITYD_CHURN_SECONDS=$(CHURN_SECONDS) IDENTITYD_CHURN_RATE=$(CHURN_RATE) \
 	IDENTITYD_CHURN_GC_INTERVAL=$(CHURN_GC_INTERVAL) IDENTITYD_CHURN_GC_LIMIT=$(CHURN_GC_LIMIT) \
-	$(GO) test -count=1 -p 1 -timeout 30m -run '^TestChurnLevelsOff(Process)?$$' -v \
+	IDENTITYD_CHURN_HEARTBEAT_TIMEOUT=$(CHURN_HEARTBEAT_TIMEOUT) \
+	$(GO) test -count=1 -p 1 -timeout 3h -run '^TestChurnLevelsOff(Process)?$$' -v \
 	  ./cells/allocator/etcdstore ./cells/allocator/crdstore ./cmd/identityd
 
 # Fills a cluster's whole CRD range (65,280 IDs) through an agent's shell,

@@ -52,7 +52,7 @@ func TestChurnLevelsOffProcess(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		extra := append([]string{"--identity-heartbeat-timeout", crdstore.MinHeartbeatTimeout.String(),
+		extra := append([]string{"--identity-heartbeat-timeout", c.HeartbeatTimeout.String(),
 			"--identity-gc-cilium-agents=false"}, gc...)
 		var agents []*healthAgent
 		for _, node := range []string{"node-a", "node-b"} {

@@ -19,6 +19,8 @@ import (
 type Churn struct {
 	Duration, Interval, Hold time.Duration
 	Rate, Limit              int
+	// HeartbeatTimeout is the CRD store's --identity-heartbeat-timeout.
+	HeartbeatTimeout time.Duration
 	// Life, when set, makes the run a short one, checked by its level
 	// instead of its growth over 100 s: at the end, at most the new
 	// label sets the run delivered in Life (the longest an identity
@@ -29,8 +31,10 @@ type Churn struct {
 
 // ChurnFromEnv reads the churn of the environment: IDENTITYD_CHURN_SECONDS
 // (no default: without it the test is skipped; 300 for the full run),
-// IDENTITYD_CHURN_RATE (40), IDENTITYD_CHURN_GC_INTERVAL in seconds (10)
-// and IDENTITYD_CHURN_GC_LIMIT (2500); each set is held 10 s.
+// IDENTITYD_CHURN_RATE (40), IDENTITYD_CHURN_GC_INTERVAL in seconds (10),
+// IDENTITYD_CHURN_GC_LIMIT (2500) and, for the CRD store,
+// IDENTITYD_CHURN_HEARTBEAT_TIMEOUT in seconds (120, the shortest); each
+// set is held 10 s.
 func ChurnFromEnv(t *testing.T) Churn {
 	t.Helper()
 	secs := testproc.CountFromEnv(t, "IDENTITYD_CHURN_SECONDS", 0, 0)
@@ -38,11 +42,12 @@ func ChurnFromEnv(t *testing.T) Churn {
 		t.Skip("IDENTITYD_CHURN_SECONDS=300 runs it")
 	}
 	return Churn{
-		Duration: time.Duration(secs) * time.Second,
-		Rate:     testproc.CountFromEnv(t, "IDENTITYD_CHURN_RATE", 40, 1),
-		Interval: time.Duration(testproc.CountFromEnv(t, "IDENTITYD_CHURN_GC_INTERVAL", 10, 1)) * time.Second,
-		Limit:    testproc.CountFromEnv(t, "IDENTITYD_CHURN_GC_LIMIT", 2500, 1),
-		Hold:     10 * time.Second,
+		Duration:         time.Duration(secs) * time.Second,
+		Rate:             testproc.CountFromEnv(t, "IDENTITYD_CHURN_RATE", 40, 1),
+		Interval:         time.Duration(testproc.CountFromEnv(t, "IDENTITYD_CHURN_GC_INTERVAL", 10, 1)) * time.Second,
+		Limit:            testproc.CountFromEnv(t, "IDENTITYD_CHURN_GC_LIMIT", 2500, 1),
+		Hold:             10 * time.Second,
+		HeartbeatTimeout: time.Duration(testproc.CountFromEnv(t, "IDENTITYD_CHURN_HEARTBEAT_TIMEOUT", 120, 1)) * time.Second,
 	}
 }
 
