@@ -18,6 +18,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/rest"
 
 	"github.com/identityd/identityd/cells/allocator"
@@ -49,10 +50,74 @@ type node struct {
 	next   int
 }
 
-// gcCounts is what the stores' GCStats have in common, and what the CRD
-// store counts besides.
+// gcCounts is what the stores' collection metrics have in common, and
+// what the CRD store counts besides.
 type gcCounts struct {
 	runs, failed, deleted, skipped, marked, unmarked uint64
+}
+
+// storeMetrics are the collectors a node's cells contribute to the agent's
+// /metrics (cells/metrics), read here as a scrape would read them.
+type storeMetrics struct {
+	cell.In
+	Collectors []prometheus.Collector `group:"identityd-metrics"`
+}
+
+// gcFromMetrics reads the collection's counters of a node from its
+// metrics: <prefix>_entries by status and <prefix>_runs by outcome (a
+// run in progress counts as a success).
+func gcFromMetrics(collectors []prometheus.Collector, prefix string) (gcCounts, error) {
+	reg := prometheus.NewRegistry()
+	for _, c := range collectors {
+		if err := reg.Register(c); err != nil {
+			return gcCounts{}, err
+		}
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		return gcCounts{}, err
+	}
+	var out gcCounts
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			label := ""
+			for _, l := range m.GetLabel() {
+				label = l.GetValue()
+			}
+			v := uint64(m.GetGauge().GetValue())
+			switch f.GetName() {
+			case prefix + "_entries":
+				switch label {
+				case "deleted":
+					out.deleted = v
+				case "skipped":
+					out.skipped = v
+				case "marked":
+					out.marked = v
+				case "unmarked":
+					out.unmarked = v
+				}
+			case prefix + "_runs":
+				out.runs += v
+				if label == "failure" {
+					out.failed = v
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// readGC is a node's gc: the counters of gcFromMetrics, or zero when the
+// metrics cannot be read, which the run's checks then show.
+func readGC(log *slog.Logger, collectors *[]prometheus.Collector, prefix string) func() gcCounts {
+	return func() gcCounts {
+		c, err := gcFromMetrics(*collectors, prefix)
+		if err != nil {
+			log.Error("Reading the collection's metrics", "error", err)
+		}
+		return c
+	}
 }
 
 func (a gcCounts) minus(b gcCounts) gcCounts {
@@ -87,10 +152,15 @@ func ownLabels(i, j int) labels.Labels {
 // the etcd store.
 func startEtcdNode(ctx context.Context, log *slog.Logger, endpoints []string, i int, cfg config) (*node, error) {
 	n := &node{index: i, name: nodeName(i), log: log}
-	var store *etcdstore.Store
+	var (
+		store      *etcdstore.Store
+		collectors []prometheus.Collector
+	)
 	n.h = hive.New(
 		job.Cell, statedb.Cell, kvstore.Cell, allocator.Cell, etcdstore.Cell,
-		cell.Invoke(func(a allocator.Allocator, s *etcdstore.Store) { n.alloc, store = a, s }),
+		cell.Invoke(func(a allocator.Allocator, s *etcdstore.Store, m storeMetrics) {
+			n.alloc, store, collectors = a, s, m.Collectors
+		}),
 	)
 	hive.AddConfigOverride(n.h, func(c *kvstore.Config) {
 		c.KVStoreEndpoints = endpoints
@@ -107,10 +177,7 @@ func startEtcdNode(ctx context.Context, log *slog.Logger, endpoints []string, i 
 		n.stop(ctx)
 		return nil, fmt.Errorf("%s has no etcd store", n.name)
 	}
-	n.gc = func() gcCounts {
-		s := store.GCStats()
-		return gcCounts{runs: s.Runs, failed: s.Failed, deleted: s.Deleted, skipped: s.Skipped}
-	}
+	n.gc = readGC(log, &collectors, "identityd_identity_gc")
 	return n, nil
 }
 
@@ -120,14 +187,19 @@ func startEtcdNode(ctx context.Context, log *slog.Logger, endpoints []string, i 
 func startCRDNode(ctx context.Context, log *slog.Logger, rc *rest.Config, i int, cfg config) (*node, error) {
 	n := &node{index: i, name: nodeName(i), log: log}
 	rc = ownTransport(rc)
-	var store *crdstore.Store
+	var (
+		store      *crdstore.Store
+		collectors []prometheus.Collector
+	)
 	n.h = hive.New(
 		job.Cell, statedb.Cell, allocator.Cell, crdstore.Cell,
 		cell.Provide(
 			func() *rest.Config { return rc },
 			func() identity.NodeName { return identity.NodeName(n.name) },
 		),
-		cell.Invoke(func(a allocator.Allocator, s *crdstore.Store) { n.alloc, store = a, s }),
+		cell.Invoke(func(a allocator.Allocator, s *crdstore.Store, m storeMetrics) {
+			n.alloc, store, collectors = a, s, m.Collectors
+		}),
 	)
 	hive.AddConfigOverride(n.h, func(c *allocator.Config) { c.IdentityAllocationMode = identity.AllocationModeCRD })
 	// Only identityd nodes allocate: the heartbeat timeout may go below
@@ -147,10 +219,7 @@ func startCRDNode(ctx context.Context, log *slog.Logger, rc *rest.Config, i int,
 		n.stop(ctx)
 		return nil, fmt.Errorf("%s has no CRD store", n.name)
 	}
-	n.gc = func() gcCounts {
-		s := store.GCStats()
-		return gcCounts{runs: s.Runs, failed: s.Failed, deleted: s.Deleted, skipped: s.Skipped, marked: s.Marked, unmarked: s.Unmarked}
-	}
+	n.gc = readGC(log, &collectors, "identityd_crd_identity_gc")
 	return n, nil
 }
 

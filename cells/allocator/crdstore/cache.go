@@ -732,7 +732,7 @@ func (e *entry) created() time.Time {
 // cluster's range held by objects it leaves out (security-labels that do
 // not parse), read under one lock: a state the API server had, as the
 // cache is a consistent prefix of its history. The garbage collection
-// decides on it (gc.go, RunGC).
+// decides on it (gc.go, collect).
 func (c *identityCache) snapshot() (es []*entry, unparsed []identity.NumericIdentity) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()

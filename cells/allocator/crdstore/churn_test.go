@@ -25,7 +25,7 @@ import (
 func TestChurnLevelsOff(t *testing.T) {
 	c := allocatortest.ChurnFromEnv(t)
 	srv := startServer(t)
-	cfg := GCConfig{Interval: c.Interval, RateLimit: int64(c.Limit), RateInterval: time.Minute, HeartbeatTimeout: MinHeartbeatTimeout}
+	cfg := GCConfig{Interval: c.Interval, RateLimit: int64(c.Limit), RateInterval: time.Minute, HeartbeatTimeout: c.HeartbeatTimeout}
 	runChurn(t, c, srv.RESTConfig(), cfg, nil)
 }
 
@@ -87,7 +87,7 @@ func runChurn(t *testing.T, c allocatortest.Churn, rc *rest.Config, cfg GCConfig
 		s.mu.RUnlock()
 		var deleted uint64
 		for _, n := range nodes {
-			deleted += n.GCStats().Deleted
+			deleted += n.gcStats().Deleted
 		}
 		return objects, int(deleted)
 	})

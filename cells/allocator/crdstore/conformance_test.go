@@ -29,7 +29,7 @@ func TestConformance(t *testing.T) {
 			}
 		},
 		Collect: func(t *testing.T, b globalstore.Backend) {
-			if _, err := b.(*Store).RunGC(t.Context()); err != nil {
+			if _, err := b.(*Store).collect(t.Context()); err != nil {
 				t.Fatal(err)
 			}
 		},

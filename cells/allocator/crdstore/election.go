@@ -26,7 +26,7 @@ import (
 // watch would bring every renewal to every node) and take it when its
 // holder has not renewed it for its lease duration, or at once when the
 // holder released it (a clean stop). The collection's correctness does not
-// rest on there being one collector (RunGC's preconditions make two safe);
+// rest on there being one collector (collect's preconditions make two safe);
 // the election only keeps the cluster's listings and marks from growing
 // with the number of nodes.
 //

@@ -218,7 +218,7 @@ func TestGCOneCollector(t *testing.T) {
 	createIdentity(t, old.Store, gone, mustLabels(t, "k8s:app=gone"), longAgo)
 	eventually.True(t, "the collector deletes the identity marked long ago", func() bool { return readIdentity(t, old.Store, gone) == nil })
 	for _, n := range others {
-		if st := n.GCStats(); st.Runs != 0 {
+		if st := n.gcStats(); st.Runs != 0 {
 			t.Fatalf("%s does not collect, and ran %d collections", n.name, st.Runs)
 		}
 	}
@@ -258,7 +258,7 @@ func TestGCOneCollector(t *testing.T) {
 	gone2 := identity.NumericIdentity(9001)
 	createIdentity(t, next.Store, gone2, mustLabels(t, "k8s:app=gone-2"), longAgo)
 	eventually.True(t, "the new collector deletes the identity marked long ago", func() bool {
-		return readIdentity(t, next.Store, gone2) == nil && next.GCStats().Deleted > 0
+		return readIdentity(t, next.Store, gone2) == nil && next.gcStats().Deleted > 0
 	})
 	for _, id := range []identity.NumericIdentity{used, killedUses} {
 		if readIdentity(t, next.Store, id) == nil {
@@ -267,7 +267,7 @@ func TestGCOneCollector(t *testing.T) {
 	}
 	for _, n := range others {
 		if n != next {
-			if st := n.GCStats(); st.Runs != 0 {
+			if st := n.gcStats(); st.Runs != 0 {
 				t.Errorf("%s never collected, and ran %d collections", n.name, st.Runs)
 			}
 		}
@@ -600,10 +600,10 @@ func TestGCStopsWithLostLock(t *testing.T) {
 	if bound := testElection.retry + time.Second; took > bound {
 		t.Errorf("node-a stopped collecting %s after the lock changed hands, want within a renewal (and 1 s for a loaded machine): %s", took, bound)
 	}
-	eventually.True(t, "the cancelled run ends", func() bool { return a.GCStats().Failed > 0 || a.GCStats().Deleted > 0 })
+	eventually.True(t, "the cancelled run ends", func() bool { return a.gcStats().Failed > 0 || a.gcStats().Deleted > 0 })
 	time.Sleep(200 * time.Millisecond)
-	if readIdentity(t, a.Store, id) == nil || a.GCStats().Deleted != 0 {
-		t.Fatalf("the run of a collector whose term ended deleted identity %d (stats %+v)", id, a.GCStats())
+	if readIdentity(t, a.Store, id) == nil || a.gcStats().Deleted != 0 {
+		t.Fatalf("the run of a collector whose term ended deleted identity %d (stats %+v)", id, a.gcStats())
 	}
 	if a.leaderGauge(t) != 0 {
 		t.Error("identityd_crd_identity_gc_leader is 1 on a node that lost the lock")
@@ -686,8 +686,8 @@ func TestGCLockDeletedOrEdited(t *testing.T) {
 		if g := next.leaderGauge(t); g != 1 {
 			t.Errorf("lock %s: %s collects, its identityd_crd_identity_gc_leader is %v", what, next.name, g)
 		}
-		runs := next.GCStats().Runs
-		eventually.True(t, "the collector's runs advance", func() bool { return next.GCStats().Runs > runs+1 })
+		runs := next.gcStats().Runs
+		eventually.True(t, "the collector's runs advance", func() bool { return next.gcStats().Runs > runs+1 })
 		gone := identity.NumericIdentity(9200 + i)
 		createIdentity(t, next.Store, gone, mustLabels(t, fmt.Sprintf("k8s:app=gone-%d", i)), longAgo)
 		eventually.True(t, "the collector deletes the identity marked long ago", func() bool {

@@ -319,7 +319,7 @@ func TestGCSkipsDeletesOnPartialEndpoints(t *testing.T) {
 	createObject(t, cfg, ciliumEndpoint("zzz", "web-0", "named", named))
 
 	fail.armed.Store(true)
-	res, err := a.RunGC(t.Context())
+	res, err := a.collect(t.Context())
 	if err == nil || !errors.Is(err, globalstore.ErrUnavailable) || !strings.Contains(err.Error(), "CiliumEndpoint") {
 		t.Fatalf("run with a failing page: %+v, %v; want an unavailable error naming CiliumEndpoint", res, err)
 	}

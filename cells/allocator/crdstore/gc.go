@@ -178,7 +178,7 @@ func (s *Store) registerGC(g job.Group) {
 			}
 			return nil
 		},
-		Pass: s.RunGC,
+		Pass: s.collect,
 	}))
 }
 
@@ -189,7 +189,7 @@ type gcObject struct {
 	obj CiliumIdentity
 }
 
-// RunGC is one collection. It decides on the store's watch cache of
+// collect is one collection. It decides on the store's watch cache of
 // CiliumIdentity objects, read under one lock at the start of the run (a
 // state the API server had: the cache is a consistent prefix of its
 // history), and on its own listing of IdentityNode objects made after it
@@ -234,7 +234,7 @@ type gcObject struct {
 // Deletions are paced by the rate limit. IdentityNode objects whose lease
 // ended more than a lease ago are deleted, with their resourceVersion as
 // precondition.
-func (s *Store) RunGC(ctx context.Context) (res globalstore.GCResult, err error) {
+func (s *Store) collect(ctx context.Context) (res globalstore.GCResult, err error) {
 	gc := s.gc
 	gc.runs.Add(1)
 	defer func() {
@@ -874,28 +874,6 @@ func preconditions(uid types.UID, rv string) ([]byte, error) {
 		TypeMeta:      metav1.TypeMeta{APIVersion: "v1", Kind: "DeleteOptions"},
 		Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
 	})
-}
-
-// GCStats counts the collector's work since the store was created.
-type GCStats struct {
-	Runs, Failed                       uint64
-	Marked, Deleted, Skipped, Unmarked uint64
-	NodesDeleted                       uint64
-	LastKeptUsed, LastKeptFenced       uint64
-	// Reclaimed counts the identities this node's walks deleted to take
-	// their slots in a range without a free one.
-	Reclaimed uint64
-}
-
-// GCStats returns the collector's counters.
-func (s *Store) GCStats() GCStats {
-	gc := s.gc
-	return GCStats{
-		Runs: gc.runs.Load(), Failed: gc.failed.Load(),
-		Marked: gc.marked.Load(), Deleted: gc.deleted.Load(), Skipped: gc.skipped.Load(), Unmarked: gc.unmarked.Load(),
-		NodesDeleted: gc.nodesDeleted.Load(), Reclaimed: gc.reclaimed.Load(),
-		LastKeptUsed: gc.keptUsed.Load(), LastKeptFenced: gc.keptFenced.Load(),
-	}
 }
 
 // Values of the status label of identityd_crd_identity_gc_entries, and of

@@ -36,7 +36,7 @@ import (
 // gcCluster is the cluster of the collection tests: range 256..65535.
 var gcCluster = identity.ClusterInfo{Name: "default", MaxConnectedClusters: 255}
 
-// gcTestConfig collects on demand (the tests call RunGC) and deletes a
+// gcTestConfig collects on demand (the tests call collect) and deletes a
 // marked identity a second after its mark.
 var gcTestConfig = GCConfig{RateLimit: 1000, RateInterval: time.Second, HeartbeatTimeout: time.Second}
 
@@ -214,7 +214,7 @@ func createIdentity(t *testing.T, s *Store, id identity.NumericIdentity, lbls la
 func runGC(t *testing.T, s *Store) globalstore.GCResult {
 	t.Helper()
 	waitCacheCurrent(t, s)
-	res, err := s.RunGC(t.Context())
+	res, err := s.collect(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -312,7 +312,7 @@ func TestGCMarksThenDeletesUnused(t *testing.T) {
 	if readIdentity(t, a.Store, id) != nil {
 		t.Fatal("the identity is still there")
 	}
-	if st := a.GCStats(); st.Marked != 1 || st.Deleted != 1 || st.Runs != 3 || st.Failed != 0 {
+	if st := a.gcStats(); st.Marked != 1 || st.Deleted != 1 || st.Runs != 3 || st.Failed != 0 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -430,7 +430,7 @@ func TestGCDeleteLosesToUnmark(t *testing.T) {
 	if _, ok := markOf(t, a.Store, id); ok {
 		t.Fatal("the adopted identity is still marked")
 	}
-	if st := a.GCStats(); st.Skipped != 1 {
+	if st := a.gcStats(); st.Skipped != 1 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -687,7 +687,7 @@ func TestGCListsNoIdentities(t *testing.T) {
 	}
 	waitCacheCurrent(t, a.Store)
 	before := lists.Load()
-	res, err := a.RunGC(t.Context())
+	res, err := a.collect(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -720,7 +720,7 @@ func TestGCDeletesReachLimitWithSlowAnswers(t *testing.T) {
 	createSpaced(t, a.Store, 50000, n, "slow-limit", func(int) string { return old })
 	waitCacheCurrent(t, a.Store)
 	start := time.Now()
-	res, err := a.RunGC(t.Context())
+	res, err := a.collect(t.Context())
 	took := time.Since(start)
 	if err != nil {
 		t.Fatal(err)
@@ -754,7 +754,7 @@ func TestGCMarksReachLimitWithSlowAnswers(t *testing.T) {
 	createSpaced(t, a.Store, 55000, n, "slow-mark-limit", nil)
 	waitCacheCurrent(t, a.Store)
 	start := time.Now()
-	res, err := a.RunGC(t.Context())
+	res, err := a.collect(t.Context())
 	took := time.Since(start)
 	if err != nil {
 		t.Fatal(err)
@@ -776,14 +776,14 @@ func TestGCNotBeforeListing(t *testing.T) {
 	id := identity.NumericIdentity(2000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=unlisted"), "")
 	cold := newGCNode(t, srv.RESTConfig(), "node-cold", gcTestConfig)
-	_, err := cold.RunGC(t.Context())
+	_, err := cold.collect(t.Context())
 	if !errors.Is(err, globalstore.ErrUnavailable) {
-		t.Fatalf("RunGC before the listing: %v, want ErrUnavailable", err)
+		t.Fatalf("collect before the listing: %v, want ErrUnavailable", err)
 	}
 	if _, ok := markOf(t, a.Store, id); ok {
 		t.Fatal("a collection before the listing marked an identity")
 	}
-	if st := cold.GCStats(); st.Runs != 1 || st.Failed != 1 {
+	if st := cold.gcStats(); st.Runs != 1 || st.Failed != 1 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -798,8 +798,8 @@ func TestGCJob(t *testing.T) {
 	id := identity.NumericIdentity(3000)
 	createIdentity(t, a.Store, id, mustLabels(t, "k8s:app=job"), "")
 	eventually.True(t, "the job deletes the unused identity", func() bool { return readIdentity(t, a.Store, id) == nil })
-	eventually.True(t, "the job counts its deletion", func() bool { return a.GCStats().Deleted == 1 })
-	if st := a.GCStats(); st.Marked != 1 || st.Failed != 0 {
+	eventually.True(t, "the job counts its deletion", func() bool { return a.gcStats().Deleted == 1 })
+	if st := a.gcStats(); st.Marked != 1 || st.Failed != 0 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -841,7 +841,7 @@ func TestGCRunsBackToBack(t *testing.T) {
 		})
 	}
 	n.start(t)
-	eventually.True(t, "both runs delete", func() bool { return a.GCStats().Deleted == first+second })
+	eventually.True(t, "both runs delete", func() bool { return a.gcStats().Deleted == first+second })
 	mu.Lock()
 	defer mu.Unlock()
 	var runs []uint64
@@ -1081,7 +1081,7 @@ func TestGCFullRangeRecovers(t *testing.T) {
 	got := map[identity.NumericIdentity]bool{}
 	for i := 0; len(got) < released; {
 		if time.Since(start) > bound+slack+20*time.Second {
-			t.Fatalf("%d of %d new label sets got an ID in %s (collection: %+v)", len(got), released, time.Since(start), n.GCStats())
+			t.Fatalf("%d of %d new label sets got an ID in %s (collection: %+v)", len(got), released, time.Since(start), n.gcStats())
 		}
 		id, _, err := n.Allocate(t.Context(), mustLabels(t, fmt.Sprintf("k8s:app=new-%d", i)), n.refs.Record)
 		switch {
@@ -1098,11 +1098,11 @@ func TestGCFullRangeRecovers(t *testing.T) {
 		i++
 	}
 	elapsed := time.Since(start)
-	t.Logf("%d of %d released, the same number of new label sets got IDs %s after the release (two intervals, the timeout and the step window: %s; as many allocations took %s in the fill; collection: %+v)", released, size, elapsed, bound, allocations, n.GCStats())
+	t.Logf("%d of %d released, the same number of new label sets got IDs %s after the release (two intervals, the timeout and the step window: %s; as many allocations took %s in the fill; collection: %+v)", released, size, elapsed, bound, allocations, n.gcStats())
 	if elapsed > bound+slack {
 		t.Fatalf("the new label sets got IDs %s after the release, want within %s plus %s", elapsed, bound, slack)
 	}
-	if st := n.GCStats(); st.Deleted+st.Reclaimed < uint64(released) {
+	if st := n.gcStats(); st.Deleted+st.Reclaimed < uint64(released) {
 		t.Fatalf("collection %+v: fewer than %d deleted or reclaimed", st, released)
 	}
 }

@@ -117,7 +117,7 @@ func TestWalkReclaims(t *testing.T) {
 				if obj := readIdentity(t, n.Store, x); obj == nil || obj.Annotations[HeartbeatAnnotation] == "" || !tc.markedNow && obj.Annotations[HeartbeatAnnotation] != marked {
 					t.Fatalf("identity %d after the refusal: %+v, want it as it was", x, obj)
 				}
-				if st := n.GCStats(); st.Reclaimed != 0 {
+				if st := n.gcStats(); st.Reclaimed != 0 {
 					t.Fatalf("reclaimed %d, want 0", st.Reclaimed)
 				}
 				return
@@ -129,7 +129,7 @@ func TestWalkReclaims(t *testing.T) {
 			if obj == nil || obj.Annotations[HeartbeatAnnotation] != "" {
 				t.Fatalf("identity %d after the reclaim: %+v, want the new set's object, unmarked", x, obj)
 			}
-			if st := n.GCStats(); st.Reclaimed != 1 || st.Runs != 0 {
+			if st := n.gcStats(); st.Reclaimed != 1 || st.Runs != 0 {
 				t.Fatalf("collection %+v: want 1 reclaimed and no collection run", st)
 			}
 		})

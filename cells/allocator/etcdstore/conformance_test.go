@@ -40,7 +40,7 @@ func TestConformance(t *testing.T) {
 			return b, running.Stop
 		},
 		Collect: func(t *testing.T, b globalstore.Backend) {
-			if _, err := b.(*Store).RunGC(t.Context()); err != nil {
+			if _, err := b.(*Store).collect(t.Context()); err != nil {
 				t.Fatal(err)
 			}
 		},

@@ -14,31 +14,11 @@ import (
 	"github.com/identityd/identityd/identity"
 )
 
-// GCStats counts the work of the garbage collection of master keys since
-// the backend was created.
-type GCStats struct {
-	// Runs and Failed count collections, and those that ended in an error.
-	Runs, Failed uint64
-	// Deleted counts master keys deleted; Skipped counts unreferenced
-	// candidates whose delete transaction found them referenced or changed.
-	Deleted, Skipped uint64
-}
-
 type gcCounters struct {
 	runs, failed, deleted, skipped atomic.Uint64
 	// afterListing, when set (by tests), runs between the listing of
 	// reference keys and the choice of candidates.
 	afterListing func()
-}
-
-// GCStats returns the garbage collection's counters, for metrics.
-func (b *Store) GCStats() GCStats {
-	return GCStats{
-		Runs:    b.gc.runs.Load(),
-		Failed:  b.gc.failed.Load(),
-		Deleted: b.gc.deleted.Load(),
-		Skipped: b.gc.skipped.Load(),
-	}
 }
 
 // collection is the store's side of the collection job: no collection
@@ -77,7 +57,11 @@ func (b *Store) collection() globalstore.Collection {
 	}
 }
 
-// RunGC deletes master keys that no node references. Candidates come from
+// errNotCollector: a delete of the collection found that this node's term
+// as the elected collector had ended.
+var errNotCollector = errors.New("this node is no longer the elected collector")
+
+// runGC deletes master keys that no node references. Candidates come from
 // the cache and one listing of reference keys, less the master keys written
 // after that listing; each is deleted by a
 // transaction that proves at that instant that no reference key and no
@@ -85,17 +69,9 @@ func (b *Store) collection() globalstore.Collection {
 // changed since it was cached. A node that allocates the label set at the
 // same time either makes the compare fail or sees the key gone, so unlike
 // a mark-and-sweep the collection needs no second pass. Deletions are paced
-// by --identity-gc-rate-limit per --identity-gc-rate-interval.
-func (b *Store) RunGC(ctx context.Context) (globalstore.GCResult, error) {
-	return b.runGC(ctx, nil)
-}
-
-// errNotCollector: a delete of the collection found that this node's term
-// as the elected collector had ended.
-var errNotCollector = errors.New("this node is no longer the elected collector")
-
-// runGC is RunGC; with a term, each delete also proves that the term
-// lasts, so that a collector whose lease ended deletes nothing more.
+// by --identity-gc-rate-limit per --identity-gc-rate-interval. With a term,
+// each delete also proves that the term lasts, so that a collector whose
+// lease ended deletes nothing more.
 func (b *Store) runGC(ctx context.Context, term *leadership) (res globalstore.GCResult, err error) {
 	b.gc.runs.Add(1)
 	defer func() {

@@ -38,14 +38,14 @@ func TestGCSkipsKeysNewerThanListing(t *testing.T) {
 			}
 		}
 	}
-	res, err := n.backend.RunGC(ctx)
+	res, err := n.backend.collect(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if res.Deleted != 0 || res.Skipped != 0 {
 		t.Fatalf("run during the fill: %d deleted, %d skipped; want none of the new keys tried", res.Deleted, res.Skipped)
 	}
-	res, err = n.backend.RunGC(ctx)
+	res, err = n.backend.collect(ctx)
 	if err != nil || res.Deleted != 0 || res.Skipped != 0 {
 		t.Fatalf("next run: %d deleted, %d skipped, %v; want the referenced keys kept without a try", res.Deleted, res.Skipped, err)
 	}
@@ -80,7 +80,7 @@ func TestChurnLevelsOff(t *testing.T) {
 		b.cacheMu.RUnlock()
 		var deleted uint64
 		for _, n := range nodes {
-			deleted += n.backend.GCStats().Deleted
+			deleted += n.backend.gcStats().Deleted
 		}
 		return objects, int(deleted)
 	})

@@ -1,6 +1,11 @@
 package etcdstore
 
-import "github.com/identityd/identityd/identity"
+import (
+	"context"
+
+	"github.com/identityd/identityd/cells/allocator/globalstore"
+	"github.com/identityd/identityd/identity"
+)
 
 // What the tests read of a store's state, which nothing in production
 // asks for.
@@ -51,4 +56,29 @@ func (b *Store) heldLabelSets() map[string]identity.NumericIdentity {
 		out[r.Labels.Canonical()] = r.ID
 	}
 	return out
+}
+
+// gcStats counts the work of the garbage collection of master keys since
+// the backend was created.
+type gcStats struct {
+	// Runs and Failed count collections, and those that ended in an error.
+	Runs, Failed uint64
+	// Deleted counts master keys deleted; Skipped counts unreferenced
+	// candidates whose delete transaction found them referenced or changed.
+	Deleted, Skipped uint64
+}
+
+func (b *Store) gcStats() gcStats {
+	return gcStats{
+		Runs:    b.gc.runs.Load(),
+		Failed:  b.gc.failed.Load(),
+		Deleted: b.gc.deleted.Load(),
+		Skipped: b.gc.skipped.Load(),
+	}
+}
+
+// collect is one collection outside the election, as if this node held
+// the collector's lock.
+func (b *Store) collect(ctx context.Context) (globalstore.GCResult, error) {
+	return b.runGC(ctx, nil)
 }

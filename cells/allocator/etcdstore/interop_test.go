@@ -197,7 +197,7 @@ func TestEtcdMixedWritersCleanedKeys(t *testing.T) {
 			}
 		}
 	}
-	if _, err := n1.backend.RunGC(ctx); err != nil {
+	if _, err := n1.backend.collect(ctx); err != nil {
 		t.Fatal(err)
 	}
 	for _, h := range all {
@@ -243,7 +243,7 @@ func TestEtcdForeignKeysUnderPrefix(t *testing.T) {
 	// GC keeps what is referenced, the foreign label set included, and
 	// collects the shorter one once nobody references it, whatever lies
 	// under its prefix.
-	if _, err := n1.backend.RunGC(ctx); err != nil {
+	if _, err := n1.backend.collect(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if n := masterKeysOf(t, cli, short.Canonical()); n != 1 {
@@ -254,7 +254,7 @@ func TestEtcdForeignKeysUnderPrefix(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := n1.backend.RunGC(ctx); err != nil {
+	if _, err := n1.backend.collect(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if n := masterKeysOf(t, cli, short.Canonical()); n != 0 {
@@ -392,7 +392,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 	if _, err := cli.Delete(ctx, refKey(l, "node1")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n2.backend.RunGC(ctx); err != nil {
+	if _, err := n2.backend.collect(ctx); err != nil {
 		t.Fatal(err)
 	}
 	eventually.True(t, "master key and reference re-created", func() bool {
@@ -401,7 +401,7 @@ func TestEtcdMasterKeyRecreatedWithReference(t *testing.T) {
 		return ok && v == l.Canonical() && rok && r == id.ID.String()
 	})
 	// The next GC keeps it.
-	if _, err := n2.backend.RunGC(ctx); err != nil {
+	if _, err := n2.backend.collect(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if v, _, ok := getValue(t, cli, masterKey(id.ID)); !ok || v != l.Canonical() {

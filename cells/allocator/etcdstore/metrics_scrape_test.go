@@ -73,13 +73,13 @@ func TestScrapeGC(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if res, err := etcd.RunGC(t.Context()); err != nil || res.Deleted != 2 {
+	if res, err := etcd.collect(t.Context()); err != nil || res.Deleted != 2 {
 		t.Fatalf("GC deleted %d, err %v; want 2", res.Deleted, err)
 	}
 	// A run that cannot reach etcd counts as a failure.
 	cancelled, cancel := context.WithCancel(t.Context())
 	cancel()
-	if _, err := etcd.RunGC(cancelled); err == nil {
+	if _, err := etcd.collect(cancelled); err == nil {
 		t.Fatal("GC with a cancelled context succeeded")
 	}
 	metricstest.Expect(t, metricstest.Scrape(t, server.Addr()), map[string]float64{

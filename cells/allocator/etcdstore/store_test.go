@@ -287,13 +287,13 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	}
 
 	// GC keeps what someone references.
-	if res, err := n1.backend.RunGC(ctx); err != nil || res.Deleted != 0 {
+	if res, err := n1.backend.collect(ctx); err != nil || res.Deleted != 0 {
 		t.Fatalf("GC with every identity referenced: deleted %d, err %v", res.Deleted, err)
 	}
 	if _, err := n2.alloc.Release(ctx, id2); err != nil {
 		t.Fatal(err)
 	}
-	res, err := n1.backend.RunGC(ctx)
+	res, err := n1.backend.collect(ctx)
 	if err != nil || res.Deleted != 1 {
 		t.Fatalf("GC: deleted %d, err %v; want 1", res.Deleted, err)
 	}
@@ -303,7 +303,7 @@ func TestEtcdAllocateAdoptReleaseGC(t *testing.T) {
 	if _, _, ok := getValue(t, cli, masterKey(4242)); !ok {
 		t.Fatal("GC deleted a referenced master key")
 	}
-	if s := n1.backend.GCStats(); s.Deleted != 1 || s.Runs != 2 {
+	if s := n1.backend.gcStats(); s.Deleted != 1 || s.Runs != 2 {
 		t.Fatalf("GC stats %+v", s)
 	}
 	eventually.True(t, "the delete reaches node2", func() bool { return n2.alloc.LookupByID(id.ID) == nil })
@@ -345,7 +345,7 @@ func TestEtcdGCRace(t *testing.T) {
 	// The GC counts the deletion once etcd answered it, which may be
 	// after the key was seen gone here.
 	eventually.True(t, "GC stats counting the deletion", func() bool {
-		return n1.backend.GCStats().Deleted >= 1
+		return n1.backend.gcStats().Deleted >= 1
 	})
 }
 
