@@ -17,6 +17,7 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 
 	"github.com/identityd/identityd/cells/allocator/crdstore"
@@ -103,6 +104,34 @@ func (o *apiObjects) identity(id int) map[string]string {
 		lbls[k], _ = v.(string)
 	}
 	return lbls
+}
+
+// mark returns the heartbeat mark of CiliumIdentity id: "" when it has
+// none or does not exist.
+func (o *apiObjects) mark(id int) string {
+	o.t.Helper()
+	ctx, cancel := context.WithTimeout(o.t.Context(), 30*time.Second)
+	defer cancel()
+	obj, err := o.dyn.Resource(crdstore.CiliumIdentityResource).Get(ctx, strconv.Itoa(id), metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return ""
+	}
+	if err != nil {
+		o.t.Fatalf("get CiliumIdentity %d: %v", id, err)
+	}
+	return obj.GetAnnotations()[crdstore.HeartbeatAnnotation]
+}
+
+// backdateMark writes at as the heartbeat mark of CiliumIdentity id, as a
+// collector that marked it then would have left it.
+func (o *apiObjects) backdateMark(id int, at time.Time) {
+	o.t.Helper()
+	ctx, cancel := context.WithTimeout(o.t.Context(), 30*time.Second)
+	defer cancel()
+	patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, crdstore.HeartbeatAnnotation, at.UTC().Format(time.RFC3339Nano))
+	if _, err := o.dyn.Resource(crdstore.CiliumIdentityResource).Patch(ctx, strconv.Itoa(id), types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		o.t.Fatalf("backdating the mark of CiliumIdentity %d: %v", id, err)
+	}
 }
 
 // nodeIdentities returns the identities IdentityNode node lists, and

@@ -24,9 +24,10 @@ import (
 // (identityd_crd_identity_gc_leader), and it is the one killed with
 // SIGKILL: the live node takes the collection over within one IdentityNode
 // lease, and once the killed node's lease ended its garbage collection
-// deletes the identities only the killed node used (and the one the live
-// node released), keeps the one the live node uses, and deletes the dead
-// node's IdentityNode. The agents run as deploy/base's ServiceAccount, with
+// marks the identities only the killed node used (and the one the live
+// node released), deletes them once their marks are a heartbeat timeout
+// old (the test dates the marks back rather than wait), keeps the one the
+// live node uses, and deletes the dead node's IdentityNode. The agents run as deploy/base's ServiceAccount, with
 // a token of it from TokenRequest, on a kube-apiserver whose RBAC
 // authorizer has deploy/base's roles and bindings, with deploy/crds
 // installed first as an administrator does. The API server's audit
@@ -115,9 +116,27 @@ func TestCRDModeKilledNodeGC(t *testing.T) {
 	})
 	t.Logf("%s collects %s after SIGKILL of %s", aName, time.Since(killed).Round(100*time.Millisecond), bName)
 
-	// Lease (25s) + mark + heartbeat timeout (2m) + GC periods, on a
-	// loaded machine.
-	waitUntil(t, 6*time.Minute, "the GC deletes the identities only the killed node and no live node used", func() error {
+	// Once the killed node's lease ended the collector marks what no
+	// live node uses. The test then dates those marks a heartbeat
+	// timeout back, as a collector of an hour ago would have left them,
+	// instead of waiting the timeout out; the next run deletes them.
+	// Lease (25s) + a GC period, on a loaded machine.
+	waitUntil(t, 2*time.Minute, "the GC marks the identities only the killed node and no live node used", func() error {
+		for _, id := range []int{onlyB, released} {
+			if objs.mark(id) == "" {
+				return fmt.Errorf("CiliumIdentity %d is not marked", id)
+			}
+		}
+		return nil
+	})
+	t.Logf("the killed node's identities were marked %s after SIGKILL", time.Since(killed).Round(time.Second))
+	if m := objs.mark(shared); m != "" {
+		t.Errorf("CiliumIdentity %d, used by the live node, got the mark %q", shared, m)
+	}
+	for _, id := range []int{onlyB, released} {
+		objs.backdateMark(id, time.Now().Add(-time.Hour))
+	}
+	waitUntil(t, time.Minute, "the GC deletes the identities only the killed node and no live node used", func() error {
 		var left []int
 		for _, id := range []int{onlyB, released} {
 			if objs.identity(id) != nil {
