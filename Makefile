@@ -145,13 +145,14 @@ test-unit:
 # test's build cache it takes about two minutes, and the CRD exhaustion run
 # one and a half more (98 s on a loaded 2-core machine). The workloads
 # acceptance (cmd/identityd) runs with 3,000 pods instead of 300: about
-# 66 s for its two modes side by side; the identity manager's test runs in
-# kvstore mode too (`make test` runs it in crd mode), and the takeover
-# between two manager replicas after a SIGKILL runs only here.
+# 66 s for its two modes side by side; the identity manager's test and the
+# rolling switch of the management mode run in kvstore mode too (`make
+# test` runs them in crd mode), and the takeover between two manager
+# replicas after a SIGKILL runs only here.
 test-long:
 	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 WORKLOADS_PODS=3000 CRDSTORE_LATER_MARKS=1 MANAGER_KVSTORE=1 MANAGER_TAKEOVER=1 \
 	$(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m \
-	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore|TestFullRangeWalkWaitsForLaterMarks|TestOperatorModeManagerKVStore|TestManagerTakeover)$$' \
+	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore|TestFullRangeWalkWaitsForLaterMarks|TestOperatorModeManagerKVStore|TestManagementModeRollingSwitchKVStore|TestManagerTakeover)$$' \
 	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint ./cells/allocator ./cmd/identityd
 
 # The compose example is its own module that imports the cells from
