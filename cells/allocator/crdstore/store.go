@@ -529,6 +529,11 @@ type allocation struct {
 	stepped       []*entry
 	announced     map[identity.NumericIdentity]bool
 	firstAnnounce time.Time
+	// refreshed holds the objects an announcement met changed (another
+	// walk announced first), as a read found them; refreshes counts the
+	// reads of this walk.
+	refreshed map[identity.NumericIdentity]*entry
+	refreshes int
 	// reclaimWaitUntil ends the allocation's wait for identities the
 	// collector is going to delete (waitToReclaim); zero before its
 	// first wait.
@@ -572,7 +577,7 @@ var errRestart = errors.New("walk again")
 // whose cache was behind may have found or created another.
 func (s *Store) allocate(ctx context.Context, key string, lbls labels.Labels) (identity.NumericIdentity, bool, error) {
 	p := s.ids.rng.probe(key)
-	a := &allocation{s: s, key: key, lbls: lbls, seq: p, announced: map[identity.NumericIdentity]bool{}}
+	a := &allocation{s: s, key: key, lbls: lbls, seq: p, announced: map[identity.NumericIdentity]bool{}, refreshed: map[identity.NumericIdentity]*entry{}}
 	for {
 		a.adopted = 0
 		id, created, err := a.find(ctx, p)
@@ -743,8 +748,9 @@ var errNoSequenceObject = errors.New("no object of the label set on its probe se
 // walk goes along the probe sequence from its start.
 func (a *allocation) walk(ctx context.Context, p idprobe.Sequence) (identity.NumericIdentity, bool, error) {
 	start := time.Now()
-	a.walkStart, a.stepped, a.firstAnnounce = start, nil, time.Time{}
+	a.walkStart, a.stepped, a.firstAnnounce, a.refreshes = start, nil, time.Time{}, 0
 	clear(a.announced)
+	clear(a.refreshed)
 	if a.s.ids.full() {
 		// Decided at once, however large the range, rather than
 		// after a walk past every slot.
@@ -963,6 +969,11 @@ func (a *allocation) recheck(ctx context.Context, id identity.NumericIdentity) e
 				return errRestart
 			}
 		}
+		for i, e := range marked {
+			if r := a.refreshed[e.id]; r != nil {
+				marked[i] = r
+			}
+		}
 		due := a.dueSteps(marked, time.Now())
 		if len(due) == 0 {
 			break
@@ -979,7 +990,15 @@ func (a *allocation) recheck(ctx context.Context, id identity.NumericIdentity) e
 		switch {
 		case err == nil:
 			continue
-		case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+		case apierrors.IsConflict(err):
+			// Most often another walk announced its step over the
+			// same object first, and the cache does not show it yet:
+			// announce on the object as it is now.
+			if err := a.refresh(ctx, left); err != nil {
+				return err
+			}
+			continue
+		case apierrors.IsNotFound(err):
 			if err := a.conflict(); err != nil {
 				return err
 			}
@@ -996,6 +1015,43 @@ func (a *allocation) recheck(ctx context.Context, id identity.NumericIdentity) e
 			return err
 		}
 		return errRestart
+	}
+	return nil
+}
+
+// maxStepRefreshes bounds the reads of objects whose announcement met a
+// change, in one walk, before the walk counts a conflict and starts again.
+const maxStepRefreshes = 16
+
+// refresh reads the objects of left, whose step annotation was not
+// written, for the next announcement (a.refreshed). An object that is
+// gone, or is now another object or another label set's, restarts the
+// walk, as a changed slot does; one whose mark was removed needs no
+// announcement (a new mark is younger than stepNoteAge).
+func (a *allocation) refresh(ctx context.Context, left []*entry) error {
+	for _, e := range left {
+		a.refreshes++
+		if a.refreshes > maxStepRefreshes {
+			if err := a.conflict(); err != nil {
+				return err
+			}
+			return errRestart
+		}
+		fresh, err := a.read(ctx, e.id)
+		if err != nil {
+			return err
+		}
+		if fresh == nil || fresh.obj == nil || fresh.key != e.key || fresh.obj.UID != e.obj.UID {
+			if err := a.conflict(); err != nil {
+				return err
+			}
+			return errRestart
+		}
+		if !fresh.marked() {
+			a.announced[e.id] = true
+			continue
+		}
+		a.refreshed[e.id] = fresh
 	}
 	return nil
 }
