@@ -94,10 +94,10 @@ func TestManagementModeRollingSwitchKVStore(t *testing.T) {
 // agent mode. New pods come one after another all along (at most one
 // every 100 ms), on either node, most with one of ten label sets, every
 // seventh with a label set of its own, so that every step creates
-// identities. After each restart every pod created so
-// far is ready on its node: no pod ever shows two identities (0
-// renumbered), pods of equal labels share one, and at the end no label
-// set has two identities in the store (0 duplicates).
+// identities. After each restart every pod created so far is ready on its
+// node: no pod ever shows two identities (0 renumbered), pods of equal
+// labels share one, and at the end no label set has two identities in
+// the store (0 duplicates).
 func rollingSwitch(t *testing.T, srv *k8stest.Server, store []string, objects func(context.Context) (map[string][]string, error)) {
 	ctx := t.Context()
 	core, err := corev1client.NewForConfig(srv.RESTConfig())
