@@ -87,10 +87,7 @@ func RunChurn(t *testing.T, c Churn, nodes []ChurnNode, count func() (identities
 			defer wg.Done()
 			var inflight sync.WaitGroup
 			defer func() { inflight.Wait(); close(queue) }()
-			// Allocations in flight: up to a second's worth, so
-			// that the rate asked, not the answers' latency under
-			// load, sets the rate delivered.
-			sem := make(chan struct{}, max(16, c.Rate))
+			sem := make(chan struct{}, 16)
 			tick := time.NewTicker(time.Second / time.Duration(c.Rate))
 			defer tick.Stop()
 			for i := 0; ; i++ {
