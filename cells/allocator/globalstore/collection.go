@@ -50,9 +50,14 @@ func CollectionJob(name string, interval time.Duration, log *slog.Logger, c Coll
 			}
 			return nil
 		}
-		ctx, cancel := context.WithCancel(ctx)
+		// The pass runs in a child of the term, which the term's end
+		// cancels before the election reports it ended: no write of
+		// the pass starts once this node no longer holds the term. The
+		// job's stop reaches it through AfterFunc.
+		run, cancel := context.WithCancel(term)
 		defer cancel()
-		defer context.AfterFunc(term, cancel)()
+		defer context.AfterFunc(ctx, cancel)()
+		ctx = run
 		res, err := c.Pass(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
