@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/identityd/identityd/cells/allocator"
+	"github.com/identityd/identityd/cells/allocator/globalstore"
 	"github.com/identityd/identityd/cells/health"
 	"github.com/identityd/identityd/cells/ipcache"
 	"github.com/identityd/identityd/cells/k8sclient"
@@ -36,8 +37,14 @@ var Cell = cell.Module(
 	"Identities of the pods of this node",
 
 	cell.Config(DefaultConfig),
-	cell.Provide(newCell, newCommands, newMetricsOut),
+	cell.Provide(newCell, newCommands, newMetricsOut, adoptOnly),
 )
+
+// adoptOnly tells the stores that a node in operator mode writes no
+// global identity.
+func adoptOnly(c Config) globalstore.AdoptOnly {
+	return globalstore.AdoptOnly(c.IdentityManagementMode == ManagementModeOperator)
+}
 
 type params struct {
 	cell.In

@@ -34,7 +34,9 @@
 //     --identity-allocation-timeout is reported once: an error line,
 //     identityd_workloads_identity_not_created_total, and the count in the
 //     job's health message. The manager is ManagerCell (`identityd
-//     manager`);
+//     manager`). The cell provides globalstore.AdoptOnly, so that the
+//     stores write no global identity either (no mark removed, none
+//     re-created): a node in operator mode needs only read access to them;
 //   - its IPs (status.podIPs, else status.podIP) are ipcache rows of the
 //     owner "pod/<namespace>/<name>", /32 and /128, with the identity given
 //     directly; an IP that leaves the pod leaves the ipcache, and an IP

@@ -3,6 +3,7 @@ package crdstore
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -15,6 +16,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/uuid"
 
@@ -631,5 +633,97 @@ func TestMirroredObjectAdopted(t *testing.T) {
 	}
 	if objs := cli.identities(t); len(objs) != 3 {
 		t.Errorf("%d CiliumIdentity objects for 3 label sets, want 3", len(objs))
+	}
+}
+
+// TestAdoptOnlyNodeWritesNoIdentity: a node given globalstore.AdoptOnly
+// (operator mode) adopts the identities another node holds, never creates
+// one (Allocate of an unknown label set fails with ErrNoIdentity), takes
+// no marked identity (its writer removes the mark when it takes the label
+// set up again), and leaves the mark on an identity it holds and a deleted
+// one deleted: the writer that holds the label set does both.
+func TestAdoptOnlyNodeWritesNoIdentity(t *testing.T) {
+	t.Parallel()
+	srv := startServer(t)
+	rc := srv.RESTConfig()
+	cli := newClient(t, rc)
+	writer := startNode(t, rc, "adopt-only-writer")
+	reader := startNode(t, rc, "adopt-only-reader", func(o *nodeOpts) {
+		o.cells = append(o.cells, cell.Provide(func() globalstore.AdoptOnly { return true }))
+	})
+	set := func(name string) labels.Labels {
+		return labels.MustParse("k8s:app=adopt-only-"+name, "k8s:io.kubernetes.pod.namespace=adopt")
+	}
+	objectsOf := func(l labels.Labels) (n int) {
+		for _, o := range cli.identities(t) {
+			if got, err := parseSecurityLabels(o.SecurityLabels); err == nil && got.Equal(l) {
+				n++
+			}
+		}
+		return n
+	}
+	ctx := t.Context()
+
+	// No object of the label set: nothing is created.
+	unknown := set("unknown")
+	if _, _, err := reader.store.Allocate(ctx, unknown, reader.refs.Record); !errors.Is(err, globalstore.ErrNoIdentity) {
+		t.Fatalf("Allocate of a label set without an object on an adopt-only node: %v, want ErrNoIdentity", err)
+	}
+	if n := objectsOf(unknown); n != 0 {
+		t.Fatalf("the adopt-only node created %d objects of %s", n, unknown.Canonical())
+	}
+
+	// A marked identity is not taken until its writer takes it up.
+	marked := set("marked")
+	markedID, _ := writer.allocate(t, marked)
+	writer.release(t, markedID)
+	cli.mark(t, markedID)
+	require(t, 30*time.Second, func() error {
+		if e := reader.store.ids.get(markedID); e == nil || !e.marked() {
+			return errors.New("the reader's cache does not show the mark yet")
+		}
+		return nil
+	})
+	if _, err := reader.store.Adopt(ctx, marked, reader.refs.Record); !errors.Is(err, globalstore.ErrNoIdentity) {
+		t.Fatalf("Adopt of a marked identity on an adopt-only node: %v, want ErrNoIdentity", err)
+	}
+	if !cli.marked(t, markedID) {
+		t.Fatalf("the adopt-only node removed the mark of %d", markedID)
+	}
+	if id, _ := writer.allocate(t, marked); id != markedID {
+		t.Fatalf("the writer took %s up again as %d, want %d", marked.Canonical(), id, markedID)
+	}
+	require(t, 30*time.Second, func() error {
+		id, _, err := reader.store.Allocate(ctx, marked, reader.refs.Record)
+		if err != nil {
+			return err
+		}
+		if id != markedID {
+			t.Fatalf("the adopt-only node adopted %d, want %d", id, markedID)
+		}
+		return nil
+	})
+
+	// An identity the adopt-only node alone holds keeps its mark, and
+	// stays deleted once deleted.
+	held := set("held")
+	heldID, _ := writer.allocate(t, held)
+	if id, err := reader.store.Adopt(ctx, held, reader.refs.Record); err != nil || id != heldID {
+		t.Fatalf("Adopt of %s: %d, %v, want %d", held.Canonical(), id, err, heldID)
+	}
+	writer.release(t, heldID)
+	reader.store.writer.request(false)
+	cli.nodeLists(t, "adopt-only-reader", markedID, heldID)
+	cli.mark(t, heldID)
+	time.Sleep(2 * time.Second)
+	if !cli.marked(t, heldID) {
+		t.Fatalf("the adopt-only node removed the mark of %d", heldID)
+	}
+	if err := cli.cilium.Delete().Resource("ciliumidentities").Name(heldID.String()).Do(ctx).Error(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	if _, err := cli.identity(t, heldID); !apierrors.IsNotFound(err) {
+		t.Fatalf("CiliumIdentity %d after its delete: %v, want NotFound: the adopt-only node re-created it", heldID, err)
 	}
 }

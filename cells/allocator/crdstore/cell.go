@@ -65,7 +65,8 @@ type params struct {
 	Health cell.Health `optional:"true"`
 	// Sinks is where the store reports; a hive without an allocator
 	// leaves its Sink unbound.
-	Sinks     *globalstore.Sinks `optional:"true"`
+	Sinks     *globalstore.Sinks    `optional:"true"`
+	AdoptOnly globalstore.AdoptOnly `optional:"true"`
 	Lifecycle cell.Lifecycle
 }
 
@@ -92,6 +93,7 @@ func newStore(p params) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
+	s.adoptOnly = bool(p.AdoptOnly)
 	if p.Client != nil {
 		s.restSource = p.Client.RESTConfig
 	} else if err := s.connect(p.RESTConfig); err != nil {

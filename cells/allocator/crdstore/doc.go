@@ -90,7 +90,9 @@
 // writes it again at once when it is deleted), identity-node-renew (a
 // timer at a third of the lease),
 // identity-unmark (removes the heartbeat mark from identities this node
-// uses), identity-splits (reports label sets this node holds under another
+// uses, and re-creates deleted ones; idle on a node given
+// globalstore.AdoptOnly, which writes no CiliumIdentity and adopts no
+// marked one), identity-splits (reports label sets this node holds under another
 // ID than the rule's), and, unless the collection's interval is 0, identity-gc-election
 // (client-go's leader-election algorithm over the coordination.k8s.io Lease
 // identity-gc-<cluster ID> in --identity-gc-lease-namespace, and over the

@@ -579,6 +579,13 @@ func takenBy(id identity.NumericIdentity, mine, theirs labels.Labels, parseErr e
 // unmarkLoop is the job that removes marks from identities this node
 // uses, and re-creates deleted ones it uses.
 func (s *Store) unmarkLoop(ctx context.Context, h cell.Health) {
+	if s.adoptOnly {
+		if h != nil {
+			h.OK("Operator mode: the identity manager removes heartbeat marks and re-creates deleted identities")
+		}
+		<-ctx.Done()
+		return
+	}
 	failures := 0
 	// taken holds the IDs this node uses whose objects hold another
 	// label set, with what was found.

@@ -81,6 +81,8 @@ type Store struct {
 	sliceClient *rest.RESTClient
 
 	ids *identityCache
+	// adoptOnly: this node writes no CiliumIdentity (globalstore.AdoptOnly).
+	adoptOnly bool
 
 	events globalstore.Events
 	refs   globalstore.References
@@ -448,6 +450,13 @@ func (s *Store) LookupByLabels(lbls labels.Labels) (identity.NumericIdentity, bo
 // it arrives, else one read) is adopted if it holds the label set, skipped
 // otherwise.
 func (s *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, bool, error) {
+	if s.adoptOnly {
+		id, err := s.Adopt(ctx, lbls, record)
+		if err != nil {
+			err = fmt.Errorf("%w (this node is in operator mode: the identity manager creates global identities)", err)
+		}
+		return id, false, err
+	}
 	key := lbls.Canonical()
 	id, created, err := s.allocate(ctx, key, lbls)
 	if err != nil {
@@ -476,7 +485,10 @@ func (s *Store) Allocate(ctx context.Context, lbls labels.Labels, record func(*g
 
 // Adopt implements globalstore.Backend: the rule's pick among the label
 // set's objects the cache shows, settled as an allocation settles it and
-// with its heartbeat mark removed; never a create.
+// with its heartbeat mark removed; never a create. On a node given
+// globalstore.AdoptOnly a marked pick is not adopted (ErrNoIdentity): its
+// writer removes the mark when it takes the label set up again, and
+// Allocate adopts too.
 func (s *Store) Adopt(ctx context.Context, lbls labels.Labels, record func(*globalstore.Reference)) (identity.NumericIdentity, error) {
 	key := lbls.Canonical()
 	a := &allocation{s: s, key: key, lbls: lbls}
@@ -486,6 +498,12 @@ func (s *Store) Adopt(ctx context.Context, lbls labels.Labels, record func(*glob
 			return 0, fmt.Errorf("adopting global identity for %s: %w", key, globalstore.ErrNoIdentity)
 		}
 		pick, err := a.settle(ctx, e.id)
+		if err == nil && s.adoptOnly && pick.marked() {
+			// Its writer removes the mark when it takes the
+			// label set up again; until then the collector may
+			// delete it.
+			return 0, fmt.Errorf("adopting global identity for %s: %w: its CiliumIdentity %d carries the heartbeat mark of an unused identity", key, globalstore.ErrNoIdentity, pick.id)
+		}
 		if err == nil {
 			err = a.adopt(ctx, pick)
 		}

@@ -65,3 +65,11 @@ func (c Config) Validate() error {
 	}
 	return nil
 }
+
+// AdoptOnly, when the hive provides it true, says that this node writes
+// no global identity: it adopts those another writer (the identity
+// manager of --identity-management-mode=operator) created and holds, and
+// leaves heartbeat marks and the re-creation of deleted identities to
+// that writer, so that it needs only read access to them. The workloads
+// cell provides it from the management mode.
+type AdoptOnly bool
