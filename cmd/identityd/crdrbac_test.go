@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -53,23 +54,21 @@ func auditedServer(t *testing.T) (*k8stest.Server, string) {
 	return k8stest.Start(t, k8stest.WithServerArgs("--audit-log-path", auditLog, "--audit-policy-file", policy)), auditLog
 }
 
-// applyDeployRBAC applies deploy/base's Namespace, ServiceAccount,
+// applyDeployRBAC applies deploy/<root>'s Namespace, ServiceAccounts,
 // ClusterRoles, Roles and their bindings to srv as an administrator's
-// `kubectl apply -k deploy/base` does (the DaemonSet, which nothing here
-// runs, left out), with the rules of each role first passed through edit
-// (nil: as written). It waits until the server's RBAC authorizer grants
-// the ServiceAccount what the roles say, and returns a kubeconfig with a
-// token of that account from the server's TokenRequest, as the agent's
-// pods have, and the account's user name.
-func applyDeployRBAC(t *testing.T, srv *k8stest.Server, edit func(role string, rules []rbacv1.PolicyRule) []rbacv1.PolicyRule) (kubeconfig, user string) {
+// `kubectl apply -k` does (the workloads, which the tests run as
+// processes, left out), with the rules of each role first passed through
+// edit (nil: as written). It waits until the server's RBAC authorizer
+// grants each account what its roles say, and returns the accounts of
+// deployAccounts, each with a kubeconfig holding a token of it from the
+// server's TokenRequest, as the pods have.
+func applyDeployRBAC(t *testing.T, srv *k8stest.Server, root string, edit func(role string, rules []rbacv1.PolicyRule) []rbacv1.PolicyRule) map[string]deployAccount {
 	t.Helper()
-	_, _, user = deployRBAC(t)
 	dyn, err := dynamic.NewForConfig(srv.RESTConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
-	var granted []rbacv1.PolicyRule
-	for _, o := range buildDeploy(t, "base") {
+	for _, o := range buildDeploy(t, root) {
 		gvr, ok := deployResources[o.kind]
 		if !ok {
 			continue
@@ -80,14 +79,12 @@ func applyDeployRBAC(t *testing.T, srv *k8stest.Server, edit func(role string, r
 			if edit != nil {
 				r.Rules = edit(r.Name, r.Rules)
 			}
-			granted = append(granted, r.Rules...)
 			o.obj = r
 		case *rbacv1.Role:
 			r = r.DeepCopy()
 			if edit != nil {
 				r.Rules = edit(r.Name, r.Rules)
 			}
-			granted = append(granted, r.Rules...)
 			o.obj = r
 		}
 		m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(o.obj)
@@ -102,34 +99,45 @@ func applyDeployRBAC(t *testing.T, srv *k8stest.Server, edit func(role string, r
 			t.Fatalf("applying %s: %v", o.key(), err)
 		}
 	}
-	ns, name, _ := strings.Cut(strings.TrimPrefix(user, "system:serviceaccount:"), ":")
-	// The authorizer reads roles and bindings from its informers: wait
-	// until it grants the account each rule, asked as the agent would be.
-	for _, r := range granted {
-		for _, g := range r.APIGroups {
-			for _, res := range r.Resources {
-				for _, v := range r.Verbs {
-					waitUntil(t, 30*time.Second, fmt.Sprintf("RBAC grants %s %s.%s", v, res, g), func() error {
-						return accessAllowed(t, dyn, user, ns, g, res, v)
-					})
+	accounts := deployAccounts(t, root)
+	for kind, a := range accounts {
+		for _, role := range a.roles {
+			if edit != nil {
+				role.Rules = edit(role.Name, role.Rules)
+			}
+			// The authorizer reads roles and bindings from its
+			// informers: wait until it grants the account each rule,
+			// asked as the workload would be.
+			for _, r := range role.Rules {
+				for _, g := range r.APIGroups {
+					for _, res := range r.Resources {
+						for _, v := range r.Verbs {
+							waitUntil(t, 30*time.Second, fmt.Sprintf("RBAC grants %s %s.%s to %s", v, res, g, a.user), func() error {
+								return accessAllowed(t, dyn, a.user, a.namespace(), g, res, v)
+							})
+						}
+					}
 				}
 			}
 		}
+		_, name, _ := strings.Cut(strings.TrimPrefix(a.user, "system:serviceaccount:"+a.namespace()), ":")
+		req := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+			"metadata": map[string]any{"name": name, "namespace": a.namespace()},
+			"spec":     map[string]any{"expirationSeconds": int64(3600)},
+		}}
+		tr, err := dyn.Resource(deployResources["ServiceAccount"]).Namespace(a.namespace()).Create(t.Context(), req, metav1.CreateOptions{}, "token")
+		if err != nil {
+			t.Fatalf("TokenRequest for %s: %v", a.user, err)
+		}
+		token, _, _ := unstructured.NestedString(tr.Object, "status", "token")
+		if token == "" {
+			t.Fatalf("TokenRequest for %s gave no token", a.user)
+		}
+		a.kubeconfig = tokenKubeconfig(t, srv, token)
+		accounts[kind] = a
 	}
-	req := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-		"metadata": map[string]any{"name": name, "namespace": ns},
-		"spec":     map[string]any{"expirationSeconds": int64(3600)},
-	}}
-	tr, err := dyn.Resource(deployResources["ServiceAccount"]).Namespace(ns).Create(t.Context(), req, metav1.CreateOptions{}, "token")
-	if err != nil {
-		t.Fatalf("TokenRequest for %s: %v", user, err)
-	}
-	token, _, _ := unstructured.NestedString(tr.Object, "status", "token")
-	if token == "" {
-		t.Fatalf("TokenRequest for %s gave no token", user)
-	}
-	return tokenKubeconfig(t, srv, token), user
+	return accounts
 }
 
 // accessAllowed asks srv's authorizer (a SubjectAccessReview) whether the
@@ -223,14 +231,6 @@ func refusedRequests(t *testing.T, auditLog, user string) map[apiRequest]int {
 	return refused
 }
 
-// deployLeaseNamespace is the flag that puts the collector's Lease where
-// deploy/base's Role grants it: the namespace of the ServiceAccount user,
-// which an agent in its pod finds by itself.
-func deployLeaseNamespace(user string) string {
-	ns, _, _ := strings.Cut(strings.TrimPrefix(user, "system:serviceaccount:"), ":")
-	return "--identity-gc-lease-namespace=" + ns
-}
-
 // withoutVerb returns an edit for applyDeployRBAC that takes verb on
 // resource out of every rule that grants it (a rule left with no verb
 // goes).
@@ -265,11 +265,12 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 		t.Skip("runs an API server and agent processes")
 	}
 	srv, auditLog := auditedServer(t)
-	kubeconfig, saUser := applyDeployRBAC(t, srv, nil)
+	agent := applyDeployRBAC(t, srv, "base", nil)["agent"]
+	kubeconfig, saUser := agent.kubeconfig, agent.user
 	startToExit := func(want ...string) {
 		t.Helper()
 		out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
-			"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa", deployLeaseNamespace(saUser))...)...)
+			"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa", "--identity-gc-interval=0")...)...)
 		if err == nil {
 			t.Fatalf("the agent started, want its start refused naming %q:\n%s", want, out)
 		}
@@ -330,7 +331,7 @@ func TestCRDModeAgentOnlyReadsCRDs(t *testing.T) {
 		return n
 	}
 	refusedBefore := countRefusals()
-	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), kubeconfig, "node-sa", deployLeaseNamespace(saUser))
+	sa := startCRDAgent(t, filepath.Join(t.TempDir(), "sa"), kubeconfig, "node-sa", "--identity-gc-interval=0")
 	sh := sa.dial()
 	id := allocate(t, sh, "k8s:app=deployed")
 	sh.Close()
@@ -352,9 +353,10 @@ func TestCRDModeAgentNeedsItsRoleRules(t *testing.T) {
 	}
 	srv, auditLog := auditedServer(t)
 	k8stest.InstallCRD(t, srv.RESTConfig(), findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")...)
-	kubeconfig, saUser := applyDeployRBAC(t, srv, withoutVerb("customresourcedefinitions", "get"))
+	agent := applyDeployRBAC(t, srv, "base", withoutVerb("customresourcedefinitions", "get"))["agent"]
+	kubeconfig, saUser := agent.kubeconfig, agent.user
 	out, err := runAgentToExit(t, append([]string{"--state-dir", t.TempDir(), "--ipcache-map", "file",
-		"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa")...)...)
+		"--prometheus-serve-addr", "", "--log-level", "error"}, crdAgentArgs(kubeconfig, "node-sa", "--identity-gc-interval=0")...)...)
 	if err == nil {
 		t.Fatalf("the agent started without the right to read the CRDs:\n%s", out)
 	}
@@ -367,17 +369,16 @@ func TestCRDModeAgentNeedsItsRoleRules(t *testing.T) {
 }
 
 // TestCRDModeCollectorNeedsLeaseRole: without deploy/base's Role on the
-// collector's Lease (its create taken out), the server refuses the agent
-// the Lease: the agent runs and allocates, but does not collect, and its
-// election's health names the refused Lease. With the Role as written, the
-// agent collects and the Lease in its namespace names it.
+// identity manager's Leases (its create taken out), the server refuses the
+// manager the collector's Lease: the manager runs, but does not collect.
+// With the Role as written, the manager collects and the Lease in its
+// namespace names it.
 func TestCRDModeCollectorNeedsLeaseRole(t *testing.T) {
 	parallelProcess(t)
 	if testing.Short() {
-		t.Skip("runs an API server and agent processes")
+		t.Skip("runs an API server and manager processes")
 	}
 	const leaderSeries = "identityd_crd_identity_gc_leader"
-	gcFlags := []string{"--identity-gc-interval=3s", "--identity-heartbeat-timeout=2m", "--identity-gc-cilium-agents=false"}
 	for _, c := range []struct {
 		name string
 		edit func(string, []rbacv1.PolicyRule) []rbacv1.PolicyRule
@@ -385,16 +386,16 @@ func TestCRDModeCollectorNeedsLeaseRole(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			srv, auditLog := auditedServer(t)
 			k8stest.InstallCRD(t, srv.RESTConfig(), findObject[*apiextensionsv1.CustomResourceDefinition](t, buildDeploy(t, "crds"), "CustomResourceDefinition")...)
-			kubeconfig, saUser := applyDeployRBAC(t, srv, c.edit)
-			ns, _, _ := strings.Cut(strings.TrimPrefix(saUser, "system:serviceaccount:"), ":")
-			a := startCRDAgent(t, filepath.Join(t.TempDir(), "a"), kubeconfig, "node-a", append(gcFlags, deployLeaseNamespace(saUser))...)
-			sh := a.dial()
-			allocate(t, sh, "k8s:app=runs")
-			sh.Close()
+			manager := applyDeployRBAC(t, srv, "base", c.edit)["manager"]
+			ns := manager.namespace()
+			m := startManager(t, filepath.Join(t.TempDir(), "m"), crdAgentArgs(manager.kubeconfig, "manager-a",
+				"--identity-gc-interval=3s", "--identity-heartbeat-timeout=2m", "--identity-gc-cilium-agents=false",
+				"--identity-gc-lease-namespace="+ns)...)
+			m.waitFor("/readyz", http.StatusOK, 90*time.Second)
 			leases := newLeaseClient(t, srv)
 			if c.edit == nil {
-				waitUntil(t, time.Minute, "the agent collects", func() error {
-					if v, _ := a.metricValue(leaderSeries); v != 1 {
+				waitUntil(t, time.Minute, "the manager collects", func() error {
+					if v, _ := m.metricValue(leaderSeries); v != 1 {
 						return fmt.Errorf("%s = %v", leaderSeries, v)
 					}
 					return nil
@@ -403,32 +404,27 @@ func TestCRDModeCollectorNeedsLeaseRole(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if h, _, _ := unstructured.NestedString(lease.Object, "spec", "holderIdentity"); !strings.HasPrefix(h, "node-a"+"_") {
-					t.Errorf("the Lease %s/identity-gc-0 names %q, want node-a", ns, h)
+				if h, _, _ := unstructured.NestedString(lease.Object, "spec", "holderIdentity"); !strings.HasPrefix(h, "manager-a"+"_") {
+					t.Errorf("the Lease %s/identity-gc-0 names %q, want manager-a", ns, h)
 				}
 				return
 			}
 			refused := apiRequest{Group: "coordination.k8s.io", Resource: "leases", Verb: "create"}
-			waitUntil(t, time.Minute, "the server refuses the agent the Lease", func() error {
-				if n := refusedRequests(t, auditLog, saUser)[refused]; n == 0 {
+			waitUntil(t, time.Minute, "the server refuses the manager the Lease", func() error {
+				if n := refusedRequests(t, auditLog, manager.user)[refused]; n == 0 {
 					return fmt.Errorf("no refused %s yet", refused)
 				}
 				return nil
 			})
-			want := "Creating Lease " + ns + "/identity-gc-0 failed, retrying"
-			waitUntil(t, 30*time.Second, "the election's health names the refused Lease", func() error {
-				sh := a.dial()
-				defer sh.Close()
-				out, _ := sh.Run(time.Now().Add(10*time.Second), "health")
-				if !strings.Contains(out, want) || !strings.Contains(out, "forbidden") {
-					return fmt.Errorf("health does not say %q and forbidden:\n%s", want, out)
-				}
-				return nil
-			})
-			if v, _ := a.metricValue(leaderSeries); v != 0 {
-				t.Errorf("the agent collects without the right to the Lease: %s = %v", leaderSeries, v)
+			// Three collection intervals: it never collects.
+			time.Sleep(9 * time.Second)
+			if v, _ := m.metricValue(leaderSeries); v != 0 {
+				t.Errorf("the manager collects without the right to the Lease: %s = %v", leaderSeries, v)
 			}
-			a.stop(syscall.SIGTERM)
+			if code, body := m.probe("/healthz"); code != http.StatusOK {
+				t.Errorf("the manager refused its Lease is not live: %d %s", code, body)
+			}
+			m.stop(syscall.SIGTERM)
 		})
 	}
 }

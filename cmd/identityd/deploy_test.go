@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -50,6 +51,7 @@ type deployObject struct {
 	apiVersion string
 	kind       string
 	obj        metav1.Object
+	doc        string // its YAML document, as a patch merges it
 }
 
 func (o deployObject) key() string {
@@ -87,6 +89,8 @@ func newTyped(apiVersion, kind string) (metav1.Object, error) {
 		return &rbacv1.RoleBinding{}, nil
 	case "apps/v1 DaemonSet":
 		return &appsv1.DaemonSet{}, nil
+	case "apps/v1 Deployment":
+		return &appsv1.Deployment{}, nil
 	case "apiextensions.k8s.io/v1 CustomResourceDefinition":
 		return &apiextensionsv1.CustomResourceDefinition{}, nil
 	}
@@ -114,7 +118,7 @@ func decodeManifests(file string, data []byte) ([]deployObject, error) {
 		if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
 			return nil, fmt.Errorf("%s, document %d (%s): %w", file, i+1, tm.Kind, err)
 		}
-		objs = append(objs, deployObject{file: file, apiVersion: tm.APIVersion, kind: tm.Kind, obj: obj})
+		objs = append(objs, deployObject{file: file, apiVersion: tm.APIVersion, kind: tm.Kind, obj: obj, doc: doc})
 	}
 	return objs, nil
 }
@@ -183,7 +187,7 @@ func kustomizeBuild(dir string, used map[string]bool) ([]deployObject, error) {
 			if i < 0 {
 				return nil, fmt.Errorf("%s: the patch of %s has no target in the resources", rel, patch.key())
 			}
-			if objs[i].obj, err = strategicMerge(objs[i], rel); err != nil {
+			if objs[i].obj, err = strategicMerge(objs[i], patch); err != nil {
 				return nil, err
 			}
 		}
@@ -200,13 +204,11 @@ func readManifests(rel string, used map[string]bool) ([]deployObject, error) {
 	return decodeManifests(rel, data)
 }
 
-// strategicMerge merges the patch file rel (one document, already decoded
-// strictly) into target.
-func strategicMerge(target deployObject, rel string) (metav1.Object, error) {
-	data, err := os.ReadFile(filepath.Join(deployDir, rel))
-	if err != nil {
-		return nil, err
-	}
+// strategicMerge merges patch (one document of a patch file, already
+// decoded strictly) into target.
+func strategicMerge(target, p deployObject) (metav1.Object, error) {
+	rel := p.file
+	data := []byte(p.doc)
 	patch, err := yaml.YAMLToJSON(data)
 	if err != nil {
 		return nil, err
@@ -275,7 +277,7 @@ func findObject[T any](t *testing.T, objs []deployObject, kind string) []T {
 // `kubectl kustomize` of every root with this test's build.
 func TestDeployManifestsStrict(t *testing.T) {
 	roots := deployRoots(t)
-	for _, want := range []string{"base", "crds", "overlays/etcd"} {
+	for _, want := range []string{"base", "crds", "overlays/etcd", "overlays/operator"} {
 		if !slices.Contains(roots, want) {
 			t.Errorf("deploy/%s has no kustomization.yaml (roots: %v)", want, roots)
 		}
@@ -495,7 +497,7 @@ func containerSettings(t *testing.T, c corev1.Container, flags *pflag.FlagSet, h
 func TestDeployDaemonSet(t *testing.T) {
 	parallelProcess(t)
 	flags, hiveFlags := binaryFlags(t)
-	for _, root := range []string{"base", "overlays/etcd"} {
+	for _, root := range workloadRoots {
 		t.Run(strings.ReplaceAll(root, "/", "-"), func(t *testing.T) {
 			objs := buildDeploy(t, root)
 			dss := findObject[*appsv1.DaemonSet](t, objs, "DaemonSet")
@@ -517,9 +519,18 @@ func TestDeployDaemonSet(t *testing.T) {
 				t.Errorf("IDENTITYD_NODE_NAME is not taken from spec.nodeName: %+v", nn)
 			}
 
+			// On Kubernetes the identity manager collects, and the
+			// agents' role has no delete (TestDeployManager).
+			if gc := s.duration(t, "identity-gc-interval"); gc != 0 {
+				t.Errorf("--identity-gc-interval=%v: the agents must not collect, the identity manager does", gc)
+			}
 			mode, _ := s.value("identity-allocation-mode")
+			management, _ := s.value("identity-management-mode")
+			if want := map[string]string{"overlays/operator": "operator"}[root]; management != cmp.Or(want, "agent") {
+				t.Errorf("--identity-management-mode=%s, want %s", management, cmp.Or(want, "agent"))
+			}
 			switch root {
-			case "base":
+			case "base", "overlays/operator":
 				if mode != "crd" {
 					t.Errorf("--identity-allocation-mode=%s, want crd", mode)
 				}
@@ -562,7 +573,7 @@ func TestDeployDaemonSet(t *testing.T) {
 				t.Errorf("memory limit %s below the request %s", m.String(), req.Memory())
 			}
 
-			checkServiceAccount(t, objs, ds)
+			checkServiceAccount(t, objs, ds.Namespace, spec.ServiceAccountName)
 
 			if ds.Spec.Selector == nil || !labelsMatch(ds.Spec.Selector.MatchLabels, ds.Spec.Template.Labels) {
 				t.Errorf("the selector %v does not select the pod template's labels %v", ds.Spec.Selector, ds.Spec.Template.Labels)
@@ -766,33 +777,146 @@ func checkEtcdTLS(t *testing.T, s agentSettings, spec corev1.PodSpec, c corev1.C
 			t.Errorf("--%s=%s is not in a secret mounted read-only", f, file)
 			continue
 		}
-		if dm := v.Secret.DefaultMode; dm == nil || *dm&0o077 != 0 {
-			t.Errorf("secret %s: defaultMode %s lets others than the agent's user read the key", v.Secret.SecretName, fileMode(dm))
+		// The files are root's; a pod of another user reads them as
+		// the group of its fsGroup, which only its own processes have.
+		others := int32(0o077)
+		if psc := spec.SecurityContext; psc != nil && psc.FSGroup != nil && psc.RunAsUser != nil && *psc.RunAsUser != 0 {
+			others = 0o007
+		}
+		if dm := v.Secret.DefaultMode; dm == nil || *dm&others != 0 {
+			t.Errorf("secret %s: defaultMode %s lets others than the pod's user read the key", v.Secret.SecretName, fileMode(dm))
 		}
 	}
 }
 
-// checkServiceAccount: the pods run as the ServiceAccount of the build,
-// which a binding of the build gives the build's ClusterRole.
-func checkServiceAccount(t *testing.T, objs []deployObject, ds *appsv1.DaemonSet) {
+// checkServiceAccount: the pods run as the ServiceAccount sa of the
+// build, which a binding of the build gives a ClusterRole of the build.
+func checkServiceAccount(t *testing.T, objs []deployObject, ns, sa string) {
 	t.Helper()
-	sa := ds.Spec.Template.Spec.ServiceAccountName
 	if !slices.ContainsFunc(findObject[*corev1.ServiceAccount](t, objs, "ServiceAccount"), func(o *corev1.ServiceAccount) bool {
-		return o.Name == sa && o.Namespace == ds.Namespace
+		return o.Name == sa && o.Namespace == ns
 	}) {
-		t.Errorf("serviceAccountName %q: no such ServiceAccount in namespace %s", sa, ds.Namespace)
+		t.Errorf("serviceAccountName %q: no such ServiceAccount in namespace %s", sa, ns)
 	}
-	if !slices.ContainsFunc(findObject[*corev1.Namespace](t, objs, "Namespace"), func(o *corev1.Namespace) bool { return o.Name == ds.Namespace }) {
-		t.Errorf("namespace %s is not created by the build", ds.Namespace)
+	if !slices.ContainsFunc(findObject[*corev1.Namespace](t, objs, "Namespace"), func(o *corev1.Namespace) bool { return o.Name == ns }) {
+		t.Errorf("namespace %s is not created by the build", ns)
 	}
 	roles := findObject[*rbacv1.ClusterRole](t, objs, "ClusterRole")
 	if !slices.ContainsFunc(findObject[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding"), func(b *rbacv1.ClusterRoleBinding) bool {
 		return b.RoleRef.Kind == "ClusterRole" && b.RoleRef.APIGroup == rbacv1.GroupName &&
 			slices.ContainsFunc(roles, func(r *rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name }) &&
-			slices.Contains(b.Subjects, rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: sa, Namespace: ds.Namespace})
+			slices.Contains(b.Subjects, rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: sa, Namespace: ns})
 	}) {
-		t.Errorf("no ClusterRoleBinding of the build binds a ClusterRole of the build to ServiceAccount %s/%s", ds.Namespace, sa)
+		t.Errorf("no ClusterRoleBinding of the build binds a ClusterRole of the build to ServiceAccount %s/%s", ns, sa)
 	}
+}
+
+// workloadRoots are the builds of deploy/ that run identityd: the agents'
+// DaemonSet and the identity manager's Deployment.
+var workloadRoots = []string{"base", "overlays/etcd", "overlays/operator"}
+
+// TestDeployManager checks the identity manager's Deployment of every
+// build against the binary and the build's DaemonSet: its args are
+// `identityd manager` and flags the manager has, it runs at least two
+// replicas, collects (a positive --identity-gc-interval, which the agents
+// leave to it) in the agents' allocation and management modes, names its
+// record after its pod, keeps its Leases in its own namespace (where the
+// build's Role grants them), keeps its state in the pod (the kubelet
+// probes the pod's address, where the manager serves its health), and
+// runs as a user other than root with no capability.
+func TestDeployManager(t *testing.T) {
+	parallelProcess(t)
+	root := newRootCmd(newHive(), &bytes.Buffer{}, &bytes.Buffer{})
+	mcmd, _, err := root.Find([]string{"manager"})
+	if err != nil || mcmd == root {
+		t.Fatalf("identityd has no manager command: %v", err)
+	}
+	hiveFlags := map[string]bool{}
+	mcmd.Flags().VisitAll(func(f *pflag.Flag) { hiveFlags[f.Name] = true })
+	mflags := pflag.NewFlagSet("manager", pflag.ContinueOnError)
+	mflags.AddFlagSet(mcmd.Flags())
+	mflags.AddFlagSet(root.PersistentFlags())
+	agentFlags, agentHive := binaryFlags(t)
+	for _, root := range workloadRoots {
+		t.Run(strings.ReplaceAll(root, "/", "-"), func(t *testing.T) {
+			objs := buildDeploy(t, root)
+			deps := findObject[*appsv1.Deployment](t, objs, "Deployment")
+			if len(deps) != 1 {
+				t.Fatalf("deploy/%s has %d Deployments, want the identity manager's", root, len(deps))
+			}
+			d := deps[0]
+			spec := d.Spec.Template.Spec
+			if d.Spec.Replicas == nil || *d.Spec.Replicas < 2 {
+				t.Errorf("replicas %v: want at least 2, so that one takes over when the other goes", derefInt32(d.Spec.Replicas))
+			}
+			if len(spec.Containers) != 1 {
+				t.Fatalf("%d containers, want the manager alone", len(spec.Containers))
+			}
+			c := spec.Containers[0]
+			if len(c.Args) == 0 || c.Args[0] != "manager" {
+				t.Fatalf("args %q: want the subcommand manager first", c.Args)
+			}
+			mc := c.DeepCopy()
+			mc.Args = mc.Args[1:]
+			s := containerSettings(t, *mc, mflags, hiveFlags)
+			checkProbes(t, s, spec, c)
+			checkServiceAccount(t, objs, d.Namespace, spec.ServiceAccountName)
+			if !labelsMatch(d.Spec.Selector.MatchLabels, d.Spec.Template.Labels) {
+				t.Errorf("the selector %v does not select the pod template's labels %v", d.Spec.Selector, d.Spec.Template.Labels)
+			}
+
+			nn, ok := s.fromEnv["node-name"]
+			if !ok || nn.ValueFrom == nil || nn.ValueFrom.FieldRef == nil || nn.ValueFrom.FieldRef.FieldPath != "metadata.name" {
+				t.Errorf("IDENTITYD_NODE_NAME is not taken from metadata.name (one record per replica): %+v", nn)
+			}
+			if gc := s.duration(t, "identity-gc-interval"); gc <= 0 {
+				t.Errorf("--identity-gc-interval=%v: the manager is where the collection runs", gc)
+			}
+			for _, lease := range []string{"identity-manager-lease-namespace", "identity-gc-lease-namespace"} {
+				if ns, _ := s.value(lease); ns != d.Namespace && (ns != "" || lease != "identity-gc-lease-namespace") {
+					t.Errorf("--%s=%q: want the manager's namespace %s, where the Role grants the Leases", lease, ns, d.Namespace)
+				}
+			}
+			ds := findObject[*appsv1.DaemonSet](t, objs, "DaemonSet")[0]
+			as := containerSettings(t, ds.Spec.Template.Spec.Containers[0], agentFlags, agentHive)
+			for _, f := range []string{"identity-allocation-mode", "identity-management-mode"} {
+				if m, a := first(s.value(f)), first(as.value(f)); m != a {
+					t.Errorf("--%s=%s in the manager, %s in the agents", f, m, a)
+				}
+			}
+
+			dir, _ := s.value("state-dir")
+			if v, _ := mountOf(spec, c, dir); v == nil || v.EmptyDir == nil {
+				t.Errorf("--state-dir=%s is not in an emptyDir of the pod", dir)
+			}
+			psc, sc := spec.SecurityContext, c.SecurityContext
+			if psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot || psc.RunAsUser == nil || *psc.RunAsUser == 0 {
+				t.Errorf("pod securityContext %+v: want runAsNonRoot and a user other than root", psc)
+			}
+			if sc == nil || sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Drop, "ALL") || len(sc.Capabilities.Add) > 0 ||
+				sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+				t.Errorf("container securityContext %+v: want every capability dropped, none added, a read-only root and no privilege escalation", sc)
+			}
+			if spec.HostNetwork {
+				t.Error("hostNetwork: the manager needs no node's network")
+			}
+			if g := spec.TerminationGracePeriodSeconds; g == nil || time.Duration(*g)*time.Second < agentOptions().StopTimeout+10*time.Second {
+				t.Errorf("terminationGracePeriodSeconds %v, want at least the stop timeout %v and 10s", derefInt64(g), agentOptions().StopTimeout)
+			}
+			if root == "overlays/etcd" {
+				checkEtcdTLS(t, s, spec, c)
+			}
+		})
+	}
+}
+
+func first[T any](v T, _ ...any) T { return v }
+
+func derefInt32(p *int32) any {
+	if p == nil {
+		return nil
+	}
+	return *p
 }
 
 // TestDeployCRDs: deploy/crds holds exactly the CRDs the binary registers
@@ -876,28 +1000,83 @@ func writeDeployCRDs(t *testing.T, crds []*apiextensionsv1.CustomResourceDefinit
 	}
 }
 
-// deployRBAC returns the ClusterRoles of deploy/base, and its Roles as
-// ClusterRoles of the same rules (each grants them in its namespace), its
-// ClusterRoleBindings, and the user its DaemonSet's pods authenticate as
-// (their ServiceAccount's).
-func deployRBAC(t *testing.T) (roles []rbacv1.ClusterRole, bindings []rbacv1.ClusterRoleBinding, saUser string) {
+// deployAccount is a ServiceAccount a workload of a deploy/ build runs
+// as, with what the build's bindings grant it.
+type deployAccount struct {
+	// user is what the account authenticates as.
+	user string
+	// roles are the ClusterRoles bound to it, and its Roles as
+	// ClusterRoles of the same rules (each grants them in its namespace).
+	roles []rbacv1.ClusterRole
+	// kubeconfig authenticates as the account, once applyDeployRBAC
+	// applied the build's roles to an API server.
+	kubeconfig string
+}
+
+// namespace is the account's namespace.
+func (a deployAccount) namespace() string {
+	ns, _, _ := strings.Cut(strings.TrimPrefix(a.user, "system:serviceaccount:"), ":")
+	return ns
+}
+
+// grants returns the (group, resource, verb) triples of the account's
+// roles.
+func (a deployAccount) grants() map[apiRequest]bool {
+	granted := map[apiRequest]bool{}
+	for _, role := range a.roles {
+		for _, r := range role.Rules {
+			for _, g := range r.APIGroups {
+				for _, res := range r.Resources {
+					for _, v := range r.Verbs {
+						granted[apiRequest{Group: g, Resource: res, Verb: v}] = true
+					}
+				}
+			}
+		}
+	}
+	return granted
+}
+
+// deployAccounts returns the accounts of deploy/<root>'s workloads: "agent"
+// (the DaemonSet's) and "manager" (the identity manager's Deployment's).
+func deployAccounts(t *testing.T, root string) map[string]deployAccount {
 	t.Helper()
-	objs := buildDeploy(t, "base")
+	objs := buildDeploy(t, root)
+	clusterRoles := map[string]rbacv1.ClusterRole{}
 	for _, r := range findObject[*rbacv1.ClusterRole](t, objs, "ClusterRole") {
-		roles = append(roles, *r)
+		clusterRoles[r.Name] = *r
 	}
+	roles := map[string]rbacv1.ClusterRole{}
 	for _, r := range findObject[*rbacv1.Role](t, objs, "Role") {
-		roles = append(roles, rbacv1.ClusterRole{ObjectMeta: r.ObjectMeta, Rules: r.Rules})
+		roles[r.Namespace+"/"+r.Name] = rbacv1.ClusterRole{ObjectMeta: r.ObjectMeta, Rules: r.Rules}
 	}
-	for _, b := range findObject[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding") {
-		bindings = append(bindings, *b)
+	account := func(kind string, ns string, spec corev1.PodSpec) deployAccount {
+		if spec.ServiceAccountName == "" {
+			t.Fatalf("deploy/%s: the %s sets no serviceAccountName", root, kind)
+		}
+		subject := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: spec.ServiceAccountName, Namespace: ns}
+		a := deployAccount{user: "system:serviceaccount:" + ns + ":" + spec.ServiceAccountName}
+		for _, b := range findObject[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding") {
+			if r, ok := clusterRoles[b.RoleRef.Name]; ok && b.RoleRef.Kind == "ClusterRole" && slices.Contains(b.Subjects, subject) {
+				a.roles = append(a.roles, r)
+			}
+		}
+		for _, b := range findObject[*rbacv1.RoleBinding](t, objs, "RoleBinding") {
+			if r, ok := roles[b.Namespace+"/"+b.RoleRef.Name]; ok && b.RoleRef.Kind == "Role" && slices.Contains(b.Subjects, subject) {
+				a.roles = append(a.roles, r)
+			}
+		}
+		return a
 	}
 	dss := findObject[*appsv1.DaemonSet](t, objs, "DaemonSet")
-	if len(dss) != 1 || dss[0].Spec.Template.Spec.ServiceAccountName == "" {
-		t.Fatalf("deploy/base: want one DaemonSet with a serviceAccountName")
+	deps := findObject[*appsv1.Deployment](t, objs, "Deployment")
+	if len(dss) != 1 || len(deps) != 1 {
+		t.Fatalf("deploy/%s: %d DaemonSets and %d Deployments, want the agents' and the identity manager's", root, len(dss), len(deps))
 	}
-	ds := dss[0]
-	return roles, bindings, "system:serviceaccount:" + ds.Namespace + ":" + ds.Spec.Template.Spec.ServiceAccountName
+	return map[string]deployAccount{
+		"agent":   account("DaemonSet", dss[0].Namespace, dss[0].Spec.Template.Spec),
+		"manager": account("Deployment", deps[0].Namespace, deps[0].Spec.Template.Spec),
+	}
 }
 
 func fileMode(m *int32) string {
@@ -1144,8 +1323,8 @@ func TestDeployKubectlMinimum(t *testing.T) {
 }
 
 // TestDeployRBACDocumented: the "RBAC" table of docs/operations.md lists
-// exactly the (API group, resource, verb) grants of deploy/base's
-// ClusterRoles, and explains each verb of a row that has several.
+// exactly the (account, API group, resource, verb) grants of deploy/base's
+// roles, and explains each verb of a row that has several.
 func TestDeployRBACDocumented(t *testing.T) {
 	const begin, end = "<!-- rbac:begin -->", "<!-- rbac:end -->"
 	doc, err := os.ReadFile(operationsDoc)
@@ -1165,15 +1344,19 @@ func TestDeployRBACDocumented(t *testing.T) {
 		}
 		return out
 	}
-	documented := map[apiRequest]bool{}
+	type grant struct {
+		account string
+		apiRequest
+	}
+	documented := map[grant]bool{}
 	for line := range strings.Lines(s[i+len(begin) : j]) {
 		cells := strings.Split(strings.Trim(strings.TrimSpace(line), "|"), "|")
-		if len(cells) != 4 || !strings.HasPrefix(strings.TrimSpace(cells[0]), "`") {
+		if len(cells) != 5 || !strings.HasPrefix(strings.TrimSpace(cells[0]), "`") {
 			continue // the header, its rule, blank lines
 		}
-		groups, resources, verbs, why := names(cells[0]), names(cells[1]), names(cells[2]), cells[3]
-		if len(groups) != 1 || len(resources) == 0 || len(verbs) == 0 {
-			t.Errorf("RBAC table row %q: want one group, resources and verbs, each in backquotes", strings.TrimSpace(line))
+		accounts, groups, resources, verbs, why := names(cells[0]), names(cells[1]), names(cells[2]), names(cells[3]), cells[4]
+		if len(accounts) == 0 || len(groups) != 1 || len(resources) == 0 || len(verbs) == 0 {
+			t.Errorf("RBAC table row %q: want accounts, one group, resources and verbs, each in backquotes", strings.TrimSpace(line))
 			continue
 		}
 		if groups[0] == `""` {
@@ -1183,32 +1366,28 @@ func TestDeployRBACDocumented(t *testing.T) {
 			if len(verbs) > 1 && !strings.Contains(why, "`"+v+"`") {
 				t.Errorf("RBAC table row of %v: the verb %s is not explained (`%s` in the last column)", resources, v, v)
 			}
-			for _, r := range resources {
-				documented[apiRequest{Group: groups[0], Resource: r, Verb: v}] = true
-			}
-		}
-	}
-	roles, _, _ := deployRBAC(t)
-	granted := map[apiRequest]bool{}
-	for _, role := range roles {
-		for _, r := range role.Rules {
-			for _, g := range r.APIGroups {
-				for _, res := range r.Resources {
-					for _, v := range r.Verbs {
-						granted[apiRequest{Group: g, Resource: res, Verb: v}] = true
-					}
+			for _, a := range accounts {
+				for _, r := range resources {
+					documented[grant{a, apiRequest{Group: groups[0], Resource: r, Verb: v}}] = true
 				}
 			}
 		}
 	}
-	for r := range granted {
-		if !documented[r] {
-			t.Errorf("deploy/base grants %s %s on %s, which the RBAC table of %s does not list", r.Verb, r.Resource, r.Group, operationsDoc)
+	granted := map[grant]bool{}
+	for _, a := range deployAccounts(t, "base") {
+		_, sa, _ := strings.Cut(strings.TrimPrefix(a.user, "system:serviceaccount:"), ":")
+		for r := range a.grants() {
+			granted[grant{sa, r}] = true
 		}
 	}
-	for r := range documented {
-		if !granted[r] {
-			t.Errorf("the RBAC table of %s lists %s %s on %s, which deploy/base does not grant", operationsDoc, r.Verb, r.Resource, r.Group)
+	for g := range granted {
+		if !documented[g] {
+			t.Errorf("deploy/base grants %s %s on %s to %s, which the RBAC table of %s does not list", g.Verb, g.Resource, g.Group, g.account, operationsDoc)
+		}
+	}
+	for g := range documented {
+		if !granted[g] {
+			t.Errorf("the RBAC table of %s lists %s %s on %s for %s, which deploy/base does not grant", operationsDoc, g.Verb, g.Resource, g.Group, g.account)
 		}
 	}
 	if len(granted) == 0 {
