@@ -147,12 +147,13 @@ test-unit:
 # acceptance (cmd/identityd) runs with 3,000 pods instead of 300: about
 # 66 s for its two modes side by side; the identity manager's test and the
 # rolling switch of the management mode run in kvstore mode too (`make
-# test` runs them in crd mode), and the takeover between two manager
-# replicas after a SIGKILL runs only here.
+# test` runs them in crd mode), and the operator-mode acceptance (three
+# agents, two manager replicas, 300 pods, then 2,000 with a SIGKILL of the
+# Lease's holder half way) runs only here, in both modes.
 test-long:
 	MODEMIGRATION_SETS=2000 CRDSTORE_RACE_SETS=2000 CHECKPOINT_CRASH_RUNS=200 ALLOCATOR_CRD_EXHAUSTION=1 WORKLOADS_PODS=3000 CRDSTORE_LATER_MARKS=1 MANAGER_KVSTORE=1 MANAGER_TAKEOVER=1 \
 	$(GO) test -race -vet=off -ldflags=-w -count=1 -timeout 20m \
-	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore|TestFullRangeWalkWaitsForLaterMarks|TestOperatorModeManagerKVStore|TestManagementModeRollingSwitchKVStore|TestManagerTakeover)$$' \
+	  -run '^(TestRollingModeMigration|TestRaceNoDuplicates|TestCrashSafety|TestSpaceExhaustedCRD|TestWorkloadsCRD|TestWorkloadsKVStore|TestFullRangeWalkWaitsForLaterMarks|TestOperatorModeManagerKVStore|TestManagementModeRollingSwitchKVStore|TestOperatorModeAcceptance|TestOperatorModeAcceptanceKVStore)$$' \
 	  ./internal/modemigration ./cells/allocator/crdstore ./cells/checkpoint ./cells/allocator ./cmd/identityd
 
 # The compose example is its own module that imports the cells from
