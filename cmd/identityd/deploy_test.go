@@ -823,7 +823,8 @@ var workloadRoots = []string{"base", "overlays/etcd", "overlays/operator"}
 // record after its pod, keeps its Leases in its own namespace (where the
 // build's Role grants them), keeps its state in the pod (the kubelet
 // probes the pod's address, where the manager serves its health), and
-// runs as a user other than root with no capability.
+// runs as a user other than root with no capability; the agents' roles
+// grant no delete of CiliumIdentity objects.
 func TestDeployManager(t *testing.T) {
 	parallelProcess(t)
 	root := newRootCmd(newHive(), &bytes.Buffer{}, &bytes.Buffer{})
@@ -905,6 +906,14 @@ func TestDeployManager(t *testing.T) {
 			}
 			if root == "overlays/etcd" {
 				checkEtcdTLS(t, s, spec, c)
+			}
+			// Cilium's agents delete no identity, its operator does:
+			// neither do identityd's, in any build.
+			agent := deployAccounts(t, root)["agent"]
+			for _, v := range []string{"delete", "deletecollection", "*"} {
+				if agent.grants()[apiRequest{Group: "cilium.io", Resource: "ciliumidentities", Verb: v}] {
+					t.Errorf("the agents' roles grant %s on ciliumidentities", v)
+				}
 			}
 		})
 	}

@@ -50,6 +50,8 @@
 // when above nodes+20, 0 and 0. Its settings are environment variables:
 //
 //	RELABEL_MODES        stores: crd, etcd or both (crd)
+//	RELABEL_MANAGEMENT   the nodes' --identity-management-mode: agent, or
+//	                     operator with one identity manager (agent)
 //	RELABEL_NODES        node counts, comma-separated (8,16,32,64)
 //	RELABEL_PODS         pods, half in the relabelled namespace (20000)
 //	RELABEL_NAMESPACES   namespaces, the relabelled one included (4)
@@ -59,6 +61,6 @@
 //	RELABEL_TIMEOUT      bound of the setup and of the storm, each (1h)
 //
 // It runs only with IDENTITYD_BENCH_RELABEL=1, which its make target sets;
-// TestRelabelStormSmoke runs it in both modes with two nodes and a few
-// pods. The package has no code outside its tests.
+// TestRelabelStormSmoke runs it in both stores and both management modes
+// with two nodes and a few pods. The package has no code outside its tests.
 package scalebench

@@ -1,6 +1,7 @@
 package scalebench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -52,6 +53,10 @@ type relabelConfig struct {
 	// modes are the stores of the identities: crd, etcd (the pods are
 	// read from the API server in both).
 	modes []string
+	// management is the nodes' --identity-management-mode: agent, or
+	// operator (an identity manager creates the identities, the nodes
+	// adopt them).
+	management string
 	// pods are spread over namespaces namespaces, the first of which
 	// (the one relabelled) holds half of them; the pods of a namespace
 	// belong to deployments deployments, whose pods share their labels.
@@ -66,7 +71,13 @@ type relabelConfig struct {
 // loadRelabelConfig reads the RELABEL_* variables over the defaults, the
 // full size of the relabel storm: 8 to 64 nodes, 20,000 pods.
 func loadRelabelConfig() (relabelConfig, error) {
-	c := relabelConfig{nodes: []int{8, 16, 32, 64}, modes: []string{modeCRD}}
+	c := relabelConfig{nodes: []int{8, 16, 32, 64}, modes: []string{modeCRD}, management: workloads.ManagementModeAgent}
+	if v := os.Getenv("RELABEL_MANAGEMENT"); v != "" {
+		if v != workloads.ManagementModeAgent && v != workloads.ManagementModeOperator {
+			return c, fmt.Errorf("RELABEL_MANAGEMENT=%q: want %s or %s", v, workloads.ManagementModeAgent, workloads.ManagementModeOperator)
+		}
+		c.management = v
+	}
 	if v := os.Getenv("RELABEL_MODES"); v != "" {
 		c.modes = nil
 		for f := range strings.SplitSeq(v, ",") {
@@ -197,9 +208,12 @@ func startStormNode(ctx context.Context, tb testing.TB, log *slog.Logger, srv *k
 	hive.AddConfigOverride(n.h, func(c *k8sclient.Config) { c.K8sKubeconfigPath = kubeconfig })
 	hive.AddConfigOverride(n.h, func(c *allocator.Config) { c.IdentityAllocationMode = mode })
 	hive.AddConfigOverride(n.h, func(c *ipcache.Config) { c.IPCacheMap = string(ipcachemap.KindFile) })
-	if cfg.grace > 0 {
-		hive.AddConfigOverride(n.h, func(c *workloads.Config) { c.IdentityChangeGracePeriod = cfg.grace })
-	}
+	hive.AddConfigOverride(n.h, func(c *workloads.Config) {
+		if cfg.grace > 0 {
+			c.IdentityChangeGracePeriod = cfg.grace
+		}
+		c.IdentityManagementMode = cmp.Or(cfg.management, workloads.ManagementModeAgent)
+	})
 	if err := n.h.Start(log, ctx); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", n.name, err)
 	}
@@ -210,9 +224,49 @@ func startStormNode(ctx context.Context, tb testing.TB, log *slog.Logger, srv *k
 	return n, nil
 }
 
+// startStormManager starts the identity manager of operator mode, as
+// `identityd manager` composes it, with a client and a record of its own.
+func startStormManager(ctx context.Context, tb testing.TB, log *slog.Logger, srv *k8stest.Server, etcd []string, cfg relabelConfig) (*hive.Hive, error) {
+	const name = "manager-0"
+	kubeconfig := srv.UserKubeconfig(tb, "system:serviceaccount:identityd:identityd-manager", "system:masters")
+	dir := tb.TempDir()
+	cells := []cell.Cell{
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, statedir.Cell, k8sclient.Cell, allocator.Cell, crdstore.Cell, workloads.ManagerCell,
+	}
+	mode := identity.AllocationModeCRD
+	if etcd != nil {
+		mode = identity.AllocationModeKVStore
+		cells = append(cells, kvstore.Cell, etcdstore.Cell)
+	} else {
+		cells = append(cells, cell.Provide(func() identity.NodeName { return name }))
+	}
+	h := hive.New(cells...)
+	if etcd != nil {
+		hive.AddConfigOverride(h, func(c *kvstore.Config) {
+			c.KVStoreEndpoints = etcd
+			c.NodeName = name
+			c.KVStoreDialTimeout = time.Minute
+		})
+	}
+	hive.AddConfigOverride(h, func(c *statedir.Config) { c.StateDir = dir })
+	hive.AddConfigOverride(h, func(c *k8sclient.Config) { c.K8sKubeconfigPath = kubeconfig })
+	hive.AddConfigOverride(h, func(c *allocator.Config) { c.IdentityAllocationMode = mode })
+	hive.AddConfigOverride(h, func(c *workloads.ManagerConfig) { c.IdentityManagerLeaseNamespace = "default" })
+	hive.AddConfigOverride(h, func(c *workloads.Config) {
+		if cfg.grace > 0 {
+			c.IdentityChangeGracePeriod = cfg.grace
+		}
+		c.IdentityManagementMode = workloads.ManagementModeOperator
+	})
+	if err := h.Start(log, ctx); err != nil {
+		return nil, fmt.Errorf("starting the identity manager: %w", err)
+	}
+	return h, nil
+}
+
 // relabelResult is one run of the storm: n nodes.
 type relabelResult struct {
-	mode                    string
+	mode, management        string
 	nodes, pods, relabelled int
 	setup                   time.Duration
 	// converge is the time from the relabel until every pod of the
@@ -240,7 +294,7 @@ type relabelResult struct {
 func runRelabel(tb testing.TB, mode string, n int, cfg relabelConfig, out io.Writer) (*relabelResult, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	res := &relabelResult{mode: mode, nodes: n, pods: cfg.pods, ciWatches: math.NaN()}
+	res := &relabelResult{mode: mode, management: cmp.Or(cfg.management, workloads.ManagementModeAgent), nodes: n, pods: cfg.pods, ciWatches: math.NaN()}
 	srv := k8stest.Start(tb)
 	var es *etcdServer
 	if mode == modeEtcd {
@@ -258,8 +312,8 @@ func runRelabel(tb testing.TB, mode string, n int, cfg relabelConfig, out io.Wri
 	if err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(out, "\n== relabel storm, %s mode, N=%d, %d pods in %d namespaces (%s: %d), %d label sets per namespace: API server at %s\n",
-		mode, n, cfg.pods, cfg.namespaces, stormNamespace, cfg.pods/2, cfg.deployments, srv.URL())
+	fmt.Fprintf(out, "\n== relabel storm, %s mode, management %s, N=%d, %d pods in %d namespaces (%s: %d), %d label sets per namespace: API server at %s\n",
+		mode, res.management, n, cfg.pods, cfg.namespaces, stormNamespace, cfg.pods/2, cfg.deployments, srv.URL())
 	if es != nil {
 		fmt.Fprintf(out, "   %s\n", es.describe())
 	}
@@ -284,17 +338,29 @@ func runRelabel(tb testing.TB, mode string, n int, cfg relabelConfig, out io.Wri
 	}
 	fmt.Fprintf(out, "   %d pods created in %s\n", len(pods), time.Since(setupStart).Round(100*time.Millisecond))
 
-	logs := newCappedLog(os.Stderr, fmt.Sprintf("relabel/%s/N=%d", mode, n), 20)
+	logs := newCappedLog(os.Stderr, fmt.Sprintf("relabel/%s/%s/N=%d", mode, res.management, n), 20)
+	var endpoints []string
+	if es != nil {
+		endpoints = es.c.Endpoints()
+	}
+	if res.management == workloads.ManagementModeOperator {
+		mlog := logs.logger("manager-0")
+		m, err := startStormManager(setupCtx, tb, mlog, srv, endpoints, cfg)
+		if err != nil {
+			return nil, err
+		}
+		defer func() {
+			sctx, scancel := context.WithTimeout(context.Background(), 5*time.Minute)
+			defer scancel()
+			m.Stop(mlog, sctx)
+		}()
+	}
 	nodes := make([]*stormNode, n)
 	idx := make([]int, n)
 	for i := range idx {
 		idx[i] = i
 	}
 	err = forEachIndex(idx, 8, func(i int) error {
-		var endpoints []string
-		if es != nil {
-			endpoints = es.c.Endpoints()
-		}
 		nd, err := startStormNode(setupCtx, tb, logs.logger(nodeName(i)), srv, endpoints, i, cfg)
 		nodes[i] = nd
 		return err
@@ -593,7 +659,7 @@ func printRelabelSummary(out io.Writer, rs []*relabelResult) {
 	if len(rs) == 0 {
 		return
 	}
-	fmt.Fprintf(out, "\n== relabel storm, %s mode, by N\n", rs[0].mode)
+	fmt.Fprintf(out, "\n== relabel storm, %s mode, management %s, by N\n", rs[0].mode, rs[0].management)
 	fmt.Fprintf(out, "   %5s %7s %10s %6s %9s %9s %11s %11s %8s\n", "N", "pods", "converge", "dups", "CI watch", "N+20", "req/node", "events/node", "setup")
 	var x, req, ev []float64
 	for _, r := range rs {
@@ -651,12 +717,12 @@ func BenchmarkRelabelStorm(b *testing.B) {
 		b.Fatal(err)
 	}
 	out := io.Writer(os.Stdout)
-	fmt.Fprintf(out, "relabel storm: modes %v, nodes %v, %d pods, %d namespaces, %d label sets per namespace\n",
-		cfg.modes, cfg.nodes, cfg.pods, cfg.namespaces, cfg.deployments)
+	fmt.Fprintf(out, "relabel storm: modes %v, management %s, nodes %v, %d pods, %d namespaces, %d label sets per namespace\n",
+		cfg.modes, cfg.management, cfg.nodes, cfg.pods, cfg.namespaces, cfg.deployments)
 	results := map[string][]*relabelResult{}
 	for _, mode := range cfg.modes {
 		for _, n := range cfg.nodes {
-			b.Run(fmt.Sprintf("%s/N=%d", mode, n), func(b *testing.B) {
+			b.Run(fmt.Sprintf("%s/%s/N=%d", mode, cfg.management, n), func(b *testing.B) {
 				for range b.N {
 					r, err := runRelabel(b, mode, n, cfg, out)
 					if err != nil {
@@ -698,8 +764,9 @@ func checkRelabel(tb testing.TB, r *relabelResult) {
 	}
 }
 
-// TestRelabelStormSmoke runs the storm in both stores with two nodes and a
-// few pods: every pod of the relabelled namespace gets the identity of its
+// TestRelabelStormSmoke runs the storm in both stores, with the nodes
+// creating the identities and with an identity manager creating them
+// (operator mode), with two nodes and a few pods: every pod of the relabelled namespace gets the identity of its
 // new labels, no identity is duplicated, and the window's counters show
 // what the storm must cost: the new identities' creates, their watch
 // events on every node, the namespace's patch.
@@ -707,19 +774,23 @@ func TestRelabelStormSmoke(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts an API server and etcd")
 	}
-	cfg := relabelConfig{nodes: []int{2}, pods: 24, namespaces: 2, deployments: 3, grace: time.Second, timeout: 3 * time.Minute}
 	var out strings.Builder
-	for _, mode := range []string{modeCRD, modeEtcd} {
+	for _, run := range []struct{ mode, management string }{
+		{modeCRD, workloads.ManagementModeAgent}, {modeEtcd, workloads.ManagementModeAgent},
+		{modeCRD, workloads.ManagementModeOperator}, {modeEtcd, workloads.ManagementModeOperator},
+	} {
+		mode, name := run.mode, run.mode+"/"+run.management
+		cfg := relabelConfig{nodes: []int{2}, pods: 24, namespaces: 2, deployments: 3, grace: time.Second, timeout: 3 * time.Minute, management: run.management}
 		r, err := runRelabel(t, mode, 2, cfg, &out)
 		if err != nil {
-			t.Fatalf("%s: %v", mode, err)
+			t.Fatalf("%s: %v", name, err)
 		}
 		checkRelabel(t, r)
 		if r.relabelled != cfg.pods/2 || r.converge <= 0 || r.window < r.converge {
-			t.Errorf("%s: relabelled %d pods (want %d), converged after %s, window %s", mode, r.relabelled, cfg.pods/2, r.converge, r.window)
+			t.Errorf("%s: relabelled %d pods (want %d), converged after %s, window %s", name, r.relabelled, cfg.pods/2, r.converge, r.window)
 		}
 		if r.newIDs != cfg.deployments {
-			t.Errorf("%s: %d identities of the new label sets, want %d (one per deployment)", mode, r.newIDs, cfg.deployments)
+			t.Errorf("%s: %d identities of the new label sets, want %d (one per deployment)", name, r.newIDs, cfg.deployments)
 		}
 		// A new identity is one create (a POST, a transaction) at least,
 		// and one watch event on each node.
@@ -733,13 +804,13 @@ func TestRelabelStormSmoke(t *testing.T) {
 			t.Errorf("crd: %v CiliumIdentity WATCH requests counted, want at least one per node", r.ciWatches)
 		}
 		if creates < float64(cfg.deployments) {
-			t.Errorf("%s: %v creates in the window, want at least %d", mode, creates, cfg.deployments)
+			t.Errorf("%s: %v creates in the window, want at least %d", name, creates, cfg.deployments)
 		}
 		if events < float64(cfg.deployments*2) {
-			t.Errorf("%s: %v identity watch events in the window, want at least %d (each new identity on each node)", mode, events, cfg.deployments*2)
+			t.Errorf("%s: %v identity watch events in the window, want at least %d (each new identity on each node)", name, events, cfg.deployments*2)
 		}
 		if got := r.requests["PATCH namespaces"]; got != 1 {
-			t.Errorf("%s: %v namespace patches in the window, want the relabel's 1", mode, got)
+			t.Errorf("%s: %v namespace patches in the window, want the relabel's 1", name, got)
 		}
 		printRelabelSummary(&out, []*relabelResult{r})
 	}
