@@ -128,18 +128,7 @@ func operatorModeManager(t *testing.T, srv *k8stest.Server, store []string, iden
 			app: fmt.Sprintf("other-%d", i%3), ips: []string{fmt.Sprintf("10.4.0.%d", i+1)}})
 	}
 	createPods(t, core, append(slices.Clone(pods), others...), func(workloadPod) bool { return false })
-	waitUntil(t, 60*time.Second, "the agent's pods wait for the identity manager", func() error {
-		waiting := 0
-		for _, r := range listPods(t, agent) {
-			if r.State == "waiting for the identity manager" && r.Identity == 0 {
-				waiting++
-			}
-		}
-		if waiting != len(pods) {
-			return fmt.Errorf("%d of %d pods wait", waiting, len(pods))
-		}
-		return nil
-	})
+	waitPodsWaiting(t, agent, len(pods))
 	if n, err := identities(); err != nil || n != 0 {
 		t.Fatalf("before any manager runs the store holds %d identities (%v), want none: the agent created them", n, err)
 	}
@@ -179,4 +168,22 @@ func operatorModeManager(t *testing.T, srv *k8stest.Server, store []string, iden
 		return nil
 	})
 	return agent, manager
+}
+
+// waitPodsWaiting waits until n pods of the agent in operator mode wait
+// for the identity manager, with no identity.
+func waitPodsWaiting(t *testing.T, a *healthAgent, n int) {
+	t.Helper()
+	waitUntil(t, time.Minute, "the agent's pods wait for the identity manager", func() error {
+		waiting := 0
+		for _, r := range listPods(t, a) {
+			if r.State == "waiting for the identity manager" && r.Identity == 0 {
+				waiting++
+			}
+		}
+		if waiting != n {
+			return fmt.Errorf("%d of %d pods wait", waiting, n)
+		}
+		return nil
+	})
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -337,21 +338,33 @@ func expectOneIDPerLabelSet(t *testing.T, pods []workloadPod, ids map[string]int
 
 func createPods(t *testing.T, core corev1client.CoreV1Interface, pods []workloadPod, hostNetwork func(workloadPod) bool) {
 	t.Helper()
-	ctx := t.Context()
+	if _, err := createPodsAt(t.Context(), core, pods, hostNetwork); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// createPodsAt creates the pods 8 at a time and returns when each one's
+// creation (its IPs written) returned, by pod key.
+func createPodsAt(ctx context.Context, core corev1client.CoreV1Interface, pods []workloadPod, hostNetwork func(workloadPod) bool) (map[string]time.Time, error) {
 	work := make(chan workloadPod)
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
 		errs []error
+		at   = map[string]time.Time{}
 	)
 	for range 8 {
 		wg.Go(func() {
 			for p := range work {
-				if err := createPod(ctx, core, p, hostNetwork(p)); err != nil {
-					mu.Lock()
+				err := createPod(ctx, core, p, hostNetwork(p))
+				now := time.Now()
+				mu.Lock()
+				if err != nil {
 					errs = append(errs, err)
-					mu.Unlock()
+				} else {
+					at[p.key()] = now
 				}
+				mu.Unlock()
 			}
 		})
 	}
@@ -360,12 +373,7 @@ func createPods(t *testing.T, core corev1client.CoreV1Interface, pods []workload
 	}
 	close(work)
 	wg.Wait()
-	for _, err := range errs {
-		t.Error(err)
-	}
-	if len(errs) > 0 {
-		t.FailNow()
-	}
+	return at, errors.Join(errs...)
 }
 
 func createPod(ctx context.Context, core corev1client.CoreV1Interface, p workloadPod, hostNetwork bool) error {

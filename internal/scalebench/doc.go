@@ -61,6 +61,6 @@
 //	RELABEL_TIMEOUT      bound of the setup and of the storm, each (1h)
 //
 // It runs only with IDENTITYD_BENCH_RELABEL=1, which its make target sets;
-// TestRelabelStormSmoke runs it in both stores and both management modes
-// with two nodes and a few pods. The package has no code outside its tests.
+// TestRelabelStormSmoke runs it in both stores, and in crd mode with
+// operator-managed identities too, with two nodes and a few pods. The package has no code outside its tests.
 package scalebench

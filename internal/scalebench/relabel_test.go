@@ -764,9 +764,9 @@ func checkRelabel(tb testing.TB, r *relabelResult) {
 	}
 }
 
-// TestRelabelStormSmoke runs the storm in both stores, with the nodes
-// creating the identities and with an identity manager creating them
-// (operator mode), with two nodes and a few pods: every pod of the relabelled namespace gets the identity of its
+// TestRelabelStormSmoke runs the storm in both stores with the nodes
+// creating the identities, and in crd mode with an identity manager
+// creating them (operator mode), with two nodes and a few pods: every pod of the relabelled namespace gets the identity of its
 // new labels, no identity is duplicated, and the window's counters show
 // what the storm must cost: the new identities' creates, their watch
 // events on every node, the namespace's patch.
@@ -777,7 +777,7 @@ func TestRelabelStormSmoke(t *testing.T) {
 	var out strings.Builder
 	for _, run := range []struct{ mode, management string }{
 		{modeCRD, workloads.ManagementModeAgent}, {modeEtcd, workloads.ManagementModeAgent},
-		{modeCRD, workloads.ManagementModeOperator}, {modeEtcd, workloads.ManagementModeOperator},
+		{modeCRD, workloads.ManagementModeOperator},
 	} {
 		mode, name := run.mode, run.mode+"/"+run.management
 		cfg := relabelConfig{nodes: []int{2}, pods: 24, namespaces: 2, deployments: 3, grace: time.Second, timeout: 3 * time.Minute, management: run.management}
