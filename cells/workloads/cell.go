@@ -118,6 +118,28 @@ func newMetricsOut(w *Workloads) metrics.CollectorOut {
 // run watches the node's pods and the namespaces, and serves the pods once
 // both are listed.
 func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.CoreV1Interface) error {
+	ctx, cancel := context.WithCancel(ctx)
+	l := w.watch(ctx, h, core)
+	defer func() { cancel(); l.wait() }()
+	w.serveListed(ctx, h, l)
+	return nil
+}
+
+// listing is the informers of watch.
+type listing struct {
+	synced func() bool
+	// keys returns the keys of the pods listed.
+	keys func() []string
+	// namespaces counts the namespaces listed.
+	namespaces func() int
+	// wait returns once the informers ended with their context.
+	wait func()
+}
+
+// watch starts the informers of the pods (of the node, or every pod for
+// the manager) and of the namespaces, which run until ctx ends. Their
+// events mark pods dirty; serveListed serves them.
+func (w *Workloads) watch(ctx context.Context, h cell.Health, core corev1client.CoreV1Interface) listing {
 	logger := logr.FromSlogHandler(w.log.Handler())
 	// The manager (no node) reads every pod of the cluster.
 	var nodeSelector string
@@ -200,18 +222,27 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 	})
 	w.src.namespaces = nsStore
 
-	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{}, 2)
 	go func() { podCtl.RunWithContext(ctx); done <- struct{}{} }()
 	go func() { nsCtl.RunWithContext(ctx); done <- struct{}{} }()
-	defer func() { cancel(); <-done; <-done }()
+	return listing{
+		synced:     func() bool { return podCtl.HasSynced() && nsCtl.HasSynced() },
+		keys:       podStore.ListKeys,
+		namespaces: func() int { return len(nsStore.ListKeys()) },
+		wait:       func() { <-done; <-done },
+	}
+}
 
+// serveListed waits until l has listed the pods and the namespaces, and
+// serves the pods until ctx ends.
+func (w *Workloads) serveListed(ctx context.Context, h cell.Health, l listing) {
+	whose := w.whosePods()
 	h.OK("Listing " + whose + " and the namespaces")
 	start := w.now()
 	w.initDeadline = start.Add(initialHoldBound)
 	poll := time.NewTicker(100 * time.Millisecond)
 	defer poll.Stop()
-	for !podCtl.HasSynced() || !nsCtl.HasSynced() {
+	for !l.synced() {
 		if w.initDone != nil && !w.now().Before(w.initDeadline) {
 			w.log.Warn("This node's pods are not listed yet: the ipcache may now prune their entries from the datapath map", "after", initialHoldBound)
 			w.initDone()
@@ -219,15 +250,15 @@ func (w *Workloads) run(ctx context.Context, h cell.Health, core corev1client.Co
 		}
 		select {
 		case <-ctx.Done():
-			return nil
+			return
 		case <-poll.C:
 		}
 	}
-	w.log.Info("Listed "+whose+" and the namespaces", "node", w.node, "pods", len(podStore.ListKeys()),
-		"namespaces", len(nsStore.ListKeys()), "duration", w.now().Sub(start))
-	w.markDirty(podStore.ListKeys()...)
+	keys := l.keys()
+	w.log.Info("Listed "+whose+" and the namespaces", "node", w.node, "pods", len(keys),
+		"namespaces", l.namespaces(), "duration", w.now().Sub(start))
+	w.markDirty(keys...)
 	h.OK("Serving " + whose)
 	w.health = h
 	w.serve(ctx)
-	return nil
 }

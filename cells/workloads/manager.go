@@ -37,7 +37,9 @@ import (
 // deletes the identity once no node uses it either. The election is
 // client-go's leader election over the coordination.k8s.io Lease
 // identityd-manager-<cluster ID> in --identity-manager-lease-namespace,
-// with Cilium operator's flags and defaults for its timings. A replica
+// with Cilium operator's flags and defaults for its timings. Every replica
+// watches the Pods and Namespaces, the standbys too, so that a replica
+// that takes the Lease over serves at once. A replica
 // that loses the Lease stops its allocations at once (they run on the
 // term's context) and stops the process with an error, to start again as
 // a candidate; its references end with its store record (its etcd lease,
@@ -166,6 +168,12 @@ func newManager(p managerParams) (*Workloads, error) {
 		if err != nil {
 			return fmt.Errorf("identity manager: %w", err)
 		}
+		// A standby replica keeps every pod and namespace listed and
+		// watched, so that the replica that takes the Lease over serves
+		// at once instead of listing the cluster's pods first.
+		wctx, cancelWatch := context.WithCancel(ctx)
+		listed := w.watch(wctx, h, core)
+		defer func() { cancelWatch(); listed.wait() }()
 		lost := false
 		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 			Name: name,
@@ -181,9 +189,7 @@ func newManager(p managerParams) (*Workloads, error) {
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {
 					log.Info("This replica manages the identities of the cluster's pods", "lease", el.IdentityManagerLeaseNamespace+"/"+name, "identity", id)
-					if err := w.run(ctx, h, core); err != nil && ctx.Err() == nil {
-						log.Error("The identity manager stopped serving", "error", err)
-					}
+					w.serveListed(ctx, h, listed)
 				},
 				OnStoppedLeading: func() { lost = ctx.Err() == nil },
 				OnNewLeader: func(holder string) {

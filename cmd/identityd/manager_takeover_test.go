@@ -99,8 +99,8 @@ func TestOperatorModeAcceptanceKVStore(t *testing.T) {
 // every pod gets its identity, pods of equal labels share one on every
 // node, and the store holds one identity per label set. Then
 // OPERATOR_TAKEOVER_PODS pods (default 2,000) of new label sets are
-// created, and the replica holding the Lease is killed with SIGKILL once
-// half are (the second half's label sets are new then): the other takes
+// created, and the replica holding the Lease, whose standby watches the
+// pods already, is killed with SIGKILL once half are (the second half's label sets are new then): the other takes
 // the Lease within the lease duration and two of its looks at it (the
 // default timings: 15 s, every 2 s), no pod waits for its identity longer than
 // that takeover and 5 s, and the store holds one identity per label set,
@@ -208,6 +208,22 @@ func operatorAcceptance(t *testing.T, srv *k8stest.Server, accounts map[string]d
 		}
 		return nil
 	})
+	// The standby watches the pods already, so that it serves at once
+	// once it holds the Lease.
+	for name, m := range managers {
+		if name == leader {
+			continue
+		}
+		waitUntil(t, time.Minute, "the standby "+name+" watches the pods", func() error {
+			_, body := m.probe("/metrics")
+			for line := range strings.Lines(body) {
+				if strings.HasPrefix(line, "identityd_k8s_requests_total{") && strings.Contains(line, `resource="pods"`) && strings.Contains(line, `verb="watch"`) {
+					return nil
+				}
+			}
+			return errors.New("no watch of pods in its identityd_k8s_requests_total")
+		})
+	}
 	more := makePods("b", second, first)
 	// The pods are created, and the holder killed half way, while this
 	// goroutine looks at the agents' pods and the Lease every quarter
