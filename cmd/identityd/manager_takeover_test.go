@@ -33,7 +33,9 @@ import (
 // counts at the API server (its audit log) that the agents sent no write
 // of a CiliumIdentity. It runs in make test-long (MANAGER_TAKEOVER=1).
 func TestOperatorModeAcceptance(t *testing.T) {
-	parallelProcess(t)
+	// Not parallel with the package's other tests: each pod's wait is a
+	// latency, which their load on the machine would add to.
+	processSlot(t)
 	if testing.Short() || os.Getenv("MANAGER_TAKEOVER") == "" {
 		t.Skip("runs an API server, two managers and three agents: make test-long (MANAGER_TAKEOVER=1)")
 	}
@@ -70,7 +72,7 @@ func TestOperatorModeAcceptance(t *testing.T) {
 // mode: the identities in an external etcd, the pods read from the API
 // server. It runs in make test-long (MANAGER_TAKEOVER=1).
 func TestOperatorModeAcceptanceKVStore(t *testing.T) {
-	parallelProcess(t)
+	processSlot(t) // not parallel, as TestOperatorModeAcceptance
 	if testing.Short() || os.Getenv("MANAGER_TAKEOVER") == "" {
 		t.Skip("runs an API server, etcd, two managers and three agents: make test-long (MANAGER_TAKEOVER=1)")
 	}
