@@ -708,9 +708,17 @@ func TestAdoptOnlyNodeWritesNoIdentity(t *testing.T) {
 	// stays deleted once deleted.
 	held := set("held")
 	heldID, _ := writer.allocate(t, held)
-	if id, err := reader.store.Adopt(ctx, held, reader.refs.Record); err != nil || id != heldID {
-		t.Fatalf("Adopt of %s: %d, %v, want %d", held.Canonical(), id, err, heldID)
-	}
+	// Once the reader's cache shows the writer's object.
+	require(t, 30*time.Second, func() error {
+		id, err := reader.store.Adopt(ctx, held, reader.refs.Record)
+		if err != nil {
+			return err
+		}
+		if id != heldID {
+			t.Fatalf("Adopt of %s: %d, want %d", held.Canonical(), id, heldID)
+		}
+		return nil
+	})
 	writer.release(t, heldID)
 	reader.store.writer.request(false)
 	cli.nodeLists(t, "adopt-only-reader", markedID, heldID)
